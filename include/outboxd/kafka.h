@@ -1,0 +1,61 @@
+/*
+ * kafka: the idempotent librdkafka producer, wired into the libuv loop.
+ *
+ * librdkafka's main queue (delivery reports, errors, and its logs, which we
+ * forward there) signals a pipe through rd_kafka_queue_io_event_enable(); a
+ * uv_poll on the pipe's read end serves the queue on the loop thread. So all
+ * callbacks run on the loop thread and nothing polls two event systems in
+ * turn.
+ *
+ * Defaults set before the user's kafka.* keys (which override them):
+ * enable.idempotence=true, message.timeout.ms=0 (retry transient errors for
+ * ever, in order, instead of failing rows), partitioner=murmur2_random (the
+ * Java client's key -> partition mapping), client.id=outboxd.
+ */
+#ifndef OUTBOXD_KAFKA_H
+#define OUTBOXD_KAFKA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "outboxd/config.h"
+#include "outboxd/record.h"
+#include "outboxd/relay.h"
+
+struct obx_kafka_callbacks {
+    /* One delivery report; `opaque` as given to obx_kafka_produce(). */
+    void (*delivery)(void *opaque, bool ok, int32_t partition, int64_t offset, const char *reason,
+                     void *arg);
+    /* The producer hit a fatal error (e.g. idempotence broken): it cannot
+     * produce any more. Called once. */
+    void (*fatal)(const char *reason, void *arg);
+};
+
+struct obx_kafka;
+
+/* Builds a librdkafka configuration from cfg (defaults + kafka.* keys),
+ * without creating a producer: what --check runs. Errors name the key and
+ * where it was set. On success *out is owned by the caller. */
+int obx_kafka_conf_build(const struct obx_config *cfg, rd_kafka_conf_t **out, char *err,
+                         size_t errlen) OBX_WARN_UNUSED;
+
+int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
+                  const struct obx_kafka_callbacks *cb, void *arg, struct obx_kafka **out,
+                  char *err, size_t errlen) OBX_WARN_UNUSED;
+
+/* Hands one row to librdkafka (payload, key and headers are copied). */
+enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
+                                          void *opaque);
+
+/* Number of messages librdkafka still holds (queued or in flight). */
+int obx_kafka_outq_len(struct obx_kafka *k);
+
+/* Purges what is still queued (no more delivery callbacks are made for
+ * them), destroys the producer and closes the pipe watcher; the struct is
+ * freed by the loop. */
+void obx_kafka_close(struct obx_kafka *k);
+
+#endif

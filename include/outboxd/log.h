@@ -1,0 +1,49 @@
+/*
+ * log: leveled, single-line logging to stderr, as text or JSON.
+ *
+ * The level is checked by the macros before any argument is evaluated. Lines
+ * are written with one write(2), so lines from librdkafka's threads (which we
+ * route to the loop anyway) never interleave mid-line.
+ */
+#ifndef OUTBOXD_LOG_H
+#define OUTBOXD_LOG_H
+
+#include <stddef.h>
+
+enum obx_log_level {
+    OBX_LOG_ERROR = 0,
+    OBX_LOG_WARN = 1,
+    OBX_LOG_INFO = 2,
+    OBX_LOG_DEBUG = 3,
+};
+
+enum obx_log_format {
+    OBX_LOG_TEXT = 0,
+    OBX_LOG_JSON = 1,
+};
+
+/* Current threshold; read by the macros. Written only at start-up (and by
+ * SIGHUP handling on the loop thread later). */
+extern int obx_log_threshold;
+
+void obx_log_setup(enum obx_log_level level, enum obx_log_format format);
+
+/* Parses "error", "warn", "info", "debug"; returns 0 or -1. */
+int obx_log_level_parse(const char *name, enum obx_log_level *out);
+const char *obx_log_level_name(enum obx_log_level level);
+
+void obx_log_write(enum obx_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+#define obx_log(level, ...)                                                                        \
+    do {                                                                                           \
+        if ((int)(level) <= obx_log_threshold)                                                     \
+            obx_log_write((level), __VA_ARGS__);                                                   \
+    } while (0)
+
+#define obx_error(...) obx_log(OBX_LOG_ERROR, __VA_ARGS__)
+#define obx_warn(...)  obx_log(OBX_LOG_WARN, __VA_ARGS__)
+#define obx_info(...)  obx_log(OBX_LOG_INFO, __VA_ARGS__)
+#define obx_debug(...) obx_log(OBX_LOG_DEBUG, __VA_ARGS__)
+
+#endif

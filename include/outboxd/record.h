@@ -1,0 +1,72 @@
+/*
+ * record: one outbox row and the Kafka record made from it (DESIGN 1.2).
+ *
+ * Rows come from the fetch query in binary result format, so payloads need
+ * no hex decoding and the headers jsonb arrives already split by Postgres
+ * into two text[] arrays (keys, values) in binary array format.
+ */
+#ifndef OUTBOXD_RECORD_H
+#define OUTBOXD_RECORD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <libpq-fe.h>
+#include <librdkafka/rdkafka.h>
+
+#include "outboxd/config.h"
+
+/* Column order of the fetch query (see pg.c OBX_SQL_FETCH). */
+enum {
+    OBX_COL_ID = 0,
+    OBX_COL_TOPIC,
+    OBX_COL_KEY,
+    OBX_COL_PAYLOAD,
+    OBX_COL_HDR_KEYS,
+    OBX_COL_HDR_VALUES,
+    OBX_COL_COUNT
+};
+
+/* A row borrowed from a PGresult: every pointer points into it. */
+struct obx_row {
+    int64_t id;
+    const char *topic; /* NUL-terminated */
+    const char *key;   /* NULL = no key */
+    size_t key_len;
+    const void *payload; /* NULL = tombstone */
+    size_t payload_len;
+    const char *hdr_keys; /* binary text[]; NULL = no headers */
+    size_t hdr_keys_len;
+    const char *hdr_values; /* binary text[], same length as hdr_keys */
+    size_t hdr_values_len;
+};
+
+/* Reads row `i` of a fetch result (binary format). Returns 0, or -1 with a
+ * sentence in err if the result does not have the expected shape. */
+int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *err,
+                        size_t errlen) OBX_WARN_UNUSED;
+
+/* Iterates the elements of a one-dimensional binary-format array. */
+struct obx_array_iter {
+    const char *p, *end;
+    int32_t remaining;
+};
+
+/* Starts iterating; returns the element count, or -1 if the bytes are not a
+ * one-dimensional (or empty) array. */
+int obx_array_iter_init(struct obx_array_iter *it, const char *data, size_t len);
+
+/* Next element: 1 with elem and len set (elem NULL for SQL NULL), 0 at the
+ * end, -1 on malformed data. */
+int obx_array_iter_next(struct obx_array_iter *it, const char **elem, size_t *len);
+
+/* Builds the Kafka headers of `row`: "outbox-id" first, then each member of
+ * the row's headers. The caller owns *out (rd_kafka_producev takes it over on
+ * success). Returns 0, or -1 with a sentence in err. */
+int obx_record_headers(const struct obx_row *row, rd_kafka_headers_t **out, char *err,
+                       size_t errlen) OBX_WARN_UNUSED;
+
+/* Writes id as decimal ASCII into buf (at least 21 bytes); returns length. */
+size_t obx_format_id(int64_t id, char *buf);
+
+#endif

@@ -1,0 +1,537 @@
+/*
+ * config: see include/outboxd/config.h.
+ */
+#include "outboxd/config.h"
+#include "outboxd/log.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum key_type {
+    KEY_STRING,   /* char * */
+    KEY_INT,      /* int, within [min, max] */
+    KEY_DURATION, /* int64_t milliseconds; "250ms", "5s", "2m", "1h"; bare = ms */
+    KEY_ENUM,     /* int, index into `choices` */
+    KEY_KAFKA,    /* stored in the kafka property list */
+};
+
+#define KEY_REQUIRED 0x1
+#define KEY_SECRET   0x2 /* value never echoed in errors or output */
+
+struct key_def {
+    const char *name;
+    enum key_type type;
+    size_t offset;   /* into struct obx_config; unused for KEY_KAFKA */
+    const char *def; /* default, parsed by the same code as user values; NULL = none */
+    int64_t min, max;
+    const char *const *choices; /* KEY_ENUM: NULL-terminated */
+    unsigned flags;
+    const char *help;
+};
+
+static const char *const on_sent_choices[] = {"mark", "delete", NULL};
+static const char *const level_choices[] = {"error", "warn", "info", "debug", NULL};
+static const char *const format_choices[] = {"text", "json", NULL};
+
+#define OFF(field)  offsetof(struct obx_config, field)
+#define MS_PER_HOUR (3600 * 1000LL)
+
+static const struct key_def keys[] = {
+    {"postgres.conninfo", KEY_STRING, OFF(pg_conninfo), NULL, 0, 0, NULL, KEY_REQUIRED | KEY_SECRET,
+     "libpq connection string or URI of the database holding the outbox"},
+    {"postgres.statement_timeout", KEY_DURATION, OFF(pg_statement_timeout_ms), "30s", 0,
+     MS_PER_HOUR, NULL, 0, "server-side statement_timeout for the relay's queries (0 = none)"},
+    {"postgres.reconnect_backoff_min", KEY_DURATION, OFF(pg_backoff_min_ms), "200ms", 1,
+     MS_PER_HOUR, NULL, 0, "first delay before reconnecting to Postgres (doubles, jittered)"},
+    {"postgres.reconnect_backoff_max", KEY_DURATION, OFF(pg_backoff_max_ms), "10s", 1, MS_PER_HOUR,
+     NULL, 0, "largest delay between Postgres reconnect attempts"},
+    {"kafka.bootstrap.servers", KEY_KAFKA, 0, NULL, 0, 0, NULL, KEY_REQUIRED,
+     "Kafka brokers, host:port[,host:port...]; every other kafka.* key goes to librdkafka"},
+    {"relay.on_sent", KEY_ENUM, OFF(on_sent), "mark", 0, 0, on_sent_choices, 0,
+     "what happens to a row once Kafka acknowledged it: mark (set sent_at) or delete"},
+    {"relay.batch_size", KEY_INT, OFF(batch_size), "1000", 1, 100000, NULL, 0,
+     "most rows read by one fetch"},
+    {"relay.max_in_flight", KEY_INT, OFF(max_in_flight), "10000", 1, 1000000, NULL, 0,
+     "most rows handed to Kafka and not yet marked (back-pressure)"},
+    {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
+     "fallback poll when no NOTIFY arrives (NOTIFY is only an optimisation)"},
+    {"relay.retry_backoff", KEY_DURATION, OFF(retry_backoff_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
+     "pause before fetching again after a failed fetch or a failed delivery"},
+    {"shutdown.timeout", KEY_DURATION, OFF(shutdown_timeout_ms), "30s", 0, MS_PER_HOUR, NULL, 0,
+     "on SIGTERM/SIGINT, how long to wait for in-flight deliveries before exiting"},
+    {"log.level", KEY_ENUM, OFF(log_level), "info", 0, 0, level_choices, 0,
+     "error, warn, info or debug"},
+    {"log.format", KEY_ENUM, OFF(log_format), "text", 0, 0, format_choices, 0,
+     "text or json (one object per line)"},
+};
+
+#define KEY_COUNT (sizeof(keys) / sizeof(keys[0]))
+
+size_t obx_config_key_count(void)
+{
+    return KEY_COUNT;
+}
+
+const char *obx_config_key_name(size_t i)
+{
+    return i < KEY_COUNT ? keys[i].name : NULL;
+}
+
+static const struct key_def *find_key(const char *name)
+{
+    for (size_t i = 0; i < KEY_COUNT; i++)
+        if (strcmp(keys[i].name, name) == 0)
+            return &keys[i];
+    return NULL;
+}
+
+/* ASCII-only classification: never the locale's isspace()/isdigit(). */
+static bool is_blank(char c)
+{
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\v' || c == '\f';
+}
+
+static bool is_digit(char c)
+{
+    return c >= '0' && c <= '9';
+}
+
+static bool is_key_char(char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || is_digit(c) || c == '.' ||
+           c == '_' || c == '-';
+}
+
+/* Parses a non-negative decimal integer; the whole string must be digits. */
+static int parse_uint(const char *s, size_t len, int64_t *out)
+{
+    int64_t v = 0;
+    if (len == 0)
+        return -1;
+    for (size_t i = 0; i < len; i++) {
+        if (!is_digit(s[i]))
+            return -1;
+        if (v > (INT64_MAX - 9) / 10)
+            return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    *out = v;
+    return 0;
+}
+
+static int parse_duration_ms(const char *s, int64_t *out)
+{
+    size_t n = 0;
+    int64_t v, mult;
+    while (is_digit(s[n]))
+        n++;
+    if (parse_uint(s, n, &v) != 0)
+        return -1;
+    const char *unit = s + n;
+    if (*unit == '\0' || strcmp(unit, "ms") == 0)
+        mult = 1;
+    else if (strcmp(unit, "s") == 0)
+        mult = 1000;
+    else if (strcmp(unit, "m") == 0)
+        mult = 60 * 1000;
+    else if (strcmp(unit, "h") == 0)
+        mult = MS_PER_HOUR;
+    else
+        return -1;
+    if (v > INT64_MAX / mult)
+        return -1;
+    *out = v * mult;
+    return 0;
+}
+
+static int kafka_prop_set(struct obx_config *cfg, const char *name, const char *value,
+                          const char *origin)
+{
+    struct obx_kafka_prop *p = NULL;
+    for (size_t i = 0; i < cfg->kafka_count; i++)
+        if (strcmp(cfg->kafka[i].name, name) == 0)
+            p = &cfg->kafka[i];
+    char *v = strdup(value);
+    if (!v)
+        return -1;
+    if (!p) {
+        char *n = strdup(name);
+        struct obx_kafka_prop *grown =
+            n ? realloc(cfg->kafka, (cfg->kafka_count + 1) * sizeof(*grown)) : NULL;
+        if (!grown) {
+            free(n);
+            free(v);
+            return -1;
+        }
+        cfg->kafka = grown;
+        p = &cfg->kafka[cfg->kafka_count++];
+        p->name = n;
+        p->value = NULL;
+    }
+    free(p->value);
+    p->value = v;
+    snprintf(p->origin, sizeof(p->origin), "%s", origin);
+    return 0;
+}
+
+static void describe_range(const struct key_def *k, char *buf, size_t len)
+{
+    size_t used = 0;
+    switch (k->type) {
+    case KEY_INT:
+        snprintf(buf, len, "an integer from %lld to %lld", (long long)k->min, (long long)k->max);
+        break;
+    case KEY_DURATION:
+        snprintf(buf, len, "a duration from %lldms to %lldms (e.g. 500ms, 5s, 2m)",
+                 (long long)k->min, (long long)k->max);
+        break;
+    case KEY_ENUM:
+        used = (size_t)snprintf(buf, len, "one of");
+        for (const char *const *c = k->choices; *c && used < len; c++)
+            used +=
+                (size_t)snprintf(buf + used, len - used, "%s %s", c == k->choices ? "" : ",", *c);
+        break;
+    default:
+        snprintf(buf, len, "a string");
+        break;
+    }
+}
+
+static int set_value(struct obx_config *cfg, const struct key_def *k, const char *value,
+                     const char *origin, char *err, size_t errlen)
+{
+    void *field = (char *)cfg + k->offset;
+    int64_t v = 0;
+    char range[160];
+
+    switch (k->type) {
+    case KEY_STRING: {
+        char *copy = strdup(value);
+        if (!copy) {
+            snprintf(err, errlen, "%s: out of memory setting %s", origin, k->name);
+            return -1;
+        }
+        free(*(char **)field);
+        *(char **)field = copy;
+        return 0;
+    }
+    case KEY_KAFKA:
+        if (kafka_prop_set(cfg, k->name + strlen("kafka."), value, origin) != 0) {
+            snprintf(err, errlen, "%s: out of memory setting %s", origin, k->name);
+            return -1;
+        }
+        return 0;
+    case KEY_INT:
+        if (parse_uint(value, strlen(value), &v) == 0 && v >= k->min && v <= k->max) {
+            *(int *)field = (int)v;
+            return 0;
+        }
+        break;
+    case KEY_DURATION:
+        if (parse_duration_ms(value, &v) == 0 && v >= k->min && v <= k->max) {
+            *(int64_t *)field = v;
+            return 0;
+        }
+        break;
+    case KEY_ENUM:
+        for (int i = 0; k->choices[i]; i++) {
+            if (strcmp(k->choices[i], value) == 0) {
+                *(int *)field = i;
+                return 0;
+            }
+        }
+        break;
+    }
+    describe_range(k, range, sizeof(range));
+    if (k->flags & KEY_SECRET)
+        snprintf(err, errlen, "%s: %s must be %s", origin, k->name, range);
+    else
+        snprintf(err, errlen, "%s: %s must be %s, got '%s'", origin, k->name, range, value);
+    return -1;
+}
+
+int obx_config_set(struct obx_config *cfg, const char *key, const char *value, const char *origin,
+                   char *err, size_t errlen)
+{
+    const struct key_def *k = find_key(key);
+    if (k)
+        return set_value(cfg, k, value, origin, err, errlen);
+    if (strncmp(key, "kafka.", 6) == 0 && key[6] != '\0') {
+        if (kafka_prop_set(cfg, key + 6, value, origin) != 0) {
+            snprintf(err, errlen, "%s: out of memory setting %s", origin, key);
+            return -1;
+        }
+        return 0;
+    }
+    snprintf(err, errlen, "%s: unknown key '%s' (see outboxd --help for the list)", origin, key);
+    return -1;
+}
+
+int obx_config_init(struct obx_config *cfg)
+{
+    char err[256];
+    memset(cfg, 0, sizeof(*cfg));
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        if (!keys[i].def)
+            continue;
+        if (set_value(cfg, &keys[i], keys[i].def, "default", err, sizeof(err)) != 0) {
+            obx_config_free(cfg);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void obx_config_free(struct obx_config *cfg)
+{
+    for (size_t i = 0; i < KEY_COUNT; i++)
+        if (keys[i].type == KEY_STRING) {
+            char **field = (char **)((char *)cfg + keys[i].offset);
+            free(*field);
+            *field = NULL;
+        }
+    for (size_t i = 0; i < cfg->kafka_count; i++) {
+        free(cfg->kafka[i].name);
+        free(cfg->kafka[i].value);
+    }
+    free(cfg->kafka);
+    cfg->kafka = NULL;
+    cfg->kafka_count = 0;
+}
+
+/* Removes surrounding double quotes, honouring \" and \\ inside. Writes into
+ * the same buffer. Returns -1 on an unterminated quote. */
+static int unquote(char *v)
+{
+    size_t len = strlen(v);
+    if (len == 0 || v[0] != '"')
+        return 0;
+    if (len < 2 || v[len - 1] != '"')
+        return -1;
+    size_t o = 0;
+    for (size_t i = 1; i < len - 1; i++) {
+        if (v[i] == '\\' && i + 1 < len - 1 && (v[i + 1] == '"' || v[i + 1] == '\\'))
+            i++;
+        else if (v[i] == '"')
+            return -1;
+        v[o++] = v[i];
+    }
+    v[o] = '\0';
+    return 0;
+}
+
+/* Parses one line in place. Returns 0 (a setting or nothing), -1 on error. */
+static int parse_line(struct obx_config *cfg, char *line, const char *origin, char *err,
+                      size_t errlen)
+{
+    char *p = line, *key, *end, *value;
+
+    while (is_blank(*p))
+        p++;
+    if (*p == '\0' || *p == '#')
+        return 0;
+    key = p;
+    while (is_key_char(*p))
+        p++;
+    end = p;
+    while (is_blank(*p))
+        p++;
+    if (end == key || *p != '=') {
+        snprintf(err, errlen, "%s: expected 'key = value'", origin);
+        return -1;
+    }
+    *end = '\0';
+    value = p + 1;
+    while (is_blank(*value))
+        value++;
+    end = value + strlen(value);
+    while (end > value && is_blank(end[-1]))
+        *--end = '\0';
+    if (unquote(value) != 0) {
+        snprintf(err, errlen, "%s: unterminated quoted value for %s", origin, key);
+        return -1;
+    }
+    return obx_config_set(cfg, key, value, origin, err, errlen);
+}
+
+int obx_config_load_text(struct obx_config *cfg, const char *text, const char *name, char *err,
+                         size_t errlen)
+{
+    char *copy = strdup(text);
+    char origin[160];
+    int lineno = 0, rc = 0;
+    if (!copy) {
+        snprintf(err, errlen, "%s: out of memory", name);
+        return -1;
+    }
+    for (char *line = copy; line && rc == 0;) {
+        char *next = strchr(line, '\n');
+        if (next)
+            *next++ = '\0';
+        lineno++;
+        for (const char *c = line; *c; c++) {
+            if ((unsigned char)*c >= 0x80 || *c == '\0') {
+                snprintf(err, errlen, "%s:%d: only ASCII is accepted", name, lineno);
+                rc = -1;
+                break;
+            }
+        }
+        if (rc == 0) {
+            snprintf(origin, sizeof(origin), "%s:%d", name, lineno);
+            rc = parse_line(cfg, line, origin, err, errlen);
+        }
+        line = next;
+    }
+    free(copy);
+    return rc;
+}
+
+int obx_config_load_file(struct obx_config *cfg, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    int rc;
+
+    if (!f) {
+        snprintf(err, errlen, "cannot open config file %s: %s", path, strerror(errno));
+        return -1;
+    }
+    for (;;) {
+        if (cap - len < 4096) {
+            char *grown = cap > (1u << 24) ? NULL : realloc(buf, cap + 8192);
+            if (!grown) {
+                snprintf(err, errlen, "config file %s: too large or out of memory", path);
+                free(buf);
+                fclose(f);
+                return -1;
+            }
+            buf = grown;
+            cap += 8192;
+        }
+        size_t n = fread(buf + len, 1, cap - len - 1, f);
+        len += n;
+        if (n == 0)
+            break;
+    }
+    if (ferror(f)) {
+        snprintf(err, errlen, "cannot read config file %s", path);
+        free(buf);
+        fclose(f);
+        return -1;
+    }
+    fclose(f);
+    buf[len] = '\0';
+    if (memchr(buf, '\0', len)) {
+        snprintf(err, errlen, "config file %s: contains a NUL byte", path);
+        free(buf);
+        return -1;
+    }
+    rc = obx_config_load_text(cfg, buf, path, err, errlen);
+    free(buf);
+    return rc;
+}
+
+int obx_config_set_arg(struct obx_config *cfg, const char *arg, char *err, size_t errlen)
+{
+    const char *eq = strchr(arg, '=');
+    char key[128];
+    size_t klen;
+
+    if (!eq || eq == arg) {
+        snprintf(err, errlen, "-X %s: expected key=value", arg);
+        return -1;
+    }
+    klen = (size_t)(eq - arg);
+    if (klen >= sizeof(key)) {
+        snprintf(err, errlen, "-X: key too long");
+        return -1;
+    }
+    memcpy(key, arg, klen);
+    key[klen] = '\0';
+    for (size_t i = 0; i < klen; i++)
+        if (!is_key_char(key[i])) {
+            snprintf(err, errlen, "-X: invalid character in key '%s'", key);
+            return -1;
+        }
+    return obx_config_set(cfg, key, eq + 1, "-X", err, errlen);
+}
+
+int obx_config_apply_env(struct obx_config *cfg, obx_getenv_fn *get, char *err, size_t errlen)
+{
+    char var[128], origin[160];
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        const char *name = keys[i].name;
+        size_t n = strlen(name);
+        if (n + 9 > sizeof(var))
+            continue;
+        memcpy(var, "OUTBOXD_", 8);
+        for (size_t j = 0; j < n; j++) {
+            char c = name[j];
+            if (c >= 'a' && c <= 'z')
+                c = (char)(c - 'a' + 'A');
+            else if (c == '.' || c == '-')
+                c = '_';
+            var[8 + j] = c;
+        }
+        var[8 + n] = '\0';
+        const char *value = get(var);
+        if (!value)
+            continue;
+        snprintf(origin, sizeof(origin), "environment %s", var);
+        if (set_value(cfg, &keys[i], value, origin, err, errlen) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+const char *obx_config_kafka_get(const struct obx_config *cfg, const char *name)
+{
+    for (size_t i = 0; i < cfg->kafka_count; i++)
+        if (strcmp(cfg->kafka[i].name, name) == 0)
+            return cfg->kafka[i].value;
+    return NULL;
+}
+
+int obx_config_validate(const struct obx_config *cfg, char *err, size_t errlen)
+{
+    if (!cfg->pg_conninfo || cfg->pg_conninfo[0] == '\0') {
+        snprintf(err, errlen, "postgres.conninfo is required (a libpq conninfo or URI)");
+        return -1;
+    }
+    const char *bootstrap = obx_config_kafka_get(cfg, "bootstrap.servers");
+    if (!bootstrap || bootstrap[0] == '\0') {
+        snprintf(err, errlen, "kafka.bootstrap.servers is required (host:port[,host:port...])");
+        return -1;
+    }
+    if (cfg->pg_backoff_min_ms > cfg->pg_backoff_max_ms) {
+        snprintf(err, errlen,
+                 "postgres.reconnect_backoff_min (%lldms) is larger than "
+                 "postgres.reconnect_backoff_max (%lldms)",
+                 (long long)cfg->pg_backoff_min_ms, (long long)cfg->pg_backoff_max_ms);
+        return -1;
+    }
+    if (cfg->batch_size > cfg->max_in_flight) {
+        snprintf(err, errlen, "relay.batch_size (%d) is larger than relay.max_in_flight (%d)",
+                 cfg->batch_size, cfg->max_in_flight);
+        return -1;
+    }
+    return 0;
+}
+
+void obx_config_describe(FILE *out)
+{
+    char range[160];
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        const struct key_def *k = &keys[i];
+        describe_range(k, range, sizeof(range));
+        fprintf(out, "  %-32s %s%s\n", k->name, k->help,
+                (k->flags & KEY_REQUIRED) ? " (required)" : "");
+        if (k->type != KEY_STRING && k->type != KEY_KAFKA)
+            fprintf(out, "  %-32s   %s; default %s\n", "", range, k->def);
+    }
+    fprintf(out, "  %-32s %s\n", "kafka.<property>",
+            "any librdkafka producer property, passed as-is (like kcat -X)");
+}

@@ -1,0 +1,237 @@
+/*
+ * kafka: see include/outboxd/kafka.h.
+ */
+#include "outboxd/kafka.h"
+#include "outboxd/log.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct obx_kafka {
+    rd_kafka_t *rk;
+    rd_kafka_queue_t *mainq;
+    struct obx_kafka_callbacks cb;
+    void *arg;
+    int pipe_rd, pipe_wr;
+    uv_poll_t poll;
+    bool fatal_reported;
+    bool closing;
+};
+
+static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaque)
+{
+    struct obx_kafka *k = opaque;
+    (void)rk;
+    if (k->closing)
+        return;
+    k->cb.delivery(m->_private, m->err == RD_KAFKA_RESP_ERR_NO_ERROR, m->partition, m->offset,
+                   m->err ? rd_kafka_err2str(m->err) : NULL, k->arg);
+}
+
+static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque)
+{
+    struct obx_kafka *k = opaque;
+    char fatal[512];
+
+    if (err == RD_KAFKA_RESP_ERR__FATAL) {
+        rd_kafka_resp_err_t orig = rd_kafka_fatal_error(rk, fatal, sizeof(fatal));
+        obx_error("kafka: fatal error %s: %s", rd_kafka_err2name(orig), fatal);
+        if (!k->fatal_reported && !k->closing) {
+            k->fatal_reported = true;
+            k->cb.fatal(fatal, k->arg);
+        }
+        return;
+    }
+    /* Everything else (brokers down, timeouts) is retried by librdkafka. */
+    obx_warn("kafka: %s: %s", rd_kafka_err2name((rd_kafka_resp_err_t)err), reason);
+}
+
+static void on_log(const rd_kafka_t *rk, int level, const char *fac, const char *buf)
+{
+    (void)rk;
+    /* syslog levels: 0-3 error, 4 warning, 5-6 notice/info, 7 debug */
+    enum obx_log_level l = level <= 3   ? OBX_LOG_ERROR
+                           : level == 4 ? OBX_LOG_WARN
+                           : level <= 6 ? OBX_LOG_INFO
+                                        : OBX_LOG_DEBUG;
+    obx_log(l, "librdkafka %s: %s", fac, buf);
+}
+
+static int conf_set(rd_kafka_conf_t *conf, const char *name, const char *value, const char *origin,
+                    char *err, size_t errlen)
+{
+    char why[256];
+    if (rd_kafka_conf_set(conf, name, value, why, sizeof(why)) != RD_KAFKA_CONF_OK) {
+        /* librdkafka's message may quote the value; secrets (sasl.password)
+         * must not reach the terminal, so name only the key. */
+        bool secret = strstr(name, "password") || strstr(name, "secret") || strstr(name, "key");
+        snprintf(err, errlen, "%s: kafka.%s: %s", origin, name, secret ? "invalid value" : why);
+        return -1;
+    }
+    return 0;
+}
+
+int obx_kafka_conf_build(const struct obx_config *cfg, rd_kafka_conf_t **out, char *err,
+                         size_t errlen)
+{
+    static const char *const defaults[][2] = {
+        {"enable.idempotence", "true"},
+        {"message.timeout.ms", "0"},
+        {"partitioner", "murmur2_random"},
+        {"client.id", "outboxd"},
+    };
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    if (!conf) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < sizeof(defaults) / sizeof(defaults[0]); i++)
+        if (conf_set(conf, defaults[i][0], defaults[i][1], "default", err, errlen) != 0)
+            goto fail;
+    for (size_t i = 0; i < cfg->kafka_count; i++)
+        if (conf_set(conf, cfg->kafka[i].name, cfg->kafka[i].value, cfg->kafka[i].origin, err,
+                     errlen) != 0)
+            goto fail;
+    /* Ours, after the user's: the loop integration depends on them. */
+    if (conf_set(conf, "log.queue", "true", "outboxd", err, errlen) != 0)
+        goto fail;
+    *out = conf;
+    return 0;
+fail:
+    rd_kafka_conf_destroy(conf);
+    return -1;
+}
+
+static void on_pipe(uv_poll_t *h, int status, int events)
+{
+    struct obx_kafka *k = h->data;
+    char drain[64];
+    (void)status;
+    (void)events;
+    while (read(k->pipe_rd, drain, sizeof(drain)) > 0) {
+    }
+    /* Serve everything queued: the io event fires only when the queue turns
+     * non-empty, so leaving ops behind would stall. */
+    while (!k->closing && rd_kafka_poll(k->rk, 0) > 0) {
+    }
+}
+
+int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
+                  const struct obx_kafka_callbacks *cb, void *arg, struct obx_kafka **out,
+                  char *err, size_t errlen)
+{
+    rd_kafka_conf_t *conf;
+    int fds[2];
+    char why[512];
+    struct obx_kafka *k = calloc(1, sizeof(*k));
+
+    if (!k) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (obx_kafka_conf_build(cfg, &conf, err, errlen) != 0) {
+        free(k);
+        return -1;
+    }
+    if (pipe2(fds, O_NONBLOCK | O_CLOEXEC) != 0) {
+        snprintf(err, errlen, "pipe: %s", strerror(errno));
+        rd_kafka_conf_destroy(conf);
+        free(k);
+        return -1;
+    }
+    k->pipe_rd = fds[0];
+    k->pipe_wr = fds[1];
+    k->cb = *cb;
+    k->arg = arg;
+    rd_kafka_conf_set_dr_msg_cb(conf, on_delivery);
+    rd_kafka_conf_set_error_cb(conf, on_error);
+    rd_kafka_conf_set_log_cb(conf, on_log);
+    rd_kafka_conf_set_opaque(conf, k);
+    k->rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, why, sizeof(why));
+    if (!k->rk) { /* conf is still ours on failure */
+        snprintf(err, errlen, "cannot create the Kafka producer: %s", why);
+        rd_kafka_conf_destroy(conf);
+        goto fail;
+    }
+    k->mainq = rd_kafka_queue_get_main(k->rk);
+    if (rd_kafka_set_log_queue(k->rk, k->mainq) != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        snprintf(err, errlen, "cannot route librdkafka logs to the loop");
+        goto fail;
+    }
+    rd_kafka_queue_io_event_enable(k->mainq, k->pipe_wr, "1", 1);
+    if (uv_poll_init(loop, &k->poll, k->pipe_rd) != 0) {
+        snprintf(err, errlen, "cannot watch the librdkafka queue pipe");
+        goto fail;
+    }
+    k->poll.data = k;
+    uv_poll_start(&k->poll, UV_READABLE, on_pipe);
+    obx_info("kafka: producer ready for %s (idempotent)",
+             obx_config_kafka_get(cfg, "bootstrap.servers"));
+    *out = k;
+    return 0;
+fail:
+    if (k->mainq)
+        rd_kafka_queue_destroy(k->mainq);
+    if (k->rk)
+        rd_kafka_destroy(k->rk);
+    close(k->pipe_rd);
+    close(k->pipe_wr);
+    free(k);
+    return -1;
+}
+
+enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
+                                          void *opaque)
+{
+    rd_kafka_headers_t *hdrs;
+    char err[256];
+    rd_kafka_resp_err_t e;
+
+    if (obx_record_headers(row, &hdrs, err, sizeof(err)) != 0) {
+        obx_error("kafka: %s", err);
+        return OBX_PRODUCE_FAILED;
+    }
+    e = rd_kafka_producev(
+        k->rk, RD_KAFKA_V_TOPIC(row->topic), RD_KAFKA_V_KEY(row->key, row->key ? row->key_len : 0),
+        RD_KAFKA_V_VALUE((void *)row->payload, row->payload_len), RD_KAFKA_V_HEADERS(hdrs),
+        RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_OPAQUE(opaque), RD_KAFKA_V_END);
+    if (e == RD_KAFKA_RESP_ERR_NO_ERROR)
+        return OBX_PRODUCE_OK;
+    rd_kafka_headers_destroy(hdrs); /* ownership passes only on success */
+    if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL)
+        return OBX_PRODUCE_BUSY;
+    obx_error("kafka: row %lld (topic %s) cannot be produced: %s", (long long)row->id, row->topic,
+              rd_kafka_err2str(e));
+    return OBX_PRODUCE_FAILED;
+}
+
+int obx_kafka_outq_len(struct obx_kafka *k)
+{
+    return rd_kafka_outq_len(k->rk);
+}
+
+static void on_poll_closed(uv_handle_t *h)
+{
+    struct obx_kafka *k = h->data;
+    close(k->pipe_rd);
+    close(k->pipe_wr);
+    free(k);
+}
+
+void obx_kafka_close(struct obx_kafka *k)
+{
+    if (!k || k->closing)
+        return;
+    k->closing = true;
+    int left = rd_kafka_outq_len(k->rk);
+    if (left > 0)
+        obx_warn("kafka: discarding %d messages without a delivery report", left);
+    rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
+    rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
+    rd_kafka_queue_destroy(k->mainq);
+    rd_kafka_destroy(k->rk);
+    uv_close((uv_handle_t *)&k->poll, on_poll_closed);
+}

@@ -1,0 +1,386 @@
+/*
+ * main: command line, signals, and the wiring of pg + kafka into the relay.
+ *
+ * One libuv loop owns everything. The relay (pure state machine) issues its
+ * commands through `relay_ops` below; pg and kafka callbacks feed it events.
+ */
+#include "outboxd/config.h"
+#include "outboxd/failpoint.h"
+#include "outboxd/kafka.h"
+#include "outboxd/log.h"
+#include "outboxd/pg.h"
+#include "outboxd/record.h"
+#include "outboxd/relay.h"
+
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXIT_RUNTIME 1
+#define EXIT_USAGE   2
+
+/* Housekeeping period: poll fallback, back-offs and deadlines are checked
+ * this often. Cheap enough to leave the process idle at ~0% CPU. */
+#define HOUSEKEEPING_MS 100
+
+struct app {
+    uv_loop_t loop;
+    struct obx_config cfg;
+    struct obx_pg *pg;
+    struct obx_kafka *kafka;
+    struct obx_relay *relay;
+    struct obx_row *rows; /* batch_size rows, reused by every fetch */
+    uv_signal_t sigterm, sigint;
+    uv_timer_t housekeeping;
+    uv_timer_t teardown; /* closes everything from a fresh loop turn */
+    int signals;
+    int exit_code;
+};
+
+/* ---- relay commands ---- */
+
+static int op_fetch(void *io, const int64_t *exclude, size_t n, int limit)
+{
+    struct app *a = io;
+    return obx_pg_send_fetch(a->pg, exclude, n, limit);
+}
+
+static int op_mark(void *io, const int64_t *ids, size_t n)
+{
+    struct app *a = io;
+    return obx_pg_send_mark(a->pg, ids, n);
+}
+
+static enum obx_produce_result op_produce(void *io, const struct obx_row *row, void *opaque)
+{
+    struct app *a = io;
+    return obx_kafka_produce(a->kafka, row, opaque);
+}
+
+static void on_teardown(uv_timer_t *t);
+
+static void op_stopped(void *io, int exit_code)
+{
+    struct app *a = io;
+    a->exit_code = exit_code;
+    /* We are deep inside a pg or kafka callback: close them from the loop. */
+    uv_timer_start(&a->teardown, on_teardown, 0, 0);
+}
+
+static const struct obx_relay_ops relay_ops = {
+    .fetch = op_fetch,
+    .mark = op_mark,
+    .produce = op_produce,
+    .stopped = op_stopped,
+};
+
+/* ---- pg events ---- */
+
+static void pg_ready(void *arg)
+{
+    struct app *a = arg;
+    obx_relay_on_pg_ready(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void pg_lost(void *arg)
+{
+    struct app *a = arg;
+    obx_relay_on_pg_lost(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void pg_notify(void *arg)
+{
+    struct app *a = arg;
+    obx_relay_wakeup(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void pg_result(PGresult *res, void *arg)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    ExecStatusType st = PQresultStatus(res);
+    char err[256];
+
+    switch (obx_relay_state(a->relay)) {
+    case OBX_RELAY_FETCHING: {
+        if (st != PGRES_TUPLES_OK) {
+            obx_relay_on_query_failed(a->relay, PQresultErrorMessage(res), now);
+            return;
+        }
+        int n = PQntuples(res);
+        if (n > a->cfg.batch_size)
+            n = a->cfg.batch_size;
+        for (int i = 0; i < n; i++) {
+            if (obx_row_from_result(res, i, &a->rows[i], err, sizeof(err)) != 0) {
+                obx_relay_on_query_failed(a->relay, err, now);
+                return;
+            }
+        }
+        obx_relay_on_fetched(a->relay, a->rows, (size_t)n, now);
+        return;
+    }
+    case OBX_RELAY_MARKING:
+        if (st != PGRES_COMMAND_OK)
+            obx_relay_on_query_failed(a->relay, PQresultErrorMessage(res), now);
+        else
+            obx_relay_on_marked(a->relay, now);
+        return;
+    default:
+        obx_error("postgres: unexpected result while the relay is %s",
+                  obx_relay_state_name(obx_relay_state(a->relay)));
+    }
+}
+
+/* ---- kafka events ---- */
+
+static void kafka_delivery(void *opaque, bool ok, int32_t partition, int64_t offset,
+                           const char *reason, void *arg)
+{
+    struct app *a = arg;
+    obx_relay_on_delivery(a->relay, opaque, ok, partition, offset, reason,
+                          (int64_t)uv_now(&a->loop));
+}
+
+static void kafka_fatal(const char *reason, void *arg)
+{
+    struct app *a = arg;
+    obx_relay_fatal(a->relay, reason, (int64_t)uv_now(&a->loop));
+}
+
+/* ---- loop plumbing ---- */
+
+static void on_housekeeping(uv_timer_t *t)
+{
+    struct app *a = t->data;
+    obx_relay_tick(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void on_signal(uv_signal_t *s, int signum)
+{
+    struct app *a = s->data;
+    if (++a->signals > 1) {
+        obx_warn("received %s again: exiting at once", strsignal(signum));
+        _exit(EXIT_RUNTIME);
+    }
+    obx_info("received %s: draining", strsignal(signum));
+    obx_relay_shutdown(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void on_teardown(uv_timer_t *t)
+{
+    struct app *a = t->data;
+    obx_pg_close(a->pg);
+    a->pg = NULL;
+    obx_kafka_close(a->kafka);
+    a->kafka = NULL;
+    uv_close((uv_handle_t *)&a->sigterm, NULL);
+    uv_close((uv_handle_t *)&a->sigint, NULL);
+    uv_close((uv_handle_t *)&a->housekeeping, NULL);
+    uv_close((uv_handle_t *)&a->teardown, NULL);
+}
+
+/* ---- command line ---- */
+
+static void usage(FILE *out)
+{
+    fprintf(out, "Usage: outboxd [--config FILE] [-X key=value]... [--check]\n"
+                 "       outboxd --version | --help\n"
+                 "\n"
+                 "Relays committed rows of a PostgreSQL transactional outbox to Kafka.\n"
+                 "\n"
+                 "  -c, --config FILE   read settings from FILE (key = value lines)\n"
+                 "  -X key=value        set one key (overrides the file and the environment)\n"
+                 "      --check         validate the configuration and exit (0 ok, 2 invalid)\n"
+                 "  -V, --version       print the version and exit\n"
+                 "  -h, --help          print this help and exit\n"
+                 "\n"
+                 "Environment: OUTBOXD_<KEY> (upper case, dots as underscores) sets our own\n"
+                 "keys, between the file and -X. OUTBOXD_FAILPOINTS arms failpoints.\n"
+                 "\n"
+                 "Keys:\n");
+    obx_config_describe(out);
+}
+
+static const char *real_getenv(const char *name)
+{
+    return getenv(name);
+}
+
+/* Loads and validates the configuration. Returns 0, or EXIT_USAGE. */
+static int load_config(struct app *a, int argc, char **argv, bool *check_only)
+{
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'},
+        {"check", no_argument, NULL, 'k'},
+        {"version", no_argument, NULL, 'V'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    const char *path = NULL;
+    char err[512];
+    int opt, nx = 0;
+    char **xargs = calloc((size_t)argc + 1, sizeof(char *));
+
+    if (!xargs) {
+        fprintf(stderr, "outboxd: out of memory\n");
+        return EXIT_RUNTIME;
+    }
+    *check_only = false;
+    while ((opt = getopt_long(argc, argv, "c:X:Vh", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'c':
+            path = optarg;
+            break;
+        case 'X':
+            xargs[nx++] = optarg;
+            break;
+        case 'k':
+            *check_only = true;
+            break;
+        case 'V':
+            printf("outboxd %s (librdkafka %s, libpq %d, libuv %s)\n", OBX_VERSION,
+                   rd_kafka_version_str(), PQlibVersion(), uv_version_string());
+            free(xargs);
+            exit(0);
+        case 'h':
+            usage(stdout);
+            free(xargs);
+            exit(0);
+        default:
+            fprintf(stderr, "Try 'outboxd --help'.\n");
+            free(xargs);
+            return EXIT_USAGE;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "outboxd: unexpected argument '%s'\nTry 'outboxd --help'.\n", argv[optind]);
+        free(xargs);
+        return EXIT_USAGE;
+    }
+    int rc = 0;
+    if (path && obx_config_load_file(&a->cfg, path, err, sizeof(err)) != 0)
+        rc = -1;
+    if (rc == 0 && obx_config_apply_env(&a->cfg, real_getenv, err, sizeof(err)) != 0)
+        rc = -1;
+    for (int i = 0; rc == 0 && i < nx; i++)
+        if (obx_config_set_arg(&a->cfg, xargs[i], err, sizeof(err)) != 0)
+            rc = -1;
+    free(xargs);
+    if (rc == 0 && obx_config_validate(&a->cfg, err, sizeof(err)) != 0)
+        rc = -1;
+    if (rc == 0 && obx_pg_check_conninfo(a->cfg.pg_conninfo, err, sizeof(err)) != 0)
+        rc = -1;
+    if (rc == 0) {
+        rd_kafka_conf_t *conf;
+        if (obx_kafka_conf_build(&a->cfg, &conf, err, sizeof(err)) != 0)
+            rc = -1;
+        else
+            rd_kafka_conf_destroy(conf);
+    }
+    if (rc != 0) {
+        fprintf(stderr, "outboxd: %s\n", err);
+        return EXIT_USAGE;
+    }
+    return 0;
+}
+
+static int start(struct app *a)
+{
+    static const struct obx_pg_callbacks pg_cb = {
+        .ready = pg_ready, .lost = pg_lost, .result = pg_result, .notify = pg_notify};
+    static const struct obx_kafka_callbacks kafka_cb = {.delivery = kafka_delivery,
+                                                        .fatal = kafka_fatal};
+    struct obx_relay_settings rs;
+    char err[512];
+
+    a->rows = calloc((size_t)a->cfg.batch_size, sizeof(*a->rows));
+    obx_relay_settings_from_config(&rs, &a->cfg);
+    if (!a->rows || obx_relay_new(&rs, &relay_ops, a, &a->relay) != 0) {
+        obx_error("out of memory allocating %d in-flight slots", a->cfg.max_in_flight);
+        return EXIT_RUNTIME;
+    }
+    if (obx_kafka_new(&a->loop, &a->cfg, &kafka_cb, a, &a->kafka, err, sizeof(err)) != 0) {
+        obx_error("%s", err);
+        return EXIT_USAGE;
+    }
+    if (obx_pg_new(&a->loop, &a->cfg, &pg_cb, a, &a->pg, err, sizeof(err)) != 0) {
+        obx_error("%s", err);
+        obx_kafka_close(a->kafka);
+        a->kafka = NULL;
+        return EXIT_USAGE;
+    }
+    uv_signal_init(&a->loop, &a->sigterm);
+    uv_signal_init(&a->loop, &a->sigint);
+    a->sigterm.data = a->sigint.data = a;
+    uv_signal_start(&a->sigterm, on_signal, SIGTERM);
+    uv_signal_start(&a->sigint, on_signal, SIGINT);
+    uv_timer_init(&a->loop, &a->housekeeping);
+    uv_timer_init(&a->loop, &a->teardown);
+    a->housekeeping.data = a->teardown.data = a;
+    uv_timer_start(&a->housekeeping, on_housekeeping, HOUSEKEEPING_MS, HOUSEKEEPING_MS);
+    obx_info("outboxd %s starting: batch %d, max in flight %d, on_sent=%s", OBX_VERSION,
+             a->cfg.batch_size, a->cfg.max_in_flight,
+             a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark");
+    obx_pg_start(a->pg);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct app a;
+    struct sigaction ign;
+    bool check_only;
+    char err[512];
+    int rc;
+
+    memset(&a, 0, sizeof(a));
+    memset(&ign, 0, sizeof(ign));
+    ign.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &ign, NULL);
+    srand((unsigned)time(NULL) ^ (unsigned)getpid());
+
+    if (obx_config_init(&a.cfg) != 0) {
+        fprintf(stderr, "outboxd: out of memory\n");
+        return EXIT_RUNTIME;
+    }
+    rc = load_config(&a, argc, argv, &check_only);
+    if (rc == 0 && obx_failpoints_parse(&obx_failpoints_active, getenv("OUTBOXD_FAILPOINTS"), err,
+                                        sizeof(err)) != 0) {
+        fprintf(stderr, "outboxd: %s\n", err);
+        rc = EXIT_USAGE;
+    }
+    if (rc != 0 || check_only) {
+        if (rc == 0)
+            printf("outboxd: configuration OK\n");
+        obx_config_free(&a.cfg);
+        return rc;
+    }
+    obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
+    if (obx_failpoints_active.armed)
+        obx_warn("failpoints armed: %s", getenv("OUTBOXD_FAILPOINTS"));
+
+    if (uv_loop_init(&a.loop) != 0) {
+        obx_error("cannot initialise the event loop");
+        obx_config_free(&a.cfg);
+        return EXIT_RUNTIME;
+    }
+    rc = start(&a);
+    if (rc == 0) {
+        uv_run(&a.loop, UV_RUN_DEFAULT);
+        rc = a.exit_code;
+        obx_info("outboxd stopped (exit %d, %llu rows marked)", rc,
+                 (unsigned long long)obx_relay_marked_total(a.relay));
+    }
+    /* Run close callbacks of anything closed on an error path. */
+    uv_run(&a.loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(&a.loop) != 0)
+        obx_warn("event loop closed with handles still open");
+    obx_relay_free(a.relay);
+    free(a.rows);
+    obx_config_free(&a.cfg);
+    return rc;
+}

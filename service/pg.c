@@ -1,0 +1,537 @@
+/*
+ * pg: see include/outboxd/pg.h.
+ */
+#include "outboxd/pg.h"
+#include "outboxd/log.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* libpq ignores connect_timeout under PQconnectPoll: we time connect+setup. */
+#define CONNECT_TIMEOUT_MS 10000
+
+/* The fetch: committed unsent rows in id order, skipping rows in flight.
+ * Postgres splits the headers object into two text[] (keys, values; string
+ * values verbatim, other JSON values as JSON text), so C never parses JSON.
+ * Rows of transactions that commit late (lower ids) are found by the next
+ * fetch: nothing is skipped because a higher id was seen first. */
+static const char SQL_FETCH[] =
+    "SELECT e.id, e.topic, e.key, e.payload, h.keys, h.vals"
+    " FROM outbox.events e"
+    " LEFT JOIN LATERAL ("
+    "   SELECT array_agg(j.k ORDER BY j.k COLLATE \"C\") AS keys,"
+    "          array_agg(CASE jsonb_typeof(j.v) WHEN 'string' THEN j.v #>> '{}'"
+    "                    ELSE j.v::text END ORDER BY j.k COLLATE \"C\") AS vals"
+    "   FROM jsonb_each(CASE jsonb_typeof(e.headers) WHEN 'object' THEN e.headers END)"
+    "        AS j(k, v)) h ON true"
+    " WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
+    " ORDER BY e.id"
+    " LIMIT $2::int";
+
+static const char SQL_MARK[] = "UPDATE outbox.events SET sent_at = now()"
+                               " WHERE id = ANY ($1::bigint[]) AND sent_at IS NULL";
+static const char SQL_DELETE[] = "DELETE FROM outbox.events WHERE id = ANY ($1::bigint[])";
+
+/* Migration file for each schema version, for the "apply this" message. */
+static const char *const migrations[] = {
+    [1] = "sql/001_outbox.sql",
+};
+
+/* A uv_poll_t on the libpq socket. Heap-allocated because PQconnectPoll may
+ * switch sockets and a closing handle must outlive its replacement. */
+struct pg_watch {
+    uv_poll_t handle;
+    int fd;
+    int events;
+};
+
+struct obx_pg {
+    uv_loop_t *loop;
+    struct obx_pg_callbacks cb;
+    void *arg;
+    char *conninfo; /* owned; secret */
+    int on_sent;
+    int64_t statement_timeout_ms;
+    int64_t backoff_min_ms, backoff_max_ms;
+
+    enum obx_pg_state state;
+    PGconn *conn;
+    struct pg_watch *watch;
+    uv_timer_t timer; /* reconnect back-off, or connect+setup timeout */
+    int attempts;     /* failed attempts since the last READY */
+    PGresult *result; /* first result of the statement in flight */
+    char target[256]; /* "host:port/db as user", for logs; no password */
+
+    char *buf; /* reusable text buffer for bigint[] parameters */
+    size_t buf_cap;
+};
+
+static const char *const state_names[] = {"disconnected", "connecting", "setup",
+                                          "ready",        "busy",       "closed"};
+
+static void set_state(struct obx_pg *pg, enum obx_pg_state to, const char *why)
+{
+    if (pg->state == to)
+        return;
+    obx_debug("postgres: %s -> %s (%s)", state_names[pg->state], state_names[to], why);
+    pg->state = to;
+}
+
+enum obx_pg_state obx_pg_state(const struct obx_pg *pg)
+{
+    return pg->state;
+}
+
+static void on_watch_closed(uv_handle_t *h)
+{
+    free((struct pg_watch *)h); /* handle is the first member */
+}
+
+static void unwatch(struct obx_pg *pg)
+{
+    if (!pg->watch)
+        return;
+    uv_close((uv_handle_t *)&pg->watch->handle, on_watch_closed);
+    pg->watch = NULL;
+}
+
+static void on_poll(uv_poll_t *h, int status, int events);
+
+/* Watches the libpq socket for `events`, re-creating the watcher if libpq
+ * switched sockets. Returns 0 or -1. */
+static int watch(struct obx_pg *pg, int events)
+{
+    int fd = PQsocket(pg->conn);
+    if (fd < 0)
+        return -1;
+    if (pg->watch && pg->watch->fd != fd)
+        unwatch(pg);
+    if (!pg->watch) {
+        struct pg_watch *w = malloc(sizeof(*w));
+        if (!w)
+            return -1;
+        if (uv_poll_init(pg->loop, &w->handle, fd) != 0) {
+            free(w);
+            return -1;
+        }
+        w->handle.data = pg;
+        w->fd = fd;
+        w->events = 0;
+        pg->watch = w;
+    }
+    if (pg->watch->events != events) {
+        if (uv_poll_start(&pg->watch->handle, events, on_poll) != 0)
+            return -1;
+        pg->watch->events = events;
+    }
+    return 0;
+}
+
+static void on_timer(uv_timer_t *t);
+
+static void schedule_reconnect(struct obx_pg *pg)
+{
+    int64_t delay = pg->backoff_min_ms;
+    for (int i = 1; i < pg->attempts && delay < pg->backoff_max_ms; i++)
+        delay *= 2;
+    if (delay > pg->backoff_max_ms)
+        delay = pg->backoff_max_ms;
+    /* Jitter in [delay/2, delay]: many relays restarting together spread out. */
+    delay = delay / 2 + (int64_t)((uint64_t)rand() % (uint64_t)(delay / 2 + 1));
+    uv_timer_start(&pg->timer, on_timer, (uint64_t)delay, 0);
+    obx_info("postgres: reconnecting in %lldms (attempt %d)", (long long)delay, pg->attempts + 1);
+}
+
+/* Drops the connection with a reason, and schedules a reconnect. */
+static void disconnect(struct obx_pg *pg, const char *reason)
+{
+    bool was_usable = pg->state == OBX_PG_READY || pg->state == OBX_PG_BUSY;
+    if (pg->state == OBX_PG_CLOSED || pg->state == OBX_PG_DISCONNECTED)
+        return;
+    if (was_usable)
+        obx_warn("postgres: connection to %s lost: %s", pg->target, reason);
+    else
+        obx_warn("postgres: cannot connect%s%s: %s", pg->target[0] ? " to " : "", pg->target,
+                 reason);
+    unwatch(pg);
+    if (pg->result) {
+        PQclear(pg->result);
+        pg->result = NULL;
+    }
+    PQfinish(pg->conn);
+    pg->conn = NULL;
+    pg->attempts++;
+    set_state(pg, OBX_PG_DISCONNECTED, reason);
+    uv_timer_stop(&pg->timer);
+    schedule_reconnect(pg);
+    if (was_usable)
+        pg->cb.lost(pg->arg);
+}
+
+static void disconnect_with_error(struct obx_pg *pg, const char *prefix)
+{
+    char reason[512];
+    const char *msg = pg->conn ? PQerrorMessage(pg->conn) : "";
+    snprintf(reason, sizeof(reason), "%s%s%s", prefix, *msg ? ": " : "", msg);
+    size_t len = strlen(reason);
+    while (len > 0 && (reason[len - 1] == '\n' || reason[len - 1] == ' '))
+        reason[--len] = '\0';
+    disconnect(pg, reason);
+}
+
+static void describe_target(struct obx_pg *pg)
+{
+    const char *host = PQhost(pg->conn);
+    snprintf(pg->target, sizeof(pg->target), "%s:%s/%s as %s", host ? host : "?",
+             PQport(pg->conn) ? PQport(pg->conn) : "?", PQdb(pg->conn) ? PQdb(pg->conn) : "?",
+             PQuser(pg->conn) ? PQuser(pg->conn) : "?");
+}
+
+static void start_connect(struct obx_pg *pg)
+{
+    /* Our defaults come before dbname, so that the user's conninfo (expanded
+     * in place of dbname) overrides them. */
+    const char *const keys[] = {"application_name", "keepalives_idle", "keepalives_interval",
+                                "keepalives_count", "dbname",          NULL};
+    const char *const values[] = {"outboxd", "30", "10", "3", pg->conninfo, NULL};
+
+    pg->target[0] = '\0';
+    pg->conn = PQconnectStartParams(keys, values, 1);
+    if (!pg->conn) {
+        obx_error("postgres: out of memory starting a connection");
+        pg->attempts++;
+        schedule_reconnect(pg);
+        return;
+    }
+    set_state(pg, OBX_PG_CONNECTING, "connect");
+    if (PQstatus(pg->conn) == CONNECTION_BAD) {
+        disconnect_with_error(pg, "connection failed");
+        return;
+    }
+    uv_timer_start(&pg->timer, on_timer, CONNECT_TIMEOUT_MS, 0);
+    /* libpq: after PQconnectStart, act as if PQconnectPoll said WRITING. */
+    if (watch(pg, UV_WRITABLE) != 0)
+        disconnect(pg, "cannot watch the connection socket");
+}
+
+static void send_setup(struct obx_pg *pg)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations;"
+             " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld",
+             (long long)pg->statement_timeout_ms);
+    describe_target(pg);
+    if (PQsetnonblocking(pg->conn, 1) != 0 || !PQsendQuery(pg->conn, sql)) {
+        disconnect_with_error(pg, "setup failed");
+        return;
+    }
+    set_state(pg, OBX_PG_SETUP, "connected");
+    if (watch(pg, UV_READABLE | (PQflush(pg->conn) == 1 ? UV_WRITABLE : 0)) != 0)
+        disconnect(pg, "cannot watch the connection socket");
+}
+
+static void continue_connect(struct obx_pg *pg)
+{
+    switch (PQconnectPoll(pg->conn)) {
+    case PGRES_POLLING_READING:
+        if (watch(pg, UV_READABLE) != 0)
+            disconnect(pg, "cannot watch the connection socket");
+        break;
+    case PGRES_POLLING_WRITING:
+        if (watch(pg, UV_WRITABLE) != 0)
+            disconnect(pg, "cannot watch the connection socket");
+        break;
+    case PGRES_POLLING_OK:
+        send_setup(pg);
+        break;
+    default:
+        disconnect_with_error(pg, "connection failed");
+        break;
+    }
+}
+
+/* Handles the complete setup result (first error, or the schema version). */
+static void finish_setup(struct obx_pg *pg, PGresult *res)
+{
+    char reason[512];
+    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK && PQresultStatus(res) != PGRES_COMMAND_OK) {
+        if (state && (strcmp(state, "42P01") == 0 || strcmp(state, "3F000") == 0)) {
+            snprintf(reason, sizeof(reason),
+                     "outbox schema not found in this database: apply %s "
+                     "(psql -v ON_ERROR_STOP=1 -f %s)",
+                     migrations[1], migrations[1]);
+        } else {
+            snprintf(reason, sizeof(reason), "setup failed: %s", PQresultErrorMessage(res));
+        }
+        disconnect(pg, reason);
+        return;
+    }
+    long version = 0;
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
+        version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+    if (version < OBX_SCHEMA_VERSION) {
+        snprintf(reason, sizeof(reason),
+                 "outbox schema is at version %ld, this outboxd needs %d: apply %s and later "
+                 "files in sql/",
+                 version, OBX_SCHEMA_VERSION, migrations[version + 1]);
+        disconnect(pg, reason);
+        return;
+    }
+    uv_timer_stop(&pg->timer);
+    pg->attempts = 0;
+    set_state(pg, OBX_PG_READY, "setup done");
+    obx_info("postgres: connected to %s (schema version %ld, listening on %s)", pg->target, version,
+             OBX_NOTIFY_CHANNEL);
+    pg->cb.ready(pg->arg);
+}
+
+/* Reads what the server sent: notifications and results. */
+static void consume(struct obx_pg *pg)
+{
+    PGnotify *n;
+    bool notified = false;
+
+    if (!PQconsumeInput(pg->conn)) {
+        disconnect_with_error(pg, "read failed");
+        return;
+    }
+    while ((n = PQnotifies(pg->conn)) != NULL) {
+        notified = true;
+        PQfreemem(n);
+    }
+    while ((pg->state == OBX_PG_BUSY || pg->state == OBX_PG_SETUP) && !PQisBusy(pg->conn)) {
+        PGresult *res = PQgetResult(pg->conn);
+        if (res) {
+            /* Keep the first result (or the first error); a multi-statement
+             * setup stops at its first error. */
+            if (!pg->result || (PQresultStatus(pg->result) != PGRES_FATAL_ERROR &&
+                                PQresultStatus(res) == PGRES_FATAL_ERROR)) {
+                PQclear(pg->result);
+                pg->result = res;
+            } else {
+                PQclear(res);
+            }
+            continue;
+        }
+        /* NULL: the statement is complete. A server that ended the session
+         * (terminated backend, shutdown) is a lost connection, not a result. */
+        res = pg->result;
+        pg->result = NULL;
+        if (PQstatus(pg->conn) == CONNECTION_BAD) {
+            PQclear(res);
+            disconnect_with_error(pg, "server closed the connection");
+            return;
+        }
+        if (pg->state == OBX_PG_SETUP) {
+            finish_setup(pg, res);
+            PQclear(res);
+        } else {
+            set_state(pg, OBX_PG_READY, "statement done");
+            if (res)
+                pg->cb.result(res, pg->arg);
+            PQclear(res);
+        }
+        if (pg->state == OBX_PG_CLOSED || pg->state == OBX_PG_DISCONNECTED)
+            return;
+    }
+    if (PQstatus(pg->conn) == CONNECTION_BAD) {
+        disconnect_with_error(pg, "server closed the connection");
+        return;
+    }
+    if (notified && (pg->state == OBX_PG_READY || pg->state == OBX_PG_BUSY))
+        pg->cb.notify(pg->arg);
+}
+
+static void on_poll(uv_poll_t *h, int status, int events)
+{
+    struct obx_pg *pg = h->data;
+    if (!pg->watch || &pg->watch->handle != h)
+        return; /* a replaced watcher */
+    if (status < 0 && status != UV_EBADF) {
+        /* Let libpq find out what is wrong with the socket. */
+        events = UV_READABLE;
+    }
+    if (pg->state == OBX_PG_CONNECTING) {
+        continue_connect(pg);
+        return;
+    }
+    if (events & UV_WRITABLE) {
+        int f = PQflush(pg->conn);
+        if (f < 0) {
+            disconnect_with_error(pg, "write failed");
+            return;
+        }
+        if (f == 0 && watch(pg, UV_READABLE) != 0) {
+            disconnect(pg, "cannot watch the connection socket");
+            return;
+        }
+    }
+    if (events & UV_READABLE)
+        consume(pg);
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    struct obx_pg *pg = t->data;
+    if (pg->state == OBX_PG_DISCONNECTED)
+        start_connect(pg);
+    else if (pg->state == OBX_PG_CONNECTING || pg->state == OBX_PG_SETUP)
+        disconnect(pg, "timed out connecting");
+}
+
+int obx_pg_check_conninfo(const char *conninfo, char *err, size_t errlen)
+{
+    char *msg = NULL;
+    PQconninfoOption *opts = PQconninfoParse(conninfo, &msg);
+    if (opts) {
+        PQconninfoFree(opts);
+        return 0;
+    }
+    /* libpq quotes fragments of the string in its message; drop them, since
+     * the string may contain a password. */
+    char clean[256];
+    size_t o = 0;
+    bool quoted = false;
+    for (const char *p = msg ? msg : "out of memory"; *p && o + 4 < sizeof(clean); p++) {
+        if (*p == '"') {
+            if (!quoted) {
+                memcpy(clean + o, "\"...", 4);
+                o += 4;
+            } else {
+                clean[o++] = '"';
+            }
+            quoted = !quoted;
+        } else if (!quoted && *p != '\n') {
+            clean[o++] = *p;
+        }
+    }
+    clean[o] = '\0';
+    PQfreemem(msg);
+    snprintf(err, errlen, "postgres.conninfo is not a valid libpq conninfo: %s", clean);
+    return -1;
+}
+
+int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_pg_callbacks *cb,
+               void *arg, struct obx_pg **out, char *err, size_t errlen)
+{
+    struct obx_pg *pg;
+    if (obx_pg_check_conninfo(cfg->pg_conninfo, err, errlen) != 0)
+        return -1;
+    pg = calloc(1, sizeof(*pg));
+    if (!pg || !(pg->conninfo = strdup(cfg->pg_conninfo))) {
+        free(pg);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    pg->loop = loop;
+    pg->cb = *cb;
+    pg->arg = arg;
+    pg->on_sent = cfg->on_sent;
+    pg->statement_timeout_ms = cfg->pg_statement_timeout_ms;
+    pg->backoff_min_ms = cfg->pg_backoff_min_ms;
+    pg->backoff_max_ms = cfg->pg_backoff_max_ms;
+    pg->state = OBX_PG_DISCONNECTED;
+    uv_timer_init(loop, &pg->timer);
+    pg->timer.data = pg;
+    *out = pg;
+    return 0;
+}
+
+void obx_pg_start(struct obx_pg *pg)
+{
+    if (pg->state == OBX_PG_DISCONNECTED && !pg->conn)
+        start_connect(pg);
+}
+
+static void on_pg_timer_closed(uv_handle_t *h)
+{
+    struct obx_pg *pg = h->data;
+    free(pg->buf);
+    free(pg->conninfo);
+    free(pg);
+}
+
+void obx_pg_close(struct obx_pg *pg)
+{
+    if (!pg || pg->state == OBX_PG_CLOSED)
+        return;
+    set_state(pg, OBX_PG_CLOSED, "close");
+    unwatch(pg);
+    PQclear(pg->result);
+    pg->result = NULL;
+    if (pg->conn)
+        PQfinish(pg->conn);
+    pg->conn = NULL;
+    uv_close((uv_handle_t *)&pg->timer, on_pg_timer_closed);
+}
+
+/* Formats ids as a bigint[] literal "{1,2,3}" into pg->buf. */
+static const char *format_id_array(struct obx_pg *pg, const int64_t *ids, size_t n)
+{
+    size_t need = 3 + n * 21;
+    if (need > pg->buf_cap) {
+        char *grown = realloc(pg->buf, need);
+        if (!grown)
+            return NULL;
+        pg->buf = grown;
+        pg->buf_cap = need;
+    }
+    char *p = pg->buf;
+    *p++ = '{';
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0)
+            *p++ = ',';
+        p += snprintf(p, 21, "%lld", (long long)ids[i]);
+    }
+    *p++ = '}';
+    *p = '\0';
+    return pg->buf;
+}
+
+static int send_statement(struct obx_pg *pg, const char *sql, int nparams,
+                          const char *const *values, int result_format)
+{
+    if (pg->state != OBX_PG_READY)
+        return -1;
+    if (!PQsendQueryParams(pg->conn, sql, nparams, NULL, values, NULL, NULL, result_format)) {
+        disconnect_with_error(pg, "send failed");
+        return -1;
+    }
+    set_state(pg, OBX_PG_BUSY, "statement sent");
+    int f = PQflush(pg->conn);
+    if (f < 0 || watch(pg, UV_READABLE | (f == 1 ? UV_WRITABLE : 0)) != 0) {
+        disconnect_with_error(pg, "write failed");
+        return -1;
+    }
+    return 0;
+}
+
+int obx_pg_send_fetch(struct obx_pg *pg, const int64_t *exclude, size_t n_exclude, int limit)
+{
+    char limit_text[16];
+    const char *values[2];
+    values[0] = format_id_array(pg, exclude, n_exclude);
+    if (!values[0]) {
+        obx_error("postgres: out of memory building the fetch");
+        return -1;
+    }
+    snprintf(limit_text, sizeof(limit_text), "%d", limit);
+    values[1] = limit_text;
+    return send_statement(pg, SQL_FETCH, 2, values, 1);
+}
+
+int obx_pg_send_mark(struct obx_pg *pg, const int64_t *ids, size_t n)
+{
+    const char *values[1];
+    values[0] = format_id_array(pg, ids, n);
+    if (!values[0]) {
+        obx_error("postgres: out of memory building the mark");
+        return -1;
+    }
+    return send_statement(pg, pg->on_sent == OBX_ON_SENT_DELETE ? SQL_DELETE : SQL_MARK, 1, values,
+                          0);
+}
