@@ -1,0 +1,709 @@
+/*
+ * Integration test harness: see harness.h.
+ */
+#include "harness.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <grp.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <librdkafka/rdkafka.h>
+
+extern char **environ;
+
+int64_t h_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void h_sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Postgres refuses to run as root: as root, servers run as "postgres". */
+static struct passwd *server_user(void)
+{
+    if (geteuid() != 0)
+        return NULL;
+    struct passwd *pw = getpwnam("postgres");
+    if (!pw)
+        fail_msg("running as root but there is no 'postgres' user to run the server as");
+    return pw;
+}
+
+/* In a forked child: drop to the server user, die with the parent. */
+static void child_prepare(struct passwd *pw, int deathsig)
+{
+    if (pw) {
+        if (setgid(pw->pw_gid) != 0 || initgroups(pw->pw_name, pw->pw_gid) != 0 ||
+            setuid(pw->pw_uid) != 0)
+            _exit(126);
+    }
+    prctl(PR_SET_PDEATHSIG, deathsig);
+    if (getppid() == 1)
+        _exit(126);
+}
+
+static int wait_exit(pid_t pid, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    int status;
+    for (;;) {
+        pid_t r = waitpid(pid, &status, WNOHANG);
+        if (r == pid)
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (r < 0)
+            return -2;
+        if (h_now_ms() > deadline)
+            return -1;
+        h_sleep_ms(20);
+    }
+}
+
+/* Runs argv to completion as the server user (or ourselves); returns status. */
+static int run_as_server(char *const argv[], const char *out_path)
+{
+    struct passwd *pw = server_user();
+    pid_t pid = fork();
+    if (pid < 0)
+        fail_msg("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_prepare(pw, SIGKILL);
+        int fd = open(out_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return wait_exit(pid, 120000);
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    if (!f)
+        fail_msg("cannot write %s: %s", path, strerror(errno));
+    fputs(text, f);
+    fclose(f);
+}
+
+void h_pg_start(struct h_env *e)
+{
+    char data[300], log[300], sockdir[300];
+    struct passwd *pw = server_user();
+
+    snprintf(data, sizeof(data), "%s/pgdata", e->dir);
+    snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
+    snprintf(sockdir, sizeof(sockdir), "%s", e->dir);
+    if (access(data, F_OK) != 0) {
+        char *const initdb[] = {PG_BINDIR "/initdb", "-D",        data, "-A",   "trust",      "-U",
+                                "postgres",          "--no-sync", "-E", "UTF8", "--locale=C", NULL};
+        int rc = run_as_server(initdb, log);
+        if (rc != 0)
+            fail_msg("initdb failed (%d), see %s", rc, log);
+    }
+    pid_t pid = fork();
+    if (pid < 0)
+        fail_msg("fork: %s", strerror(errno));
+    if (pid == 0) {
+        /* SIGINT = fast shutdown when the test process dies. */
+        child_prepare(pw, SIGINT);
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        char *const argv[] = {PG_BINDIR "/postgres",
+                              "-D",
+                              data,
+                              "-k",
+                              sockdir,
+                              "-c",
+                              "listen_addresses=",
+                              "-c",
+                              "fsync=off",
+                              "-c",
+                              "max_connections=60",
+                              NULL};
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    e->pg_pid = pid;
+    snprintf(e->conninfo, sizeof(e->conninfo), "host=%s port=5432 user=postgres dbname=postgres",
+             e->dir);
+    int64_t deadline = h_now_ms() + 30000;
+    while (PQping(e->conninfo) != PQPING_OK) {
+        if (h_now_ms() > deadline || waitpid(pid, NULL, WNOHANG) == pid)
+            fail_msg("postgres did not start, see %s", log);
+        h_sleep_ms(50);
+    }
+}
+
+void h_pg_stop(struct h_env *e)
+{
+    if (e->pg_pid <= 0)
+        return;
+    kill(e->pg_pid, SIGINT);
+    if (wait_exit(e->pg_pid, 30000) == -1) {
+        kill(e->pg_pid, SIGKILL);
+        wait_exit(e->pg_pid, 5000);
+    }
+    e->pg_pid = 0;
+}
+
+static int name_cmp(const struct dirent **a, const struct dirent **b)
+{
+    return strcmp((*a)->d_name, (*b)->d_name);
+}
+
+static int is_sql_file(const struct dirent *d)
+{
+    size_t n = strlen(d->d_name);
+    return n > 4 && strcmp(d->d_name + n - 4, ".sql") == 0;
+}
+
+/* Applies the sql/ files in file-name order with psql, as the README says. */
+static void apply_migrations(struct h_env *e)
+{
+    struct dirent **list;
+    char log[300];
+    int n = scandir(OBX_SOURCE_DIR "/sql", &list, is_sql_file, name_cmp);
+    if (n <= 0)
+        fail_msg("no migrations in " OBX_SOURCE_DIR "/sql");
+    snprintf(log, sizeof(log), "%s/psql.log", e->dir);
+    for (int i = 0; i < n; i++) {
+        char file[600];
+        snprintf(file, sizeof(file), OBX_SOURCE_DIR "/sql/%s", list[i]->d_name);
+        char *const argv[] = {PG_BINDIR "/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d",
+                              e->conninfo,       "-f", file, NULL};
+        int rc = run_as_server(argv, log);
+        if (rc != 0)
+            fail_msg("psql -f %s failed (%d), see %s", file, rc, log);
+        free(list[i]);
+    }
+    free(list);
+}
+
+static void broker_start(struct h_env *e, const char *const *topics)
+{
+    int in[2], out[2];
+    char *argv[80];
+    int argc = 0;
+    char line[sizeof(e->bootstrap) - 32];
+
+    argv[argc++] = OBX_BINARY_DIR "/tests/obx-mock-broker";
+    for (int i = 0; topics && topics[i] && argc < 76; i++) {
+        argv[argc++] = "-t";
+        argv[argc++] = (char *)topics[i];
+    }
+    argv[argc] = NULL;
+    if (pipe(in) != 0 || pipe(out) != 0)
+        fail_msg("pipe: %s", strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0)
+        fail_msg("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_prepare(NULL, SIGTERM);
+        dup2(in[0], 0);
+        dup2(out[1], 1);
+        close(in[1]);
+        close(out[0]);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    e->broker_pid = pid;
+    e->broker_in = fdopen(in[1], "w");
+    e->broker_out = fdopen(out[0], "r");
+    if (!fgets(line, sizeof(line), e->broker_out) || strncmp(line, "bootstrap ", 10) != 0)
+        fail_msg("mock broker did not start");
+    line[strcspn(line, "\r\n")] = '\0';
+    snprintf(e->bootstrap, sizeof(e->bootstrap), "%s", line + 10);
+}
+
+bool h_broker_cmd(struct h_env *e, const char *fmt, ...)
+{
+    char reply[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(e->broker_in, fmt, ap);
+    va_end(ap);
+    fputc('\n', e->broker_in);
+    fflush(e->broker_in);
+    if (!fgets(reply, sizeof(reply), e->broker_out))
+        return false;
+    return strncmp(reply, "ok", 2) == 0;
+}
+
+void h_env_start(struct h_env *e, const char *const *topics)
+{
+    struct passwd *pw = server_user();
+    memset(e, 0, sizeof(*e));
+    snprintf(e->dir, sizeof(e->dir), "/tmp/obx-it-XXXXXX");
+    if (!mkdtemp(e->dir))
+        fail_msg("mkdtemp: %s", strerror(errno));
+    if (pw && chown(e->dir, pw->pw_uid, pw->pw_gid) != 0)
+        fail_msg("chown %s: %s", e->dir, strerror(errno));
+    chmod(e->dir, 0755);
+    h_pg_start(e);
+    apply_migrations(e);
+    broker_start(e, topics);
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+void h_env_stop(struct h_env *e)
+{
+    if (e->relay_pid > 0) {
+        kill(e->relay_pid, SIGKILL);
+        wait_exit(e->relay_pid, 10000);
+        e->relay_pid = 0;
+    }
+    if (e->broker_pid > 0) {
+        kill(e->broker_pid, SIGTERM);
+        if (wait_exit(e->broker_pid, 10000) == -1) {
+            kill(e->broker_pid, SIGKILL);
+            wait_exit(e->broker_pid, 5000);
+        }
+        e->broker_pid = 0;
+    }
+    if (e->broker_in)
+        fclose(e->broker_in);
+    if (e->broker_out)
+        fclose(e->broker_out);
+    e->broker_in = e->broker_out = NULL;
+    h_pg_stop(e);
+    if (e->dir[0]) {
+        if (getenv("OBX_IT_KEEP"))
+            fprintf(stderr, "keeping %s\n", e->dir);
+        else
+            nftw(e->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        e->dir[0] = '\0';
+    }
+}
+
+void h_relay_start(struct h_env *e, const char *failpoints, const char *const *xargs)
+{
+    char conf[300], log[300], text[2048];
+    char *argv[64];
+    char *envp[256];
+    char fpvar[512];
+    int argc = 0, envc = 0;
+
+    snprintf(conf, sizeof(conf), "%s/outboxd.conf", e->dir);
+    snprintf(log, sizeof(log), "%s/relay.log", e->dir);
+    snprintf(text, sizeof(text),
+             "# written by the integration test harness\n"
+             "postgres.conninfo = %s\n"
+             "kafka.bootstrap.servers = %s\n"
+             "postgres.reconnect_backoff_min = 50ms\n"
+             "postgres.reconnect_backoff_max = 500ms\n"
+             "relay.poll_interval = 500ms\n"
+             "relay.retry_backoff = 200ms\n"
+             "shutdown.timeout = 20s\n"
+             "log.level = info\n",
+             e->conninfo, e->bootstrap);
+    write_file(conf, text);
+
+    argv[argc++] = OBX_BINARY_DIR "/outboxd";
+    argv[argc++] = "--config";
+    argv[argc++] = conf;
+    for (int i = 0; xargs && xargs[i] && argc < 60; i++) {
+        argv[argc++] = "-X";
+        argv[argc++] = (char *)xargs[i];
+    }
+    argv[argc] = NULL;
+    /* The child's environment: ours without OUTBOXD_*, plus the failpoints. */
+    for (char **v = environ; *v && envc < 250; v++)
+        if (strncmp(*v, "OUTBOXD_", 8) != 0)
+            envp[envc++] = *v;
+    if (failpoints) {
+        snprintf(fpvar, sizeof(fpvar), "OUTBOXD_FAILPOINTS=%s", failpoints);
+        envp[envc++] = fpvar;
+    }
+    envp[envc] = NULL;
+
+    pid_t pid = fork();
+    if (pid < 0)
+        fail_msg("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_prepare(NULL, SIGKILL);
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execve(argv[0], argv, envp);
+        _exit(127);
+    }
+    e->relay_pid = pid;
+    e->relay_starts++;
+}
+
+int h_relay_wait(struct h_env *e, int timeout_ms)
+{
+    if (e->relay_pid <= 0)
+        return -2;
+    int rc = wait_exit(e->relay_pid, timeout_ms);
+    if (rc == -1) {
+        kill(e->relay_pid, SIGKILL);
+        wait_exit(e->relay_pid, 5000);
+    }
+    e->relay_pid = 0;
+    return rc;
+}
+
+int h_relay_stop(struct h_env *e, int sig, int timeout_ms)
+{
+    if (e->relay_pid <= 0)
+        return -2;
+    kill(e->relay_pid, sig);
+    return h_relay_wait(e, timeout_ms);
+}
+
+bool h_relay_log_contains(struct h_env *e, const char *needle)
+{
+    char path[300], line[4096];
+    bool found = false;
+    snprintf(path, sizeof(path), "%s/relay.log", e->dir);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}
+
+PGconn *h_connect(struct h_env *e)
+{
+    PGconn *c = PQconnectdb(e->conninfo);
+    if (PQstatus(c) != CONNECTION_OK)
+        fail_msg("connect: %s", PQerrorMessage(c));
+    return c;
+}
+
+static PGresult *vexec(PGconn *c, const char *fmt, va_list ap)
+{
+    char sql[8192];
+    vsnprintf(sql, sizeof(sql), fmt, ap);
+    PGresult *r = PQexec(c, sql);
+    ExecStatusType st = PQresultStatus(r);
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
+        fail_msg("SQL failed: %s\n  %s", PQresultErrorMessage(r), sql);
+    return r;
+}
+
+void h_sql(PGconn *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    PQclear(vexec(c, fmt, ap));
+    va_end(ap);
+}
+
+int64_t h_sql_int(PGconn *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    PGresult *r = vexec(c, fmt, ap);
+    va_end(ap);
+    int64_t v = 0;
+    if (PQntuples(r) > 0 && !PQgetisnull(r, 0, 0))
+        v = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+    PQclear(r);
+    return v;
+}
+
+int64_t h_enqueue(PGconn *c, const char *topic, const char *key, const void *payload,
+                  size_t payload_len, const char *headers_json)
+{
+    const char *values[4] = {topic, key, payload, headers_json ? headers_json : "{}"};
+    int lengths[4] = {0, 0, (int)payload_len, 0};
+    int formats[4] = {0, 0, 1, 0};
+    PGresult *r = PQexecParams(c, "SELECT outbox.enqueue($1, $2, $3::bytea, $4::jsonb)", 4, NULL,
+                               values, lengths, formats, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        fail_msg("enqueue failed: %s", PQresultErrorMessage(r));
+    int64_t id = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+    PQclear(r);
+    return id;
+}
+
+bool h_wait_drained(struct h_env *e, int timeout_ms)
+{
+    PGconn *c = h_connect(e);
+    int64_t deadline = h_now_ms() + timeout_ms;
+    bool drained = false;
+    while (!drained && h_now_ms() < deadline) {
+        drained = h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL") == 0;
+        if (!drained)
+            h_sleep_ms(100);
+    }
+    PQfinish(c);
+    return drained;
+}
+
+static char *dup_bytes(const void *p, size_t n)
+{
+    char *d = malloc(n + 1);
+    if (!d)
+        fail_msg("out of memory");
+    if (n)
+        memcpy(d, p, n);
+    d[n] = '\0';
+    return d;
+}
+
+static void records_add(struct h_records *out, const rd_kafka_message_t *m)
+{
+    if (out->n == out->cap) {
+        out->cap = out->cap ? out->cap * 2 : 1024;
+        out->v = realloc(out->v, out->cap * sizeof(*out->v));
+        if (!out->v)
+            fail_msg("out of memory");
+    }
+    struct h_record *r = &out->v[out->n++];
+    memset(r, 0, sizeof(*r));
+    r->topic = strdup(rd_kafka_topic_name(m->rkt));
+    r->partition = m->partition;
+    r->offset = m->offset;
+    r->key = m->key ? dup_bytes(m->key, m->key_len) : NULL;
+    r->key_len = m->key_len;
+    r->value = m->payload ? dup_bytes(m->payload, m->len) : NULL;
+    r->value_len = m->len;
+    r->outbox_id = -1;
+    rd_kafka_headers_t *hdrs;
+    if (rd_kafka_message_headers(m, &hdrs) == RD_KAFKA_RESP_ERR_NO_ERROR) {
+        size_t cnt = rd_kafka_header_cnt(hdrs);
+        r->headers = calloc(cnt ? cnt : 1, sizeof(*r->headers));
+        const char *name;
+        const void *val;
+        size_t len;
+        for (size_t i = 0; rd_kafka_header_get_all(hdrs, i, &name, &val, &len) == 0; i++) {
+            r->headers[i].name = strdup(name);
+            r->headers[i].value = val ? dup_bytes(val, len) : NULL;
+            r->headers[i].value_len = len;
+            r->nheaders++;
+            if (strcmp(name, "outbox-id") == 0 && val)
+                r->outbox_id = strtoll(r->headers[i].value, NULL, 10);
+        }
+    }
+}
+
+void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out)
+{
+    char err[512];
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    rd_kafka_conf_set(conf, "bootstrap.servers", e->bootstrap, err, sizeof(err));
+    rd_kafka_conf_set(conf, "group.id", "obx-it-reader", err, sizeof(err));
+    rd_kafka_conf_set(conf, "enable.partition.eof", "true", err, sizeof(err));
+    rd_kafka_conf_set(conf, "enable.auto.commit", "false", err, sizeof(err));
+    rd_kafka_conf_set(conf, "log_level", "3", err, sizeof(err));
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof(err));
+    if (!rk)
+        fail_msg("consumer: %s", err);
+    rd_kafka_poll_set_consumer(rk);
+
+    rd_kafka_topic_partition_list_t *parts = rd_kafka_topic_partition_list_new(16);
+    for (int t = 0; topics[t]; t++) {
+        const struct rd_kafka_metadata *md = NULL;
+        rd_kafka_topic_t *rkt = rd_kafka_topic_new(rk, topics[t], NULL);
+        int64_t deadline = h_now_ms() + 15000;
+        for (;;) {
+            rd_kafka_resp_err_t me = rd_kafka_metadata(rk, 0, rkt, &md, 5000);
+            if (me == 0 && md->topic_cnt == 1 && md->topics[0].err == 0 &&
+                md->topics[0].partition_cnt > 0)
+                break;
+            if (me == 0)
+                rd_kafka_metadata_destroy(md);
+            md = NULL;
+            if (h_now_ms() > deadline)
+                fail_msg("no metadata for topic %s", topics[t]);
+            h_sleep_ms(100);
+        }
+        for (int p = 0; p < md->topics[0].partition_cnt; p++)
+            rd_kafka_topic_partition_list_add(parts, topics[t], p)->offset =
+                RD_KAFKA_OFFSET_BEGINNING;
+        rd_kafka_metadata_destroy(md);
+        rd_kafka_topic_destroy(rkt);
+    }
+    int total = parts->cnt;
+    rd_kafka_assign(rk, parts);
+
+    /* Read until every partition has reported its end. */
+    char *at_eof = calloc((size_t)total, 1);
+    int eofs = 0;
+    int64_t deadline = h_now_ms() + 60000;
+    while (eofs < total) {
+        if (h_now_ms() > deadline)
+            fail_msg("reading Kafka timed out (%d of %d partitions at end)", eofs, total);
+        rd_kafka_message_t *m = rd_kafka_consumer_poll(rk, 200);
+        if (!m)
+            continue;
+        if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF) {
+            for (int i = 0; i < total; i++) {
+                if (!at_eof[i] && parts->elems[i].partition == m->partition &&
+                    strcmp(parts->elems[i].topic, rd_kafka_topic_name(m->rkt)) == 0) {
+                    at_eof[i] = 1;
+                    eofs++;
+                }
+            }
+        } else if (m->err) {
+            fprintf(stderr, "consumer: %s\n", rd_kafka_message_errstr(m));
+        } else {
+            records_add(out, m);
+        }
+        rd_kafka_message_destroy(m);
+    }
+    rd_kafka_topic_partition_list_destroy(parts);
+    free(at_eof);
+    rd_kafka_consumer_close(rk);
+    rd_kafka_destroy(rk);
+}
+
+void h_records_free(struct h_records *r)
+{
+    for (size_t i = 0; i < r->n; i++) {
+        struct h_record *x = &r->v[i];
+        free(x->topic);
+        free(x->key);
+        free(x->value);
+        for (size_t j = 0; j < x->nheaders; j++) {
+            free(x->headers[j].name);
+            free(x->headers[j].value);
+        }
+        free(x->headers);
+    }
+    free(r->v);
+    memset(r, 0, sizeof(*r));
+}
+
+const struct h_header *h_record_header(const struct h_record *r, const char *name)
+{
+    for (size_t i = 0; i < r->nheaders; i++)
+        if (strcmp(r->headers[i].name, name) == 0)
+            return &r->headers[i];
+    return NULL;
+}
+
+static int cmp_record_id(const void *a, const void *b)
+{
+    const struct h_record *x = *(const struct h_record *const *)a;
+    const struct h_record *y = *(const struct h_record *const *)b;
+    return x->outbox_id < y->outbox_id ? -1 : x->outbox_id > y->outbox_id;
+}
+
+size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
+                                bool allow_duplicates)
+{
+    PGconn *c = h_connect(e);
+    PGresult *r = PQexecParams(c, "SELECT id, topic, key, payload FROM outbox.events ORDER BY id",
+                               0, NULL, NULL, NULL, NULL, 1);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        fail_msg("reading outbox.events: %s", PQresultErrorMessage(r));
+    int nrows = PQntuples(r);
+
+    /* Kafka records sorted by outbox id, to walk both in id order. */
+    const struct h_record **byid = malloc((recs->n + 1) * sizeof(*byid));
+    for (size_t i = 0; i < recs->n; i++) {
+        if (recs->v[i].outbox_id < 0)
+            fail_msg("a record in %s has no outbox-id header", recs->v[i].topic);
+        byid[i] = &recs->v[i];
+    }
+    qsort(byid, recs->n, sizeof(*byid), cmp_record_id);
+
+    size_t k = 0, dups = 0;
+    for (int i = 0; i < nrows; i++) {
+        const char *idp = PQgetvalue(r, i, 0);
+        int64_t id = 0;
+        for (int b = 0; b < 8; b++)
+            id = (id << 8) | (unsigned char)idp[b];
+        while (k < recs->n && byid[k]->outbox_id < id)
+            fail_msg("Kafka has a record for id %lld, which is not in outbox.events",
+                     (long long)byid[k]->outbox_id);
+        if (k >= recs->n || byid[k]->outbox_id != id)
+            fail_msg("row %lld was not published (lost)", (long long)id);
+        size_t copies = 0;
+        for (; k < recs->n && byid[k]->outbox_id == id; k++, copies++) {
+            const struct h_record *x = byid[k];
+            const char *topic = PQgetvalue(r, i, 1);
+            if (strcmp(x->topic, topic) != 0)
+                fail_msg("row %lld: topic %s in Kafka, %s in Postgres", (long long)id, x->topic,
+                         topic);
+            bool key_null = PQgetisnull(r, i, 2);
+            if (key_null != (x->key == NULL) ||
+                (!key_null && ((size_t)PQgetlength(r, i, 2) != x->key_len ||
+                               memcmp(PQgetvalue(r, i, 2), x->key, x->key_len) != 0)))
+                fail_msg("row %lld: key differs", (long long)id);
+            bool val_null = PQgetisnull(r, i, 3);
+            if (val_null != (x->value == NULL) ||
+                (!val_null && ((size_t)PQgetlength(r, i, 3) != x->value_len ||
+                               memcmp(PQgetvalue(r, i, 3), x->value, x->value_len) != 0)))
+                fail_msg("row %lld: payload differs", (long long)id);
+        }
+        if (copies > 1) {
+            if (!allow_duplicates)
+                fail_msg("row %lld was published %zu times", (long long)id, copies);
+            dups += copies - 1;
+        }
+    }
+    if (k < recs->n)
+        fail_msg("Kafka has a record for id %lld, which is not in outbox.events",
+                 (long long)byid[k]->outbox_id);
+
+    /* Per-key order: records of one (topic, key) share a partition, and
+     * their offsets increase with the id (byid is in id order). */
+    for (size_t i = 0; i < recs->n; i++) {
+        const struct h_record *a = byid[i];
+        if (!a->key || (i > 0 && byid[i - 1]->outbox_id == a->outbox_id))
+            continue; /* only the first copy of a duplicate counts for order */
+        for (size_t j = i + 1; j < recs->n; j++) {
+            const struct h_record *b = byid[j];
+            if (!b->key || b->outbox_id == a->outbox_id || b->key_len != a->key_len ||
+                memcmp(a->key, b->key, a->key_len) != 0 || strcmp(a->topic, b->topic) != 0)
+                continue;
+            if (b->partition != a->partition)
+                fail_msg("key %s of %s is in partitions %d and %d", a->key, a->topic, a->partition,
+                         b->partition);
+            if (b->offset < a->offset)
+                fail_msg("key %s: id %lld (offset %lld) comes after id %lld (offset %lld)", a->key,
+                         (long long)b->outbox_id, (long long)b->offset, (long long)a->outbox_id,
+                         (long long)a->offset);
+            break; /* the next of this key is checked from there */
+        }
+    }
+    free(byid);
+    PQclear(r);
+    PQfinish(c);
+    return dups;
+}

@@ -1,0 +1,109 @@
+/*
+ * Integration test harness: a throwaway PostgreSQL, the mock Kafka broker
+ * process and the real outboxd binary, all children of the test process.
+ *
+ * Every child gets PR_SET_PDEATHSIG, so even a test process killed by a
+ * signal leaves no server behind; h_env_stop() stops them in order and
+ * removes the temporary directory.
+ */
+#ifndef OBX_IT_HARNESS_H
+#define OBX_IT_HARNESS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#include <libpq-fe.h>
+
+struct h_env {
+    char dir[256];
+    char conninfo[512];
+    pid_t pg_pid;
+    pid_t broker_pid;
+    FILE *broker_in, *broker_out;
+    char bootstrap[512];
+    pid_t relay_pid;
+    int relay_starts;
+};
+
+struct h_header {
+    char *name;
+    char *value; /* NULL for a null header value */
+    size_t value_len;
+};
+
+struct h_record {
+    char *topic;
+    int32_t partition;
+    int64_t offset;
+    char *key; /* NULL = no key */
+    size_t key_len;
+    char *value; /* NULL = tombstone */
+    size_t value_len;
+    int64_t outbox_id; /* from the outbox-id header; -1 if missing */
+    struct h_header *headers;
+    size_t nheaders;
+};
+
+struct h_records {
+    struct h_record *v;
+    size_t n, cap;
+};
+
+/* Starts Postgres (schema applied) and the broker with `topics`
+ * ("name:partitions" strings, NULL-terminated). Fails the test on error. */
+void h_env_start(struct h_env *e, const char *const *topics);
+/* Stops everything that runs and removes the directory. Safe to call twice. */
+void h_env_stop(struct h_env *e);
+
+void h_pg_start(struct h_env *e);
+void h_pg_stop(struct h_env *e); /* fast shutdown */
+
+/* Sends a control command to the broker; returns true on "ok". */
+bool h_broker_cmd(struct h_env *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Starts outboxd with the env's config plus extra -X settings (NULL-ended);
+ * `failpoints` may be NULL. Output goes to DIR/relay.log. */
+void h_relay_start(struct h_env *e, const char *failpoints, const char *const *xargs);
+/* Sends `sig` and waits up to timeout_ms; returns the exit status as
+ * WEXITSTATUS, 128+signal if killed, or -1 on timeout (then SIGKILLs). */
+int h_relay_stop(struct h_env *e, int sig, int timeout_ms);
+/* Waits for the relay to exit by itself; same return values. */
+int h_relay_wait(struct h_env *e, int timeout_ms);
+/* True if DIR/relay.log contains `needle`. */
+bool h_relay_log_contains(struct h_env *e, const char *needle);
+
+PGconn *h_connect(struct h_env *e);
+/* Runs SQL that must succeed; returns the first column of the first row as
+ * int64 (0 if none). */
+int64_t h_sql_int(PGconn *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void h_sql(PGconn *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Enqueues one row through outbox.enqueue(bytea); key/payload may be NULL.
+ * headers_json NULL = default. Returns the id. */
+int64_t h_enqueue(PGconn *c, const char *topic, const char *key, const void *payload,
+                  size_t payload_len, const char *headers_json);
+
+/* Polls until no row is unsent (and at least `min_rows` exist, when marking)
+ * or the timeout passes; returns true when drained. */
+bool h_wait_drained(struct h_env *e, int timeout_ms);
+
+/* Reads every record of `topics` (NULL-terminated names) from the start to
+ * the end of each partition. */
+void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out);
+void h_records_free(struct h_records *r);
+const struct h_header *h_record_header(const struct h_record *r, const char *name);
+
+/* Checks, against the rows still in outbox.events (mark mode): every row is
+ * in Kafka exactly `once` (or at least once when allow_duplicates), with the
+ * same topic, key and payload, nothing else is in Kafka, and records of one
+ * key sit in one partition in id order. Returns the number of duplicates. */
+size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
+                                bool allow_duplicates);
+
+int64_t h_now_ms(void);
+void h_sleep_ms(int ms);
+
+#endif

@@ -1,0 +1,665 @@
+/*
+ * Integration tests of the core relay: the real outboxd binary, a real
+ * PostgreSQL and the mock Kafka broker process.
+ *
+ *   it_relay [SCENARIO]   runs one scenario (ctest runs each on its own)
+ */
+#include "harness.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+static struct h_env env;
+
+static int setup_env(void **state)
+{
+    (void)state;
+    return 0;
+}
+
+static int teardown_env(void **state)
+{
+    (void)state;
+    h_env_stop(&env);
+    return 0;
+}
+
+/* ---- deterministic rows: writer w, sequence s ---- */
+
+#define TOPICS_3 ((const char *const[]){"it.a", "it.b", "it.c", NULL})
+
+struct gen_row {
+    char topic[16];
+    char key[32];
+    bool key_null;
+    unsigned char payload[256];
+    size_t payload_len;
+    bool payload_null;
+    char traceparent[64];
+    char headers[256];
+};
+
+static void gen(int w, int s, struct gen_row *g)
+{
+    memset(g, 0, sizeof(*g));
+    snprintf(g->topic, sizeof(g->topic), "%s", TOPICS_3[(w + s) % 3]);
+    g->key_null = s % 10 == 3;
+    snprintf(g->key, sizeof(g->key), "key-%d", (w * 7 + s) % 40);
+    g->payload_null = s % 13 == 5;
+    g->payload_len = g->payload_null ? 0 : (size_t)(s % 50); /* includes empty */
+    for (size_t i = 0; i < g->payload_len; i++)
+        g->payload[i] = (unsigned char)((w * 31 + s * 17 + (int)i) & 0xff); /* NULs too */
+    snprintf(g->traceparent, sizeof(g->traceparent), "00-%032x-%016x-01", w * 100000 + s,
+             s * 7 + 1);
+    snprintf(g->headers, sizeof(g->headers),
+             "{\"w\": \"%d\", \"s\": \"%d\", \"traceparent\": \"%s\", \"n\": %d, \"ok\": true}", w,
+             s, g->traceparent, s);
+}
+
+struct writer {
+    struct h_env *env;
+    int w;
+    int count;       /* rows to write; 0 = until stop */
+    int rows_per_tx; /* 1..n */
+    int hot_keys;    /* if > 0: topic it.race, key hot-(s % hot_keys) */
+    atomic_int *stop;
+    int written; /* committed rows */
+    int failures;
+    char error[256];
+};
+
+static bool exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    bool ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+    PQclear(r);
+    return ok;
+}
+
+/* Writes rows of (w, s) in transactions; survives lost connections when
+ * running until `stop` (the restart scenarios). */
+static void *writer_main(void *arg)
+{
+    struct writer *wr = arg;
+    PGconn *c = NULL;
+    int s = 0;
+    while ((wr->count == 0 || s < wr->count) && !(wr->stop && atomic_load(wr->stop))) {
+        if (!c || PQstatus(c) != CONNECTION_OK) {
+            PQfinish(c);
+            c = PQconnectdb(wr->env->conninfo);
+            if (PQstatus(c) != CONNECTION_OK) {
+                wr->failures++;
+                h_sleep_ms(50);
+                continue;
+            }
+        }
+        bool ok = exec_ok(c, "BEGIN");
+        int n = 0;
+        for (; ok && n < wr->rows_per_tx && (wr->count == 0 || s + n < wr->count); n++) {
+            struct gen_row g;
+            gen(wr->w, s + n, &g);
+            if (wr->hot_keys > 0) {
+                snprintf(g.topic, sizeof(g.topic), "it.race");
+                snprintf(g.key, sizeof(g.key), "hot-%d", (s + n) % wr->hot_keys);
+                g.key_null = false;
+            }
+            const char *values[4] = {g.topic, g.key_null ? NULL : g.key,
+                                     g.payload_null ? NULL : (const char *)g.payload, g.headers};
+            int lengths[4] = {0, 0, (int)g.payload_len, 0};
+            int formats[4] = {0, 0, 1, 0};
+            PGresult *r = PQexecParams(c, "SELECT outbox.enqueue($1, $2, $3::bytea, $4::jsonb)", 4,
+                                       NULL, values, lengths, formats, 0);
+            ok = PQresultStatus(r) == PGRES_TUPLES_OK;
+            if (!ok)
+                snprintf(wr->error, sizeof(wr->error), "%s", PQresultErrorMessage(r));
+            PQclear(r);
+        }
+        if (ok && exec_ok(c, "COMMIT")) {
+            s += n;
+            wr->written += n;
+        } else {
+            wr->failures++;
+            if (!wr->stop)
+                break; /* a plain run must not fail */
+            h_sleep_ms(20);
+        }
+    }
+    PQfinish(c);
+    return NULL;
+}
+
+static void run_writers(struct writer *ws, int n)
+{
+    pthread_t t[32];
+    for (int i = 0; i < n; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, writer_main, &ws[i]), 0);
+    for (int i = 0; i < n; i++)
+        pthread_join(t[i], NULL);
+}
+
+static void wait_drained_or_fail(int timeout_ms)
+{
+    if (!h_wait_drained(&env, timeout_ms))
+        fail_msg("rows still unsent after %d ms (see relay.log in %s)", timeout_ms, env.dir);
+}
+
+/* ---- scenarios ---- */
+
+/* Thousands of rows from concurrent writers, several topics and keys, all
+ * byte-exact in Kafka: key, NULL key, binary payload with NUL bytes, empty
+ * and NULL payloads, user headers incl. traceparent, outbox-id. */
+static void test_delivery(void **state)
+{
+    (void)state;
+    enum { WRITERS = 4, PER_WRITER = 1000 };
+    h_env_start(&env, (const char *const[]){"it.a:6", "it.b:3", "it.c:1", NULL});
+    h_relay_start(&env, NULL, NULL);
+
+    struct writer ws[WRITERS];
+    for (int i = 0; i < WRITERS; i++)
+        ws[i] = (struct writer){.env = &env, .w = i, .count = PER_WRITER, .rows_per_tx = 1 + i};
+    run_writers(ws, WRITERS);
+    for (int i = 0; i < WRITERS; i++)
+        assert_int_equal(ws[i].written, PER_WRITER);
+    wait_drained_or_fail(60000);
+
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    assert_int_equal(recs.n, WRITERS * PER_WRITER);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+
+    /* Regenerate every record from its w/s headers and compare bytes. */
+    static unsigned char seen[WRITERS][PER_WRITER];
+    memset(seen, 0, sizeof(seen));
+    for (size_t i = 0; i < recs.n; i++) {
+        const struct h_record *r = &recs.v[i];
+        const struct h_header *hw = h_record_header(r, "w"), *hs = h_record_header(r, "s");
+        assert_non_null(hw);
+        assert_non_null(hs);
+        int w = atoi(hw->value), s = atoi(hs->value);
+        assert_in_range(w, 0, WRITERS - 1);
+        assert_in_range(s, 0, PER_WRITER - 1);
+        assert_int_equal(seen[w][s]++, 0);
+        struct gen_row g;
+        gen(w, s, &g);
+        assert_string_equal(r->topic, g.topic);
+        if (g.key_null) {
+            assert_null(r->key);
+        } else {
+            assert_non_null(r->key);
+            assert_int_equal(r->key_len, strlen(g.key));
+            assert_memory_equal(r->key, g.key, r->key_len);
+        }
+        if (g.payload_null) {
+            assert_null(r->value);
+        } else {
+            assert_int_equal(r->value_len, g.payload_len);
+            if (g.payload_len)
+                assert_memory_equal(r->value, g.payload, g.payload_len);
+        }
+        /* outbox-id first, then the five members of headers. */
+        assert_int_equal(r->nheaders, 6);
+        assert_string_equal(r->headers[0].name, "outbox-id");
+        assert_true(r->outbox_id > 0);
+        assert_string_equal(h_record_header(r, "traceparent")->value, g.traceparent);
+        char n[16];
+        snprintf(n, sizeof(n), "%d", s);
+        assert_string_equal(h_record_header(r, "n")->value, n);       /* JSON number as text */
+        assert_string_equal(h_record_header(r, "ok")->value, "true"); /* JSON true as text */
+    }
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* G2: rows of rolled-back transactions (and rolled-back savepoints) are never
+ * published; the committed rows around them are. */
+static void test_rollback(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.rb:2", NULL});
+    h_relay_start(&env, NULL, NULL);
+    PGconn *c = h_connect(&env);
+    int committed = 0;
+    for (int i = 0; i < 300; i++) {
+        char p[32];
+        h_sql(c, "BEGIN");
+        snprintf(p, sizeof(p), "%s-%d", i % 3 == 0 ? "committed" : "rolled-back", i);
+        h_enqueue(c, "it.rb", "k", p, strlen(p), NULL);
+        if (i % 3 == 0) {
+            h_sql(c, "SAVEPOINT sp");
+            h_enqueue(c, "it.rb", "k", "rolled-back-savepoint", 21, NULL);
+            h_sql(c, "ROLLBACK TO SAVEPOINT sp");
+            h_sql(c, "COMMIT");
+            committed++;
+        } else {
+            h_sql(c, "ROLLBACK");
+        }
+    }
+    wait_drained_or_fail(30000);
+    h_sleep_ms(1500); /* past a poll interval: a phantom would have been fetched */
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.rb", NULL}, &recs);
+    assert_int_equal(recs.n, committed);
+    for (size_t i = 0; i < recs.n; i++)
+        assert_memory_equal(recs.v[i].value, "committed-", 10);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    PQfinish(c);
+}
+
+static PGresult *wait_result(PGconn *c, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    while (PQisBusy(c)) {
+        if (h_now_ms() > deadline)
+            fail_msg("query did not finish");
+        PQconsumeInput(c);
+        h_sleep_ms(10);
+    }
+    PGresult *r = PQgetResult(c), *extra;
+    while ((extra = PQgetResult(c)) != NULL)
+        PQclear(extra);
+    return r;
+}
+
+/* G1 + G3: a transaction holding a low id commits after higher ids were
+ * published; it is published too, and a same-key writer that waited for it
+ * comes after it in the key's partition. */
+static void test_late_commit(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.late:4", NULL});
+    h_relay_start(&env, NULL, NULL);
+    PGconn *a = h_connect(&env), *b = h_connect(&env), *c = h_connect(&env);
+
+    h_sql(a, "BEGIN");
+    int64_t low = h_enqueue(a, "it.late", "K", "first", 5, NULL);
+    int64_t high = 0;
+    for (int i = 0; i < 50; i++)
+        high = h_enqueue(b, "it.late", i % 2 ? "other" : NULL, "middle", 6, NULL);
+    assert_true(high > low);
+    /* Higher ids are published while the low one is still open. */
+    wait_drained_or_fail(20000);
+    assert_int_equal(h_sql_int(b, "SELECT count(*) FROM outbox.events WHERE sent_at IS NOT NULL"),
+                     50);
+
+    /* A second writer of key K blocks on A's per-key lock. */
+    h_sql(c, "BEGIN");
+    assert_int_equal(PQsendQuery(c, "SELECT outbox.enqueue('it.late', 'K', 'second'::bytea)"), 1);
+    h_sleep_ms(500);
+    PQconsumeInput(c);
+    assert_true(PQisBusy(c)); /* still waiting for A */
+
+    h_sql(a, "COMMIT");
+    PGresult *r = wait_result(c, 10000);
+    assert_int_equal(PQresultStatus(r), PGRES_TUPLES_OK);
+    int64_t second = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+    PQclear(r);
+    h_sql(c, "COMMIT");
+    assert_true(second > high); /* took its id after A committed */
+
+    wait_drained_or_fail(20000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.late", NULL}, &recs);
+    assert_int_equal(recs.n, 52);
+    const struct h_record *first_rec = NULL, *second_rec = NULL;
+    for (size_t i = 0; i < recs.n; i++) {
+        if (recs.v[i].outbox_id == low)
+            first_rec = &recs.v[i];
+        if (recs.v[i].outbox_id == second)
+            second_rec = &recs.v[i];
+    }
+    /* Both published, same partition, the waiting writer's record after. */
+    assert_true(first_rec && second_rec);
+    assert_true(first_rec && second_rec && first_rec->partition == second_rec->partition);
+    assert_true(first_rec && second_rec && first_rec->offset < second_rec->offset);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    PQfinish(a);
+    PQfinish(b);
+    PQfinish(c);
+}
+
+/* G3: many writers racing on a few keys; per key, Kafka order = id order =
+ * commit order, and each writer's own rows of a key stay in its order. */
+static void test_key_race(void **state)
+{
+    (void)state;
+    enum { WRITERS = 8, PER_WRITER = 300 };
+    h_env_start(&env, (const char *const[]){"it.race:5", NULL});
+    h_relay_start(&env, NULL, NULL);
+
+    struct writer ws[WRITERS];
+    for (int i = 0; i < WRITERS; i++)
+        ws[i] = (struct writer){
+            .env = &env, .w = i, .count = PER_WRITER, .rows_per_tx = 1 + i % 2, .hot_keys = 4};
+    run_writers(ws, WRITERS);
+    for (int i = 0; i < WRITERS; i++)
+        assert_int_equal(ws[i].written, PER_WRITER);
+    wait_drained_or_fail(60000);
+
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.race", NULL}, &recs);
+    assert_int_equal(recs.n, WRITERS * PER_WRITER);
+    /* Checks per-key partition and id order against Kafka offsets. */
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+}
+
+/* Counts rows in outbox.events with sent_at set. */
+static int64_t sent_count(void)
+{
+    PGconn *c = h_connect(&env);
+    int64_t n = h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NOT NULL");
+    PQfinish(c);
+    return n;
+}
+
+static void prefill(const char *topic, int rows)
+{
+    PGconn *c = h_connect(&env);
+    h_sql(c,
+          "INSERT INTO outbox.events (topic, key, payload, headers)"
+          " SELECT '%s', 'k' || (g %% 50), convert_to('row ' || g, 'UTF8'),"
+          " jsonb_build_object('g', g::text) FROM generate_series(1, %d) g",
+          topic, rows);
+    PQfinish(c);
+}
+
+static void wait_sent_at_least(int64_t n, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    while (sent_count() < n) {
+        if (h_now_ms() > deadline)
+            fail_msg("fewer than %lld rows sent after %d ms", (long long)n, timeout_ms);
+        h_sleep_ms(50);
+    }
+}
+
+/* G5 + G1 (+ no duplicates): the relay's backend is terminated, then the
+ * whole server restarts, while writers keep writing. The relay reconnects by
+ * itself; every row is published exactly once. */
+static void test_pg_restart(void **state)
+{
+    (void)state;
+    atomic_int stop = 0;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    prefill("it.a", 20000);
+    h_relay_start(&env, NULL, NULL);
+    struct writer ws[2] = {
+        {.env = &env, .w = 0, .rows_per_tx = 3, .stop = &stop},
+        {.env = &env, .w = 1, .rows_per_tx = 1, .stop = &stop},
+    };
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, writer_main, &ws[i]), 0);
+
+    wait_sent_at_least(2000, 30000);
+    PGconn *c = h_connect(&env);
+    assert_int_equal(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                                  " WHERE application_name = 'outboxd'"),
+                     1);
+    PQfinish(c);
+    int64_t before = sent_count();
+    wait_sent_at_least(before + 2000, 30000); /* reconnected and relaying */
+
+    h_pg_stop(&env);
+    h_sleep_ms(1500); /* the relay retries against a server that is down */
+    h_pg_start(&env);
+    int64_t after = sent_count();
+    wait_sent_at_least(after + 1000, 30000);
+
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    assert_true(ws[0].written + ws[1].written > 0);
+    wait_drained_or_fail(60000);
+
+    assert_true(h_relay_log_contains(&env, "connection to"));
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* G5 + G1: all brokers down for seconds while rows keep coming; the relay
+ * holds back (bounded in flight) and catches up once they are back. The mock
+ * may duplicate a batch whose acknowledgement was cut by the outage (it has
+ * no sequence checks for non-transactional producers), so duplicates are
+ * counted, not failed. */
+static void test_brokers_down(void **state)
+{
+    (void)state;
+    atomic_int stop = 0;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    prefill("it.b", 5000);
+    h_relay_start(&env, NULL, (const char *const[]){"relay.max_in_flight=2000", NULL});
+    struct writer w = {.env = &env, .w = 0, .rows_per_tx = 2, .stop = &stop};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, writer_main, &w), 0);
+    wait_sent_at_least(1000, 30000);
+
+    assert_true(h_broker_cmd(&env, "down all"));
+    h_sleep_ms(1000);
+    int64_t during = sent_count();
+    h_sleep_ms(3000);
+    /* Nothing can be acknowledged while every broker is down. */
+    assert_true(sent_count() - during <= 0);
+    assert_true(h_broker_cmd(&env, "up all"));
+    h_sleep_ms(1000);
+    atomic_store(&stop, 1);
+    pthread_join(t, NULL);
+    wait_drained_or_fail(90000);
+
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    size_t dups = h_check_db_matches_kafka(&env, &recs, true);
+    print_message("brokers down: %zu records, %zu duplicates from retried batches\n", recs.n, dups);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* SIGTERM while busy: exit 0, every record in Kafka is marked (acknowledged
+ * rows were marked before exiting), and a restarted relay publishes the rest
+ * with no row twice. */
+static void test_sigterm(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    prefill("it.c", 30000);
+    h_relay_start(&env, NULL, NULL);
+    wait_sent_at_least(3000, 30000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_true(h_relay_log_contains(&env, "draining"));
+
+    int64_t sent = sent_count();
+    assert_true(sent < 30000); /* stopped mid-stream, or the test proves nothing */
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    assert_int_equal((int64_t)recs.n, sent);
+    h_records_free(&recs);
+
+    h_relay_start(&env, NULL, NULL);
+    wait_drained_or_fail(60000);
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    assert_int_equal(recs.n, 30000);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* relay.on_sent = delete: acknowledged rows are deleted, all are in Kafka. */
+static void test_delete_mode(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    prefill("it.a", 5000);
+    h_relay_start(&env, NULL, (const char *const[]){"relay.on_sent=delete", NULL});
+    PGconn *c = h_connect(&env);
+    int64_t deadline = h_now_ms() + 60000;
+    while (h_sql_int(c, "SELECT count(*) FROM outbox.events") > 0 && h_now_ms() < deadline)
+        h_sleep_ms(100);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events"), 0);
+    PQfinish(c);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    assert_int_equal(recs.n, 5000);
+    static unsigned char seen[5001];
+    memset(seen, 0, sizeof(seen));
+    for (size_t i = 0; i < recs.n; i++) {
+        const struct h_header *g = h_record_header(&recs.v[i], "g");
+        assert_non_null(g);
+        int n = atoi(g->value);
+        assert_in_range(n, 1, 5000);
+        assert_int_equal(seen[n]++, 0);
+    }
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* A database without the outbox schema: the relay says which migration to
+ * apply, keeps retrying, and starts relaying once it is applied. */
+static void test_schema_missing(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:1", NULL});
+    PGconn *c = h_connect(&env);
+    h_sql(c, "CREATE DATABASE bare");
+    PQfinish(c);
+    char conninfo[600];
+    snprintf(conninfo, sizeof(conninfo), "postgres.conninfo=%s dbname=bare", env.conninfo);
+    h_relay_start(&env, NULL, (const char *const[]){conninfo, NULL});
+    int64_t deadline = h_now_ms() + 10000;
+    while (!h_relay_log_contains(&env, "apply sql/001_outbox.sql") && h_now_ms() < deadline)
+        h_sleep_ms(100);
+    assert_true(h_relay_log_contains(&env, "outbox schema not found"));
+    assert_true(h_relay_log_contains(&env, "apply sql/001_outbox.sql"));
+
+    /* Apply the schema to "bare"; the next attempt proceeds. */
+    char bare[600];
+    snprintf(bare, sizeof(bare), "%s dbname=bare", env.conninfo);
+    PGconn *b = PQconnectdb(bare);
+    assert_int_equal(PQstatus(b), CONNECTION_OK);
+    FILE *f = fopen(OBX_SOURCE_DIR "/sql/001_outbox.sql", "r");
+    assert_non_null(f);
+    static char sql[65536];
+    size_t n = fread(sql, 1, sizeof(sql) - 1, f);
+    sql[n] = '\0';
+    fclose(f);
+    h_sql(b, "%s", sql);
+    h_enqueue(b, "it.a", "k", "after-schema", 12, NULL);
+    deadline = h_now_ms() + 20000;
+    while (h_sql_int(b, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL") > 0 &&
+           h_now_ms() < deadline)
+        h_sleep_ms(100);
+    assert_int_equal(h_sql_int(b, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"), 0);
+    PQfinish(b);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* Runs outboxd with args; returns its exit status and its output. */
+static int run_outboxd(char *out, size_t outlen, char *const argv[])
+{
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(p[1], 1);
+        dup2(p[1], 2);
+        close(p[0]);
+        char *const envp[] = {"PATH=/usr/bin:/bin", "OUTBOXD_RELAY_BATCH_SIZE=500", NULL};
+        execve(OBX_BINARY_DIR "/outboxd", argv, envp);
+        _exit(127);
+    }
+    close(p[1]);
+    size_t used = 0;
+    ssize_t r;
+    while (used + 1 < outlen && (r = read(p[0], out + used, outlen - 1 - used)) > 0)
+        used += (size_t)r;
+    out[used] = '\0';
+    close(p[0]);
+    int status;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The command line: --check, errors naming key and line, exit codes, and a
+ * conninfo password never echoed. No servers needed. */
+static void test_cli(void **state)
+{
+    (void)state;
+    char out[8192], path[] = "/tmp/obx-cli-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    const char *good = "# test\n"
+                       "postgres.conninfo = host=/nonexistent password=hunter2secret\n"
+                       "kafka.bootstrap.servers = 127.0.0.1:1\n"
+                       "kafka.linger.ms = 20\n";
+    assert_int_equal(write(fd, good, strlen(good)), (ssize_t)strlen(good));
+    close(fd);
+
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "--config", path, "--check", NULL}),
+                     0);
+    assert_non_null(strstr(out, "configuration OK"));
+    assert_null(strstr(out, "hunter2secret"));
+
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "--config", path, "-X",
+                                                 "relay.batch_size=0", "--check", NULL}),
+                     2);
+    assert_non_null(strstr(out, "relay.batch_size"));
+
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "--config", path, "-X",
+                                                 "kafka.no.such.property=1", "--check", NULL}),
+                     2);
+    assert_non_null(strstr(out, "kafka.no.such.property"));
+
+    /* An unknown key in the file: named with its line. */
+    FILE *f = fopen(path, "a");
+    fputs("relay.batchsize = 10\n", f);
+    fclose(f);
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "--config", path, "--check", NULL}),
+                     2);
+    assert_non_null(strstr(out, ":5: unknown key 'relay.batchsize'"));
+    assert_null(strstr(out, "hunter2secret"));
+
+    assert_int_equal(run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--version", NULL}),
+                     0);
+    assert_non_null(strstr(out, "outboxd " OBX_VERSION));
+    assert_int_equal(run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--help", NULL}), 0);
+    assert_non_null(strstr(out, "postgres.conninfo"));
+    assert_int_equal(run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--bogus", NULL}), 2);
+    unlink(path);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_delivery, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_rollback, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_late_commit, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_key_race, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_pg_restart, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_brokers_down, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_sigterm, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_delete_mode, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
+        cmocka_unit_test(test_cli),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
