@@ -1,0 +1,197 @@
+/*
+ * Unit tests of the row -> Kafka record mapping: binary array decoding,
+ * header encoding (DESIGN 1.2) and reading rows of a binary fetch result.
+ */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <string.h>
+
+#include "outboxd/record.h"
+
+static char err[256];
+
+/* Builds a one-dimensional binary text[] (NULL element = SQL NULL). */
+static size_t make_array(char *buf, const char *const *elems, int n)
+{
+    size_t o = 0;
+    uint32_t words[5] = {n ? 1 : 0, 0, 25 /* text oid */, (uint32_t)n, 1};
+    for (int i = 0; i < (n ? 5 : 3); i++) {
+        buf[o++] = (char)(words[i] >> 24);
+        buf[o++] = (char)(words[i] >> 16);
+        buf[o++] = (char)(words[i] >> 8);
+        buf[o++] = (char)words[i];
+    }
+    for (int i = 0; i < n; i++) {
+        uint32_t len = elems[i] ? (uint32_t)strlen(elems[i]) : 0xffffffffu;
+        buf[o++] = (char)(len >> 24);
+        buf[o++] = (char)(len >> 16);
+        buf[o++] = (char)(len >> 8);
+        buf[o++] = (char)len;
+        if (elems[i]) {
+            memcpy(buf + o, elems[i], len);
+            o += len;
+        }
+    }
+    return o;
+}
+
+static void test_array_iter(void **state)
+{
+    (void)state;
+    char buf[256];
+    struct obx_array_iter it;
+    const char *e;
+    size_t len;
+    size_t n = make_array(buf, (const char *const[]){"a", "", NULL, "xyz"}, 4);
+    assert_int_equal(obx_array_iter_init(&it, buf, n), 4);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
+    assert_int_equal(len, 1);
+    assert_memory_equal(e, "a", 1);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
+    assert_int_equal(len, 0);
+    assert_non_null(e);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
+    assert_null(e);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
+    assert_memory_equal(e, "xyz", 3);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), 0);
+
+    /* Empty array (ndim 0). */
+    n = make_array(buf, NULL, 0);
+    assert_int_equal(obx_array_iter_init(&it, buf, n), 0);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), 0);
+
+    /* Truncated data is refused, never read past the end. */
+    n = make_array(buf, (const char *const[]){"abcdef"}, 1);
+    assert_int_equal(obx_array_iter_init(&it, buf, n - 3), 1);
+    assert_int_equal(obx_array_iter_next(&it, &e, &len), -1);
+    assert_int_equal(obx_array_iter_init(&it, buf, 10), -1);
+    /* Two dimensions are not headers. */
+    buf[3] = 2;
+    assert_int_equal(obx_array_iter_init(&it, buf, n), -1);
+}
+
+static void test_headers(void **state)
+{
+    (void)state;
+    char keys[256], vals[256];
+    struct obx_row row = {.id = 9007199254740993LL, .topic = "t"};
+    row.hdr_keys = keys;
+    row.hdr_keys_len = make_array(keys, (const char *const[]){"traceparent", "n", "empty"}, 3);
+    row.hdr_values = vals;
+    row.hdr_values_len = make_array(
+        vals,
+        (const char *const[]){"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "42", ""},
+        3);
+
+    rd_kafka_headers_t *h = NULL;
+    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), 0);
+    assert_non_null(h);
+    assert_int_equal(rd_kafka_header_cnt(h), 4);
+    const char *name;
+    const void *val;
+    size_t len;
+    /* outbox-id comes first, in decimal ASCII. */
+    assert_int_equal(rd_kafka_header_get_all(h, 0, &name, &val, &len), 0);
+    assert_string_equal(name, "outbox-id");
+    assert_int_equal(len, strlen("9007199254740993"));
+    assert_memory_equal(val, "9007199254740993", len);
+    assert_int_equal(rd_kafka_header_get_last(h, "traceparent", &val, &len), 0);
+    assert_memory_equal(val, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", len);
+    assert_int_equal(rd_kafka_header_get_last(h, "n", &val, &len), 0);
+    assert_memory_equal(val, "42", 2);
+    assert_int_equal(rd_kafka_header_get_last(h, "empty", &val, &len), 0);
+    assert_int_equal(len, 0);
+    rd_kafka_headers_destroy(h);
+}
+
+static void test_headers_none_and_malformed(void **state)
+{
+    (void)state;
+    char keys[256], vals[256];
+    struct obx_row row = {.id = 1, .topic = "t"};
+    rd_kafka_headers_t *h = NULL;
+    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), 0);
+    assert_int_equal(rd_kafka_header_cnt(h), 1);
+    rd_kafka_headers_destroy(h);
+
+    /* Keys and values of different lengths. */
+    row.hdr_keys = keys;
+    row.hdr_keys_len = make_array(keys, (const char *const[]){"a", "b"}, 2);
+    row.hdr_values = vals;
+    row.hdr_values_len = make_array(vals, (const char *const[]){"1"}, 1);
+    h = NULL;
+    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), -1);
+    assert_null(h);
+    assert_non_null(strstr(err, "row 1: malformed header arrays"));
+
+    /* A NULL key element. */
+    row.hdr_keys_len = make_array(keys, (const char *const[]){NULL}, 1);
+    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), -1);
+}
+
+static void test_format_id(void **state)
+{
+    (void)state;
+    char buf[24];
+    assert_int_equal(obx_format_id(0, buf), 1);
+    assert_string_equal(buf, "0");
+    assert_int_equal(obx_format_id(INT64_MAX, buf), 19);
+    assert_string_equal(buf, "9223372036854775807");
+}
+
+/* Rows read from a binary result built with libpq's PQsetvalue. */
+static void test_row_from_result(void **state)
+{
+    (void)state;
+    PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
+    PGresAttDesc attrs[OBX_COL_COUNT];
+    static const char *names[] = {"id", "topic", "key", "payload", "keys", "vals"};
+    memset(attrs, 0, sizeof(attrs));
+    for (int i = 0; i < OBX_COL_COUNT; i++) {
+        attrs[i].name = (char *)names[i];
+        attrs[i].format = 1;
+    }
+    assert_int_equal(PQsetResultAttrs(res, OBX_COL_COUNT, attrs), 1);
+    char id[8] = {0, 0, 0, 1, 0, 0, 0, 2}; /* 4294967298 */
+    char payload[3] = {'a', 0, 'b'};
+    char keys[64];
+    size_t klen = make_array(keys, (const char *const[]){"h"}, 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_ID, id, 8), 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_TOPIC, "orders", 6), 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_KEY, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_PAYLOAD, payload, 3), 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_HDR_KEYS, keys, (int)klen), 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_HDR_VALUES, keys, (int)klen), 1);
+
+    struct obx_row row;
+    assert_int_equal(obx_row_from_result(res, 0, &row, err, sizeof(err)), 0);
+    assert_int_equal(row.id, 4294967298LL);
+    assert_string_equal(row.topic, "orders");
+    assert_null(row.key);
+    assert_int_equal(row.payload_len, 3);
+    assert_memory_equal(row.payload, payload, 3);
+    assert_int_equal(row.hdr_keys_len, klen);
+
+    /* A NULL payload is a tombstone; an 8-byte id is required. */
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 4), 1);
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_TOPIC, "t", 1), 1);
+    assert_int_equal(obx_row_from_result(res, 1, &row, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "row 1"));
+    PQclear(res);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_array_iter),
+        cmocka_unit_test(test_headers),
+        cmocka_unit_test(test_headers_none_and_malformed),
+        cmocka_unit_test(test_format_id),
+        cmocka_unit_test(test_row_from_result),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,412 @@
+/*
+ * Unit tests of the relay state machine against fake pg/kafka operations:
+ * what it fetches, produces and marks in reply to each event.
+ */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <string.h>
+
+#include "outboxd/relay.h"
+
+#define MAX_CALLS 256
+
+struct fake {
+    int fetches;
+    int64_t exclude[MAX_CALLS];
+    size_t n_exclude;
+    int limit;
+    int fetch_rc;
+
+    int marks;
+    int64_t marked[MAX_CALLS];
+    size_t n_marked;
+
+    int produced;
+    int64_t produced_ids[MAX_CALLS];
+    void *opaques[MAX_CALLS];
+    int busy_at; /* produce call index that returns BUSY; -1 = none */
+    int fail_at; /* produce call index that returns FAILED; -1 = none */
+
+    int stopped;
+    int exit_code;
+};
+
+static int fake_fetch(void *io, const int64_t *exclude, size_t n, int limit)
+{
+    struct fake *f = io;
+    if (f->fetch_rc != 0)
+        return f->fetch_rc;
+    f->fetches++;
+    assert_true(n <= MAX_CALLS);
+    memcpy(f->exclude, exclude, n * sizeof(*exclude));
+    f->n_exclude = n;
+    f->limit = limit;
+    return 0;
+}
+
+static int fake_mark(void *io, const int64_t *ids, size_t n)
+{
+    struct fake *f = io;
+    f->marks++;
+    assert_true(n <= MAX_CALLS);
+    memcpy(f->marked, ids, n * sizeof(*ids));
+    f->n_marked = n;
+    return 0;
+}
+
+static enum obx_produce_result fake_produce(void *io, const struct obx_row *row, void *opaque)
+{
+    struct fake *f = io;
+    int call = f->produced;
+    if (call == f->busy_at) {
+        f->busy_at = -1;
+        return OBX_PRODUCE_BUSY;
+    }
+    if (call == f->fail_at) {
+        f->fail_at = -1;
+        return OBX_PRODUCE_FAILED;
+    }
+    f->produced_ids[call] = row->id;
+    f->opaques[call] = opaque;
+    f->produced++;
+    return OBX_PRODUCE_OK;
+}
+
+static void fake_stopped(void *io, int exit_code)
+{
+    struct fake *f = io;
+    f->stopped++;
+    f->exit_code = exit_code;
+}
+
+static const struct obx_relay_ops ops = {fake_fetch, fake_mark, fake_produce, fake_stopped};
+
+struct ctx {
+    struct fake f;
+    struct obx_relay *r;
+};
+
+static struct obx_relay_settings settings = {
+    .batch_size = 4,
+    .max_in_flight = 6,
+    .poll_interval_ms = 1000,
+    .retry_backoff_ms = 500,
+    .shutdown_timeout_ms = 3000,
+};
+
+static int setup(void **state)
+{
+    struct ctx *c = test_calloc(1, sizeof(*c));
+    c->f.busy_at = c->f.fail_at = -1;
+    assert_int_equal(obx_relay_new(&settings, &ops, &c->f, &c->r), 0);
+    *state = c;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_free(c->r);
+    test_free(c);
+    return 0;
+}
+
+/* Delivers a fetch result of ids [first, first + n). */
+static void fetched(struct ctx *c, int64_t first, size_t n, int64_t now)
+{
+    struct obx_row rows[16];
+    memset(rows, 0, sizeof(rows));
+    for (size_t i = 0; i < n; i++) {
+        rows[i].id = first + (int64_t)i;
+        rows[i].topic = "t";
+    }
+    obx_relay_on_fetched(c->r, rows, n, now);
+}
+
+/* Delivery report for the k-th produced row. */
+static void ack(struct ctx *c, int k, bool ok, int64_t now)
+{
+    obx_relay_on_delivery(c->r, c->f.opaques[k], ok, 0, k, ok ? NULL : "boom", now);
+}
+
+static bool excluded(struct ctx *c, int64_t id)
+{
+    for (size_t i = 0; i < c->f.n_exclude; i++)
+        if (c->f.exclude[i] == id)
+            return true;
+    return false;
+}
+
+static void test_cycle(void **state)
+{
+    struct ctx *c = *state;
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_WAIT_PG);
+    obx_relay_tick(c->r, 0); /* nothing happens without Postgres */
+    assert_int_equal(c->f.fetches, 0);
+
+    obx_relay_on_pg_ready(c->r, 0);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    assert_int_equal(c->f.fetches, 1);
+    assert_int_equal(c->f.limit, 4);
+    assert_int_equal(c->f.n_exclude, 0);
+
+    fetched(c, 10, 3, 1);
+    assert_int_equal(c->f.produced, 3);
+    assert_int_equal(c->f.produced_ids[0], 10);
+    assert_int_equal(c->f.produced_ids[2], 12);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
+    assert_int_equal(c->f.fetches, 1); /* short batch: no refetch */
+    assert_int_equal(obx_relay_in_flight(c->r), 3);
+
+    /* First ack is marked at once; the next two wait for that mark. */
+    ack(c, 1, true, 2);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    assert_int_equal(c->f.n_marked, 1);
+    assert_int_equal(c->f.marked[0], 11);
+    ack(c, 0, true, 2);
+    ack(c, 2, true, 2);
+    assert_int_equal(c->f.marks, 1);
+    obx_relay_on_marked(c->r, 3);
+    assert_int_equal(c->f.marks, 2);
+    assert_int_equal(c->f.n_marked, 2);
+    obx_relay_on_marked(c->r, 4);
+    assert_int_equal(obx_relay_in_flight(c->r), 0);
+    assert_int_equal(obx_relay_marked_total(c->r), 3);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
+}
+
+static void test_exclusion_and_backpressure(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 4, 0); /* full batch: fetch again at once */
+    assert_int_equal(c->f.fetches, 2);
+    assert_int_equal(c->f.limit, 2); /* 6 slots, 4 in flight */
+    assert_int_equal(c->f.n_exclude, 4);
+    for (int64_t id = 1; id <= 4; id++)
+        assert_true(excluded(c, id));
+
+    fetched(c, 5, 2, 0);
+    assert_int_equal(obx_relay_in_flight(c->r), 6);
+    obx_relay_wakeup(c->r, 0);
+    obx_relay_tick(c->r, 5000);
+    assert_int_equal(c->f.fetches, 2); /* full: no fetch while 6 are in flight */
+
+    ack(c, 0, true, 10); /* mark id 1, then a slot frees */
+    obx_relay_on_marked(c->r, 11);
+    obx_relay_wakeup(c->r, 12);
+    assert_int_equal(c->f.fetches, 3);
+    assert_int_equal(c->f.limit, 1);
+    assert_false(excluded(c, 1)); /* marked: no longer in flight */
+    assert_true(excluded(c, 6));
+}
+
+static void test_notify_and_poll(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 0, 0);
+    assert_int_equal(c->f.fetches, 1);
+    obx_relay_tick(c->r, 500);
+    assert_int_equal(c->f.fetches, 1); /* poll interval not reached */
+    obx_relay_wakeup(c->r, 600);       /* NOTIFY */
+    assert_int_equal(c->f.fetches, 2);
+    fetched(c, 1, 0, 601);
+    obx_relay_tick(c->r, 1500);
+    assert_int_equal(c->f.fetches, 2);
+    obx_relay_tick(c->r, 1600); /* 1000 ms after the last fetch */
+    assert_int_equal(c->f.fetches, 3);
+
+    /* A NOTIFY during a fetch is not lost: fetch again after it. */
+    obx_relay_wakeup(c->r, 1601);
+    fetched(c, 1, 0, 1602);
+    assert_int_equal(c->f.fetches, 4);
+}
+
+static void test_pg_lost_remarks_first(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 2, 0);
+    ack(c, 0, true, 1);
+    ack(c, 1, true, 1);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    obx_relay_on_pg_lost(c->r, 2); /* the mark may or may not have committed */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_WAIT_PG);
+    assert_int_equal(obx_relay_in_flight(c->r), 2);
+
+    int fetches = c->f.fetches;
+    obx_relay_on_pg_ready(c->r, 3);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING); /* mark before fetching */
+    assert_int_equal(c->f.fetches, fetches);
+    assert_int_equal(c->f.n_marked, 2);
+    obx_relay_on_marked(c->r, 4);
+    assert_int_equal(c->f.fetches, fetches + 1);
+}
+
+static void test_query_failed_backs_off(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    obx_relay_on_query_failed(c->r, "permission denied", 100);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
+    obx_relay_wakeup(c->r, 200);
+    assert_int_equal(c->f.fetches, 1); /* within the 500 ms back-off */
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.fetches, 2);
+
+    /* A failed mark keeps the rows acknowledged and retries the mark. */
+    fetched(c, 1, 1, 600);
+    ack(c, 0, true, 601);
+    assert_int_equal(c->f.marks, 1);
+    obx_relay_on_query_failed(c->r, "deadlock", 602);
+    obx_relay_tick(c->r, 700);
+    assert_int_equal(c->f.marks, 1);
+    obx_relay_tick(c->r, 1200);
+    assert_int_equal(c->f.marks, 2);
+    assert_int_equal(c->f.marked[0], 1);
+}
+
+static void test_delivery_failure_refetches(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 2, 0);
+    ack(c, 0, false, 1); /* not persisted */
+    assert_int_equal(obx_relay_in_flight(c->r), 1);
+    assert_int_equal(c->f.marks, 0); /* a failed row is never marked */
+    obx_relay_tick(c->r, 400);
+    assert_int_equal(c->f.fetches, 1); /* back-off */
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.fetches, 2);
+    assert_false(excluded(c, 1)); /* fetched again */
+    assert_true(excluded(c, 2));
+}
+
+static void test_produce_busy_keeps_order(void **state)
+{
+    struct ctx *c = *state;
+    c->f.busy_at = 1;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 3, 0);
+    /* Row 1 produced; rows 2 and 3 wait for a later fetch, in order. */
+    assert_int_equal(c->f.produced, 1);
+    assert_int_equal(obx_relay_in_flight(c->r), 1);
+    obx_relay_tick(c->r, 50);
+    assert_int_equal(c->f.fetches, 1);
+    obx_relay_tick(c->r, 1200);
+    assert_int_equal(c->f.fetches, 2);
+    fetched(c, 2, 2, 1200);
+    assert_int_equal(c->f.produced_ids[1], 2);
+    assert_int_equal(c->f.produced_ids[2], 3);
+}
+
+static void test_produce_failed_skips_row(void **state)
+{
+    struct ctx *c = *state;
+    c->f.fail_at = 0;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 2, 0);
+    assert_int_equal(c->f.produced, 1);
+    assert_int_equal(c->f.produced_ids[0], 2);
+    assert_int_equal(obx_relay_in_flight(c->r), 1);
+}
+
+static void test_shutdown_drains(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 2, 0);
+    obx_relay_shutdown(c->r, 10);
+    obx_relay_wakeup(c->r, 11);
+    obx_relay_tick(c->r, 2000);
+    assert_int_equal(c->f.fetches, 1); /* no fetch while draining */
+    assert_int_equal(c->f.stopped, 0);
+    ack(c, 0, true, 2001);
+    ack(c, 1, true, 2002);
+    obx_relay_on_marked(c->r, 2003);
+    obx_relay_on_marked(c->r, 2004);
+    assert_int_equal(c->f.stopped, 1);
+    assert_int_equal(c->f.exit_code, 0);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_STOPPED);
+}
+
+static void test_shutdown_deadline(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 2, 0);
+    obx_relay_shutdown(c->r, 100);
+    ack(c, 0, true, 200);
+    obx_relay_on_marked(c->r, 201);
+    obx_relay_tick(c->r, 3000);
+    assert_int_equal(c->f.stopped, 0);
+    obx_relay_tick(c->r, 3100); /* row 2 never acknowledged: give up */
+    assert_int_equal(c->f.stopped, 1);
+    assert_int_equal(c->f.exit_code, 0);
+    assert_int_equal(obx_relay_marked_total(c->r), 1);
+}
+
+static void test_fetch_in_flight_at_shutdown_is_not_produced(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    obx_relay_shutdown(c->r, 1);
+    fetched(c, 1, 3, 2);
+    assert_int_equal(c->f.produced, 0);
+    assert_int_equal(c->f.stopped, 1);
+}
+
+static void test_fatal_marks_acked_then_stops(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 3, 0);
+    ack(c, 0, true, 1); /* mark of id 1 in flight */
+    ack(c, 1, true, 1); /* acknowledged, waiting */
+    obx_relay_fatal(c->r, "out of order sequence", 2);
+    assert_int_equal(c->f.stopped, 0);
+    obx_relay_on_marked(c->r, 3); /* then id 2 is marked */
+    assert_int_equal(c->f.n_marked, 1);
+    assert_int_equal(c->f.marked[0], 2);
+    obx_relay_on_marked(c->r, 4);
+    assert_int_equal(c->f.stopped, 1);
+    assert_int_equal(c->f.exit_code, 1);
+    assert_int_equal(obx_relay_marked_total(c->r), 2); /* id 3 never acknowledged */
+}
+
+static void test_fatal_without_postgres(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    fetched(c, 1, 1, 0);
+    ack(c, 0, true, 1);
+    obx_relay_on_pg_lost(c->r, 2);
+    obx_relay_fatal(c->r, "fatal", 3);
+    assert_int_equal(c->f.stopped, 1);
+    assert_int_equal(c->f.exit_code, 1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_cycle, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_exclusion_and_backpressure, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_notify_and_poll, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pg_lost_remarks_first, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_query_failed_backs_off, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_delivery_failure_refetches, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_produce_busy_keeps_order, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_produce_failed_skips_row, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_shutdown_drains, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_shutdown_deadline, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fetch_in_flight_at_shutdown_is_not_produced, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_fatal_marks_acked_then_stops, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fatal_without_postgres, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
