@@ -299,10 +299,6 @@ static void consume(struct obx_pg *pg)
         disconnect_with_error(pg, "read failed");
         return;
     }
-    while ((n = PQnotifies(pg->conn)) != NULL) {
-        notified = true;
-        PQfreemem(n);
-    }
     while ((pg->state == OBX_PG_BUSY || pg->state == OBX_PG_SETUP) && !PQisBusy(pg->conn)) {
         PGresult *res = PQgetResult(pg->conn);
         if (res) {
@@ -341,6 +337,12 @@ static void consume(struct obx_pg *pg)
     if (PQstatus(pg->conn) == CONNECTION_BAD) {
         disconnect_with_error(pg, "server closed the connection");
         return;
+    }
+    /* Last: PQgetResult above may have parsed notifications that arrived
+     * behind a result; nothing would wake us for them until the next poll. */
+    while ((n = PQnotifies(pg->conn)) != NULL) {
+        notified = true;
+        PQfreemem(n);
     }
     if (notified && (pg->state == OBX_PG_READY || pg->state == OBX_PG_BUSY))
         pg->cb.notify(pg->arg);
