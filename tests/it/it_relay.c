@@ -567,6 +567,34 @@ static void test_schema_missing(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 }
 
+/* G5 at start-up: Postgres down and every broker down when the relay
+ * starts. It logs and retries (no crash loop), and relays once both are
+ * back. */
+static void test_start_before_dependencies(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    prefill("it.a", 2000);
+    h_pg_stop(&env);
+    assert_true(h_broker_cmd(&env, "down all"));
+    h_relay_start(&env, NULL, NULL);
+    h_sleep_ms(2000);
+    assert_true(env.relay_pid > 0 && waitpid(env.relay_pid, NULL, WNOHANG) == 0); /* alive */
+    assert_true(h_relay_log_contains(&env, "postgres: cannot connect"));
+
+    h_pg_start(&env);
+    h_sleep_ms(1500); /* rows are produced, but no broker can take them */
+    assert_int_equal(sent_count(), 0);
+    assert_true(h_broker_cmd(&env, "up all"));
+    wait_drained_or_fail(60000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, TOPICS_3, &recs);
+    assert_int_equal(recs.n, 2000);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
 /* Runs outboxd with args; returns its exit status and its output. */
 static int run_outboxd(char *out, size_t outlen, char *const argv[])
 {
@@ -657,6 +685,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_sigterm, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_delete_mode, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_start_before_dependencies, setup_env, teardown_env),
         cmocka_unit_test(test_cli),
     };
     if (argc > 1)
