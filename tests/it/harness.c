@@ -64,6 +64,27 @@ static void child_prepare(struct passwd *pw, int deathsig)
         _exit(126);
 }
 
+/* Forks argv with stdout and stderr appended to `log`; the child runs as
+ * `pw` (NULL = us) and gets `deathsig` when the test process dies. */
+static pid_t spawn(char *const argv[], char *const envp[], struct passwd *pw, int deathsig,
+                   const char *log)
+{
+    pid_t pid = fork();
+    if (pid < 0)
+        fail_msg("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_prepare(pw, deathsig);
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execve(argv[0], argv, envp ? envp : environ);
+        _exit(127);
+    }
+    return pid;
+}
+
 static int wait_exit(pid_t pid, int timeout_ms)
 {
     int64_t deadline = h_now_ms() + timeout_ms;
@@ -83,21 +104,7 @@ static int wait_exit(pid_t pid, int timeout_ms)
 /* Runs argv to completion as the server user (or ourselves); returns status. */
 static int run_as_server(char *const argv[], const char *out_path)
 {
-    struct passwd *pw = server_user();
-    pid_t pid = fork();
-    if (pid < 0)
-        fail_msg("fork: %s", strerror(errno));
-    if (pid == 0) {
-        child_prepare(pw, SIGKILL);
-        int fd = open(out_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    return wait_exit(pid, 120000);
+    return wait_exit(spawn(argv, NULL, server_user(), SIGKILL, out_path), 120000);
 }
 
 static void write_file(const char *path, const char *text)
@@ -124,32 +131,20 @@ void h_pg_start(struct h_env *e)
         if (rc != 0)
             fail_msg("initdb failed (%d), see %s", rc, log);
     }
-    pid_t pid = fork();
-    if (pid < 0)
-        fail_msg("fork: %s", strerror(errno));
-    if (pid == 0) {
-        /* SIGINT = fast shutdown when the test process dies. */
-        child_prepare(pw, SIGINT);
-        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        char *const argv[] = {PG_BINDIR "/postgres",
-                              "-D",
-                              data,
-                              "-k",
-                              sockdir,
-                              "-c",
-                              "listen_addresses=",
-                              "-c",
-                              "fsync=off",
-                              "-c",
-                              "max_connections=60",
-                              NULL};
-        execv(argv[0], argv);
-        _exit(127);
-    }
+    char *const argv[] = {PG_BINDIR "/postgres",
+                          "-D",
+                          data,
+                          "-k",
+                          sockdir,
+                          "-c",
+                          "listen_addresses=",
+                          "-c",
+                          "fsync=off",
+                          "-c",
+                          "max_connections=60",
+                          NULL};
+    /* SIGINT = fast shutdown when the test process dies. */
+    pid_t pid = spawn(argv, NULL, pw, SIGINT, log);
     e->pg_pid = pid;
     snprintf(e->conninfo, sizeof(e->conninfo), "host=%s port=5432 user=postgres dbname=postgres",
              e->dir);
@@ -352,19 +347,7 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
     }
     envp[envc] = NULL;
 
-    pid_t pid = fork();
-    if (pid < 0)
-        fail_msg("fork: %s", strerror(errno));
-    if (pid == 0) {
-        child_prepare(NULL, SIGKILL);
-        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        execve(argv[0], argv, envp);
-        _exit(127);
-    }
+    pid_t pid = spawn(argv, envp, NULL, SIGKILL, log);
     e->relay_pid = pid;
     e->relay_starts++;
 }
