@@ -221,13 +221,25 @@ static void test_delivery(void **state)
 }
 
 /* G2: rows of rolled-back transactions (and rolled-back savepoints) are never
- * published; the committed rows around them are. */
+ * published; the committed rows around them are. Also: the relay works with
+ * exactly the grants of outboxd_relay, the writer with outboxd_writer's. */
 static void test_rollback(void **state)
 {
     (void)state;
     h_env_start(&env, (const char *const[]){"it.rb:2", NULL});
-    h_relay_start(&env, NULL, NULL);
+    /* Least privilege: the relay runs as outboxd_relay, the writer as an
+     * application role that holds only outboxd_writer. */
+    char relay_conninfo[600];
+    snprintf(relay_conninfo, sizeof(relay_conninfo), "postgres.conninfo=%s user=outboxd_relay",
+             env.conninfo);
+    h_relay_start(&env, NULL, (const char *const[]){relay_conninfo, NULL});
     PGconn *c = h_connect(&env);
+    h_sql(c, "CREATE ROLE app LOGIN IN ROLE outboxd_writer");
+    h_sql(c, "SET ROLE app");
+    PGresult *denied = PQexec(c, "INSERT INTO outbox.events (topic) VALUES ('it.rb')");
+    assert_int_equal(PQresultStatus(denied), PGRES_FATAL_ERROR); /* only via enqueue */
+    assert_string_equal(PQresultErrorField(denied, PG_DIAG_SQLSTATE), "42501");
+    PQclear(denied);
     int committed = 0;
     for (int i = 0; i < 300; i++) {
         char p[32];
@@ -253,6 +265,7 @@ static void test_rollback(void **state)
         assert_memory_equal(recs.v[i].value, "committed-", 10);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
+    assert_true(h_relay_log_contains(&env, "as outboxd_relay"));
     PQfinish(c);
 }
 
