@@ -32,6 +32,7 @@ struct key_def {
 };
 
 static const char *const on_sent_choices[] = {"mark", "delete", NULL};
+static const char *const on_reject_choices[] = {"retry", "dead_letter", NULL};
 static const char *const level_choices[] = {"error", "warn", "info", "debug", NULL};
 static const char *const format_choices[] = {"text", "json", NULL};
 
@@ -51,6 +52,9 @@ static const struct key_def keys[] = {
      "Kafka brokers, host:port[,host:port...]; every other kafka.* key goes to librdkafka"},
     {"relay.on_sent", KEY_ENUM, OFF(on_sent), "mark", 0, 0, on_sent_choices, 0,
      "what happens to a row once Kafka acknowledged it: mark (set sent_at) or delete"},
+    {"relay.on_reject", KEY_ENUM, OFF(on_reject), "retry", 0, 0, on_reject_choices, 0,
+     "a row Kafka refuses for good: retry (its key waits) or dead_letter (moved to "
+     "outbox.dead_letters with the reason)"},
     {"relay.batch_size", KEY_INT, OFF(batch_size), "1000", 1, 100000, NULL, 0,
      "most rows read by one fetch"},
     {"relay.max_in_flight", KEY_INT, OFF(max_in_flight), "10000", 1, 1000000, NULL, 0,

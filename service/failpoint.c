@@ -12,7 +12,9 @@
 struct obx_failpoints obx_failpoints_active;
 
 static const char *const fp_names[OBX_FP_COUNT] = {
-    "fetch.after", "produce.after", "ack.after", "mark.before_commit", "mark.after_commit",
+    "fetch.after",           "produce.after",     "ack.after",
+    "mark.before_commit",    "mark.after_commit", "recover.after_scan",
+    "recover.before_commit",
 };
 
 const char *obx_failpoint_name(enum obx_fp_id id)

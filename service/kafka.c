@@ -21,13 +21,36 @@ struct obx_kafka {
     bool closing;
 };
 
+bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
+{
+    switch (err) {
+    case RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE:
+    case RD_KAFKA_RESP_ERR_RECORD_LIST_TOO_LARGE:
+    case RD_KAFKA_RESP_ERR_INVALID_MSG:
+    case RD_KAFKA_RESP_ERR_INVALID_RECORD:
+    case RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART:
+    case RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC:
+    case RD_KAFKA_RESP_ERR__UNKNOWN_PARTITION:
+    case RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION:
+    case RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED:
+    case RD_KAFKA_RESP_ERR_POLICY_VIOLATION:
+    case RD_KAFKA_RESP_ERR__INVALID_ARG:
+        return true;
+    default:
+        return false;
+    }
+}
+
 static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaque)
 {
     struct obx_kafka *k = opaque;
+    enum obx_delivery outcome = OBX_DELIVERED;
     (void)rk;
     if (k->closing)
         return;
-    k->cb.delivery(m->_private, m->err == RD_KAFKA_RESP_ERR_NO_ERROR, m->partition, m->offset,
+    if (m->err)
+        outcome = obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
+    k->cb.delivery(m->_private, outcome, m->partition, m->offset, m->key, m->key_len,
                    m->err ? rd_kafka_err2str(m->err) : NULL, k->arg);
 }
 
@@ -49,7 +72,7 @@ static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque)
     obx_warn("kafka: %s: %s", rd_kafka_err2name((rd_kafka_resp_err_t)err), reason);
 }
 
-static void on_log(const rd_kafka_t *rk, int level, const char *fac, const char *buf)
+void obx_kafka_log_cb(const rd_kafka_t *rk, int level, const char *fac, const char *buf)
 {
     (void)rk;
     /* syslog levels: 0-3 error, 4 warning, 5-6 notice/info, 7 debug */
@@ -74,8 +97,8 @@ static int conf_set(rd_kafka_conf_t *conf, const char *name, const char *value, 
     return 0;
 }
 
-int obx_kafka_conf_build(const struct obx_config *cfg, rd_kafka_conf_t **out, char *err,
-                         size_t errlen)
+int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
+                         rd_kafka_conf_t **out, char *err, size_t errlen)
 {
     static const char *const defaults[][2] = {
         {"enable.idempotence", "true"},
@@ -88,7 +111,8 @@ int obx_kafka_conf_build(const struct obx_config *cfg, rd_kafka_conf_t **out, ch
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    for (size_t i = 0; i < sizeof(defaults) / sizeof(defaults[0]); i++)
+    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && i < sizeof(defaults) / sizeof(defaults[0]);
+         i++)
         if (conf_set(conf, defaults[i][0], defaults[i][1], "default", err, errlen) != 0)
             goto fail;
     for (size_t i = 0; i < cfg->kafka_count; i++)
@@ -96,7 +120,8 @@ int obx_kafka_conf_build(const struct obx_config *cfg, rd_kafka_conf_t **out, ch
                      errlen) != 0)
             goto fail;
     /* Ours, after the user's: the loop integration depends on them. */
-    if (conf_set(conf, "log.queue", "true", "outboxd", err, errlen) != 0)
+    if (role == OBX_KAFKA_PRODUCER &&
+        conf_set(conf, "log.queue", "true", "outboxd", err, errlen) != 0)
         goto fail;
     *out = conf;
     return 0;
@@ -132,7 +157,7 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    if (obx_kafka_conf_build(cfg, &conf, err, errlen) != 0) {
+    if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, errlen) != 0) {
         free(k);
         return -1;
     }
@@ -148,7 +173,7 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
     k->arg = arg;
     rd_kafka_conf_set_dr_msg_cb(conf, on_delivery);
     rd_kafka_conf_set_error_cb(conf, on_error);
-    rd_kafka_conf_set_log_cb(conf, on_log);
+    rd_kafka_conf_set_log_cb(conf, obx_kafka_log_cb);
     rd_kafka_conf_set_opaque(conf, k);
     k->rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, why, sizeof(why));
     if (!k->rk) { /* conf is still ours on failure */
@@ -184,7 +209,7 @@ fail:
 }
 
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
-                                          void *opaque)
+                                          void *opaque, const char **reason)
 {
     rd_kafka_headers_t *hdrs;
     char err[256];
@@ -192,7 +217,8 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
 
     if (obx_record_headers(row, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
-        return OBX_PRODUCE_FAILED;
+        *reason = "headers could not be encoded";
+        return OBX_PRODUCE_REJECTED;
     }
     e = rd_kafka_producev(
         k->rk, RD_KAFKA_V_TOPIC(row->topic), RD_KAFKA_V_KEY(row->key, row->key ? row->key_len : 0),
@@ -201,11 +227,13 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     if (e == RD_KAFKA_RESP_ERR_NO_ERROR)
         return OBX_PRODUCE_OK;
     rd_kafka_headers_destroy(hdrs); /* ownership passes only on success */
-    if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL)
+    /* A full queue passes; after a fatal error the fatal callback stops the
+     * relay, so the row just waits. */
+    if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL || e == RD_KAFKA_RESP_ERR__FATAL ||
+        !obx_kafka_error_is_permanent(e))
         return OBX_PRODUCE_BUSY;
-    obx_error("kafka: row %lld (topic %s) cannot be produced: %s", (long long)row->id, row->topic,
-              rd_kafka_err2str(e));
-    return OBX_PRODUCE_FAILED;
+    *reason = rd_kafka_err2str(e);
+    return OBX_PRODUCE_REJECTED;
 }
 
 int obx_kafka_outq_len(struct obx_kafka *k)

@@ -10,6 +10,7 @@
 #include "outboxd/log.h"
 #include "outboxd/pg.h"
 #include "outboxd/record.h"
+#include "outboxd/recovery.h"
 #include "outboxd/relay.h"
 
 #include <getopt.h>
@@ -32,6 +33,7 @@ struct app {
     struct obx_config cfg;
     struct obx_pg *pg;
     struct obx_kafka *kafka;
+    struct obx_recovery *recovery;
     struct obx_relay *relay;
     struct obx_row *rows; /* batch_size rows, reused by every fetch */
     uv_signal_t sigterm, sigint;
@@ -43,22 +45,29 @@ struct app {
 
 /* ---- relay commands ---- */
 
-static int op_fetch(void *io, const int64_t *exclude, size_t n, int limit)
+static int op_fetch(void *io, const struct obx_fetch *f)
 {
     struct app *a = io;
-    return obx_pg_send_fetch(a->pg, exclude, n, limit);
+    return obx_pg_send_fetch(a->pg, f);
 }
 
-static int op_mark(void *io, const int64_t *ids, size_t n)
+static int op_mark(void *io, const struct obx_mark *m)
 {
     struct app *a = io;
-    return obx_pg_send_mark(a->pg, ids, n);
+    return obx_pg_send_mark(a->pg, m);
 }
 
-static enum obx_produce_result op_produce(void *io, const struct obx_row *row, void *opaque)
+static enum obx_produce_result op_produce(void *io, const struct obx_row *row, void *opaque,
+                                          const char **reason)
 {
     struct app *a = io;
-    return obx_kafka_produce(a->kafka, row, opaque);
+    return obx_kafka_produce(a->kafka, row, opaque, reason);
+}
+
+static int op_recover(void *io)
+{
+    struct app *a = io;
+    return obx_recovery_start(a->recovery);
 }
 
 static void on_teardown(uv_timer_t *t);
@@ -75,6 +84,7 @@ static const struct obx_relay_ops relay_ops = {
     .fetch = op_fetch,
     .mark = op_mark,
     .produce = op_produce,
+    .recover = op_recover,
     .stopped = op_stopped,
 };
 
@@ -89,7 +99,15 @@ static void pg_ready(void *arg)
 static void pg_lost(void *arg)
 {
     struct app *a = arg;
+    if (obx_relay_state(a->relay) == OBX_RELAY_RECOVERING)
+        obx_recovery_abort(a->recovery);
     obx_relay_on_pg_lost(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void recovery_done(bool ok, void *arg)
+{
+    struct app *a = arg;
+    obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
 }
 
 static void pg_notify(void *arg)
@@ -98,17 +116,19 @@ static void pg_notify(void *arg)
     obx_relay_wakeup(a->relay, (int64_t)uv_now(&a->loop));
 }
 
-static void pg_result(PGresult *res, void *arg)
+static void pg_result(const PGresult *res, const char *error, void *arg)
 {
     struct app *a = arg;
     int64_t now = (int64_t)uv_now(&a->loop);
-    ExecStatusType st = PQresultStatus(res);
     char err[256];
 
     switch (obx_relay_state(a->relay)) {
+    case OBX_RELAY_RECOVERING:
+        obx_recovery_on_result(a->recovery, res, error);
+        return;
     case OBX_RELAY_FETCHING: {
-        if (st != PGRES_TUPLES_OK) {
-            obx_relay_on_query_failed(a->relay, PQresultErrorMessage(res), now);
+        if (error) {
+            obx_relay_on_query_failed(a->relay, error, now);
             return;
         }
         int n = PQntuples(res);
@@ -124,8 +144,8 @@ static void pg_result(PGresult *res, void *arg)
         return;
     }
     case OBX_RELAY_MARKING:
-        if (st != PGRES_COMMAND_OK)
-            obx_relay_on_query_failed(a->relay, PQresultErrorMessage(res), now);
+        if (error)
+            obx_relay_on_query_failed(a->relay, error, now);
         else
             obx_relay_on_marked(a->relay, now);
         return;
@@ -137,11 +157,12 @@ static void pg_result(PGresult *res, void *arg)
 
 /* ---- kafka events ---- */
 
-static void kafka_delivery(void *opaque, bool ok, int32_t partition, int64_t offset,
-                           const char *reason, void *arg)
+static void kafka_delivery(void *opaque, enum obx_delivery outcome, int32_t partition,
+                           int64_t offset, const char *key, size_t key_len, const char *reason,
+                           void *arg)
 {
     struct app *a = arg;
-    obx_relay_on_delivery(a->relay, opaque, ok, partition, offset, reason,
+    obx_relay_on_delivery(a->relay, opaque, outcome, partition, offset, key, key_len, reason,
                           (int64_t)uv_now(&a->loop));
 }
 
@@ -177,6 +198,8 @@ static void on_teardown(uv_timer_t *t)
     a->pg = NULL;
     obx_kafka_close(a->kafka);
     a->kafka = NULL;
+    obx_recovery_close(a->recovery);
+    a->recovery = NULL;
     uv_close((uv_handle_t *)&a->sigterm, NULL);
     uv_close((uv_handle_t *)&a->sigint, NULL);
     uv_close((uv_handle_t *)&a->housekeeping, NULL);
@@ -276,7 +299,7 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
         rc = -1;
     if (rc == 0) {
         rd_kafka_conf_t *conf;
-        if (obx_kafka_conf_build(&a->cfg, &conf, err, sizeof(err)) != 0)
+        if (obx_kafka_conf_build(&a->cfg, OBX_KAFKA_PRODUCER, &conf, err, sizeof(err)) != 0)
             rc = -1;
         else
             rd_kafka_conf_destroy(conf);
@@ -294,6 +317,7 @@ static int start(struct app *a)
         .ready = pg_ready, .lost = pg_lost, .result = pg_result, .notify = pg_notify};
     static const struct obx_kafka_callbacks kafka_cb = {.delivery = kafka_delivery,
                                                         .fatal = kafka_fatal};
+    static const struct obx_recovery_callbacks recovery_cb = {.done = recovery_done};
     struct obx_relay_settings rs;
     char err[512];
 
@@ -312,6 +336,14 @@ static int start(struct app *a)
         obx_kafka_close(a->kafka);
         a->kafka = NULL;
         return EXIT_USAGE;
+    }
+    if (obx_recovery_new(&a->loop, &a->cfg, a->pg, &recovery_cb, a, &a->recovery) != 0) {
+        obx_error("out of memory");
+        obx_pg_close(a->pg);
+        obx_kafka_close(a->kafka);
+        a->pg = NULL;
+        a->kafka = NULL;
+        return EXIT_RUNTIME;
     }
     uv_signal_init(&a->loop, &a->sigterm);
     uv_signal_init(&a->loop, &a->sigint);

@@ -2,6 +2,7 @@
  * pg: see include/outboxd/pg.h.
  */
 #include "outboxd/pg.h"
+#include "outboxd/failpoint.h"
 #include "outboxd/log.h"
 
 #include <stdbool.h>
@@ -26,16 +27,44 @@ static const char SQL_FETCH[] =
     "   FROM jsonb_each(CASE jsonb_typeof(e.headers) WHEN 'object' THEN e.headers END)"
     "        AS j(k, v)) h ON true"
     " WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
+    /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
+    "   AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
+    "        SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"
+    "        WHERE b.topic = e.topic AND b.key = e.key AND e.id > b.id))"
     " ORDER BY e.id"
     " LIMIT $2::int";
 
-static const char SQL_MARK[] = "UPDATE outbox.events SET sent_at = now()"
-                               " WHERE id = ANY ($1::bigint[]) AND sent_at IS NULL";
-static const char SQL_DELETE[] = "DELETE FROM outbox.events WHERE id = ANY ($1::bigint[])";
+/* The mark: acknowledged rows confirmed, each partition's last acknowledged
+ * offset stored for crash recovery, refused rows moved to dead_letters; one
+ * statement, run inside BEGIN ... COMMIT. %s = how rows are confirmed. */
+static const char SQL_MARK_FMT[] =
+    "WITH confirmed AS (%s),"
+    " offsets AS ("
+    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"
+    "   SELECT * FROM unnest($2::text[], $3::int[], $4::bigint[])"
+    "   ON CONFLICT (topic, kafka_partition) DO UPDATE"
+    "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"
+    "   RETURNING 1),"
+    " dead AS ("
+    "   DELETE FROM outbox.events e USING unnest($5::bigint[], $6::text[]) AS d(id, reason)"
+    "   WHERE e.id = d.id AND e.sent_at IS NULL"
+    "   RETURNING e.id, e.topic, e.key, e.payload, e.headers, e.created_at, d.reason),"
+    " buried AS ("
+    "   INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at, reason)"
+    "   SELECT * FROM dead ON CONFLICT (id) DO NOTHING RETURNING 1)"
+    " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM offsets),"
+    "        (SELECT count(*) FROM buried)";
+
+static const char SQL_CONFIRM_MARK[] = "UPDATE outbox.events SET sent_at = now()"
+                                       " WHERE id = ANY ($1::bigint[]) AND sent_at IS NULL"
+                                       " RETURNING id";
+static const char SQL_CONFIRM_DELETE[] = "DELETE FROM outbox.events"
+                                         " WHERE id = ANY ($1::bigint[]) RETURNING id";
 
 /* Migration file for each schema version, for the "apply this" message. */
 static const char *const migrations[] = {
     [1] = "sql/001_outbox.sql",
+    [2] = "sql/002_recovery.sql",
 };
 
 /* A uv_poll_t on the libpq socket. Heap-allocated because PQconnectPoll may
@@ -51,7 +80,6 @@ struct obx_pg {
     struct obx_pg_callbacks cb;
     void *arg;
     char *conninfo; /* owned; secret */
-    int on_sent;
     int64_t statement_timeout_ms;
     int64_t backoff_min_ms, backoff_max_ms;
 
@@ -63,8 +91,19 @@ struct obx_pg {
     PGresult *result; /* first result of the statement in flight */
     char target[256]; /* "host:port/db as user", for logs; no password */
 
-    char *buf; /* reusable text buffer for bigint[] parameters */
-    size_t buf_cap;
+    /* A statement wrapped in BEGIN ... COMMIT runs in steps. */
+    enum { TX_NONE, TX_BEGIN, TX_BODY, TX_COMMIT, TX_ROLLBACK } tx;
+    const char *tx_sql;
+    int tx_nparams;
+    const char *const *tx_values;
+    int tx_failpoint;    /* reached between the body and COMMIT; -1 = none */
+    PGresult *tx_result; /* the body's result, reported after COMMIT */
+    char tx_error[512];  /* why the transaction failed (reported after ROLLBACK) */
+
+    struct obx_pg_array params[6]; /* reused parameter buffers */
+    const char *param_values[6];   /* must outlive a wrapped transaction's BEGIN */
+    char limit_text[16];
+    char mark_sql[2048];
 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup",
@@ -155,10 +194,11 @@ static void disconnect(struct obx_pg *pg, const char *reason)
         obx_warn("postgres: cannot connect%s%s: %s", pg->target[0] ? " to " : "", pg->target,
                  reason);
     unwatch(pg);
-    if (pg->result) {
-        PQclear(pg->result);
-        pg->result = NULL;
-    }
+    PQclear(pg->result);
+    pg->result = NULL;
+    PQclear(pg->tx_result);
+    pg->tx_result = NULL;
+    pg->tx = TX_NONE;
     PQfinish(pg->conn);
     pg->conn = NULL;
     pg->attempts++;
@@ -289,6 +329,101 @@ static void finish_setup(struct obx_pg *pg, PGresult *res)
     pg->cb.ready(pg->arg);
 }
 
+/* Sends a statement on a connection we own (READY, or BUSY inside a
+ * wrapped transaction). Returns 0, or -1 after dropping the connection. */
+static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                    int result_format)
+{
+    int sent =
+        nparams > 0 || result_format != 0
+            ? PQsendQueryParams(pg->conn, sql, nparams, NULL, values, NULL, NULL, result_format)
+            : PQsendQuery(pg->conn, sql);
+    if (!sent) {
+        disconnect_with_error(pg, "send failed");
+        return -1;
+    }
+    set_state(pg, OBX_PG_BUSY, "statement sent");
+    int f = PQflush(pg->conn);
+    if (f < 0 || watch(pg, UV_READABLE | (f == 1 ? UV_WRITABLE : 0)) != 0) {
+        disconnect_with_error(pg, "write failed");
+        return -1;
+    }
+    return 0;
+}
+
+static void report(struct obx_pg *pg, const PGresult *res, const char *error)
+{
+    set_state(pg, OBX_PG_READY, error ? "statement failed" : "statement done");
+    pg->cb.result(res, error, pg->arg);
+}
+
+static bool result_ok(const PGresult *res)
+{
+    return res &&
+           (PQresultStatus(res) == PGRES_COMMAND_OK || PQresultStatus(res) == PGRES_TUPLES_OK);
+}
+
+static const char *result_error(const PGresult *res)
+{
+    const char *msg = res ? PQresultErrorMessage(res) : "";
+    return *msg ? msg : "the statement returned no result";
+}
+
+/* Our statement completed with `res` (ours to free). Reports it, or moves a
+ * wrapped transaction on: BEGIN -> body -> [failpoint] -> COMMIT, with
+ * ROLLBACK after a failed body. */
+static void statement_done(struct obx_pg *pg, PGresult *res)
+{
+    bool ok = result_ok(res);
+    switch (pg->tx) {
+    case TX_NONE:
+        report(pg, ok ? res : NULL, ok ? NULL : result_error(res));
+        break;
+    case TX_BEGIN:
+        if (!ok) {
+            pg->tx = TX_NONE;
+            report(pg, NULL, result_error(res));
+            break;
+        }
+        pg->tx = TX_BODY;
+        send_raw(pg, pg->tx_sql, pg->tx_nparams, pg->tx_values, 0);
+        break;
+    case TX_BODY:
+        if (ok && pg->tx_failpoint >= 0 && obx_failpoints_active.armed &&
+            obx_failpoint_reach(&obx_failpoints_active, (enum obx_fp_id)pg->tx_failpoint) != 0) {
+            snprintf(pg->tx_error, sizeof(pg->tx_error), "injected error at failpoint %s",
+                     obx_failpoint_name((enum obx_fp_id)pg->tx_failpoint));
+            ok = false;
+        } else if (!ok) {
+            snprintf(pg->tx_error, sizeof(pg->tx_error), "%s", result_error(res));
+        }
+        if (!ok) {
+            pg->tx = TX_ROLLBACK;
+            send_raw(pg, "ROLLBACK", 0, NULL, 0);
+            break;
+        }
+        pg->tx_result = res;
+        res = NULL;
+        pg->tx = TX_COMMIT;
+        send_raw(pg, "COMMIT", 0, NULL, 0);
+        break;
+    case TX_COMMIT:
+        pg->tx = TX_NONE;
+        if (ok)
+            report(pg, pg->tx_result, NULL);
+        else
+            report(pg, NULL, result_error(res));
+        PQclear(pg->tx_result);
+        pg->tx_result = NULL;
+        break;
+    case TX_ROLLBACK:
+        pg->tx = TX_NONE;
+        report(pg, NULL, pg->tx_error);
+        break;
+    }
+    PQclear(res);
+}
+
 /* Reads what the server sent: notifications and results. */
 static void consume(struct obx_pg *pg)
 {
@@ -326,10 +461,7 @@ static void consume(struct obx_pg *pg)
             finish_setup(pg, res);
             PQclear(res);
         } else {
-            set_state(pg, OBX_PG_READY, "statement done");
-            if (res)
-                pg->cb.result(res, pg->arg);
-            PQclear(res);
+            statement_done(pg, res);
         }
         if (pg->state == OBX_PG_CLOSED || pg->state == OBX_PG_DISCONNECTED)
             return;
@@ -432,11 +564,12 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->loop = loop;
     pg->cb = *cb;
     pg->arg = arg;
-    pg->on_sent = cfg->on_sent;
     pg->statement_timeout_ms = cfg->pg_statement_timeout_ms;
     pg->backoff_min_ms = cfg->pg_backoff_min_ms;
     pg->backoff_max_ms = cfg->pg_backoff_max_ms;
     pg->state = OBX_PG_DISCONNECTED;
+    snprintf(pg->mark_sql, sizeof(pg->mark_sql), SQL_MARK_FMT,
+             cfg->on_sent == OBX_ON_SENT_DELETE ? SQL_CONFIRM_DELETE : SQL_CONFIRM_MARK);
     uv_timer_init(loop, &pg->timer);
     pg->timer.data = pg;
     *out = pg;
@@ -452,7 +585,8 @@ void obx_pg_start(struct obx_pg *pg)
 static void on_pg_timer_closed(uv_handle_t *h)
 {
     struct obx_pg *pg = h->data;
-    free(pg->buf);
+    for (size_t i = 0; i < sizeof(pg->params) / sizeof(pg->params[0]); i++)
+        obx_pg_array_free(&pg->params[i]);
     free(pg->conninfo);
     free(pg);
 }
@@ -465,75 +599,162 @@ void obx_pg_close(struct obx_pg *pg)
     unwatch(pg);
     PQclear(pg->result);
     pg->result = NULL;
+    PQclear(pg->tx_result);
+    pg->tx_result = NULL;
     if (pg->conn)
         PQfinish(pg->conn);
     pg->conn = NULL;
     uv_close((uv_handle_t *)&pg->timer, on_pg_timer_closed);
 }
 
-/* Formats ids as a bigint[] literal "{1,2,3}" into pg->buf. */
-static const char *format_id_array(struct obx_pg *pg, const int64_t *ids, size_t n)
+/* ---- array literals for parameters ---- */
+
+static void array_put(struct obx_pg_array *a, const char *s, size_t n)
 {
-    size_t need = 3 + n * 21;
-    if (need > pg->buf_cap) {
-        char *grown = realloc(pg->buf, need);
-        if (!grown)
-            return NULL;
-        pg->buf = grown;
-        pg->buf_cap = need;
+    if (a->oom)
+        return;
+    if (a->len + n + 1 > a->cap) {
+        size_t cap = a->cap ? a->cap : 256;
+        while (cap < a->len + n + 1)
+            cap *= 2;
+        char *grown = realloc(a->buf, cap);
+        if (!grown) {
+            a->oom = true;
+            return;
+        }
+        a->buf = grown;
+        a->cap = cap;
     }
-    char *p = pg->buf;
-    *p++ = '{';
-    for (size_t i = 0; i < n; i++) {
-        if (i > 0)
-            *p++ = ',';
-        p += snprintf(p, 21, "%lld", (long long)ids[i]);
-    }
-    *p++ = '}';
-    *p = '\0';
-    return pg->buf;
+    memcpy(a->buf + a->len, s, n);
+    a->len += n;
+    a->buf[a->len] = '\0';
 }
 
-static int send_statement(struct obx_pg *pg, const char *sql, int nparams,
-                          const char *const *values, int result_format)
+static void array_sep(struct obx_pg_array *a)
+{
+    if (a->count++ > 0)
+        array_put(a, ",", 1);
+}
+
+void obx_pg_array_reset(struct obx_pg_array *a)
+{
+    a->len = 0;
+    a->count = 0;
+    a->oom = false;
+    array_put(a, "{", 1);
+}
+
+void obx_pg_array_add_int(struct obx_pg_array *a, int64_t v)
+{
+    char num[24];
+    int n = snprintf(num, sizeof(num), "%lld", (long long)v);
+    array_sep(a);
+    array_put(a, num, (size_t)n);
+}
+
+void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len)
+{
+    array_sep(a);
+    if (!s) {
+        array_put(a, "NULL", 4);
+        return;
+    }
+    /* Quoted, with " and \ escaped: safe for any text. */
+    array_put(a, "\"", 1);
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] == '"' || s[i] == '\\')
+            array_put(a, "\\", 1);
+        array_put(a, &s[i], 1);
+    }
+    array_put(a, "\"", 1);
+}
+
+const char *obx_pg_array_finish(struct obx_pg_array *a)
+{
+    array_put(a, "}", 1);
+    return a->oom ? NULL : a->buf;
+}
+
+void obx_pg_array_free(struct obx_pg_array *a)
+{
+    free(a->buf);
+    memset(a, 0, sizeof(*a));
+}
+
+/* ---- statements ---- */
+
+int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                int result_format)
 {
     if (pg->state != OBX_PG_READY)
         return -1;
-    if (!PQsendQueryParams(pg->conn, sql, nparams, NULL, values, NULL, NULL, result_format)) {
-        disconnect_with_error(pg, "send failed");
-        return -1;
-    }
-    set_state(pg, OBX_PG_BUSY, "statement sent");
-    int f = PQflush(pg->conn);
-    if (f < 0 || watch(pg, UV_READABLE | (f == 1 ? UV_WRITABLE : 0)) != 0) {
-        disconnect_with_error(pg, "write failed");
-        return -1;
-    }
-    return 0;
+    pg->tx = TX_NONE;
+    return send_raw(pg, sql, nparams, values, result_format);
 }
 
-int obx_pg_send_fetch(struct obx_pg *pg, const int64_t *exclude, size_t n_exclude, int limit)
+int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                   int failpoint)
 {
-    char limit_text[16];
-    const char *values[2];
-    values[0] = format_id_array(pg, exclude, n_exclude);
-    if (!values[0]) {
+    if (pg->state != OBX_PG_READY)
+        return -1;
+    pg->tx = TX_BEGIN;
+    pg->tx_sql = sql;
+    pg->tx_nparams = nparams;
+    pg->tx_values = values;
+    pg->tx_failpoint = failpoint;
+    return send_raw(pg, "BEGIN", 0, NULL, 0);
+}
+
+int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f)
+{
+    const char *values[5];
+    struct obx_pg_array *a = pg->params;
+    obx_pg_array_reset(&a[0]);
+    for (size_t i = 0; i < f->n_exclude; i++)
+        obx_pg_array_add_int(&a[0], f->exclude[i]);
+    for (int k = 1; k <= 3; k++)
+        obx_pg_array_reset(&a[k]);
+    for (size_t i = 0; i < f->n_blocked; i++) {
+        obx_pg_array_add_text(&a[1], f->blocked[i].topic, strlen(f->blocked[i].topic));
+        obx_pg_array_add_text(&a[2], f->blocked[i].key, f->blocked[i].key_len);
+        obx_pg_array_add_int(&a[3], f->blocked_ids[i]);
+    }
+    snprintf(pg->limit_text, sizeof(pg->limit_text), "%d", f->limit);
+    values[0] = obx_pg_array_finish(&a[0]);
+    values[1] = pg->limit_text;
+    values[2] = obx_pg_array_finish(&a[1]);
+    values[3] = obx_pg_array_finish(&a[2]);
+    values[4] = obx_pg_array_finish(&a[3]);
+    if (!values[0] || !values[2] || !values[3] || !values[4]) {
         obx_error("postgres: out of memory building the fetch");
         return -1;
     }
-    snprintf(limit_text, sizeof(limit_text), "%d", limit);
-    values[1] = limit_text;
-    return send_statement(pg, SQL_FETCH, 2, values, 1);
+    return obx_pg_send(pg, SQL_FETCH, 5, values, 1);
 }
 
-int obx_pg_send_mark(struct obx_pg *pg, const int64_t *ids, size_t n)
+int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m)
 {
-    const char *values[1];
-    values[0] = format_id_array(pg, ids, n);
-    if (!values[0]) {
-        obx_error("postgres: out of memory building the mark");
-        return -1;
+    const char **values = pg->param_values;
+    struct obx_pg_array *a = pg->params;
+    for (int k = 0; k < 6; k++)
+        obx_pg_array_reset(&a[k]);
+    for (size_t i = 0; i < m->n_ids; i++)
+        obx_pg_array_add_int(&a[0], m->ids[i]);
+    for (size_t i = 0; i < m->n_offsets; i++) {
+        obx_pg_array_add_text(&a[1], m->topics[i], strlen(m->topics[i]));
+        obx_pg_array_add_int(&a[2], m->partitions[i]);
+        obx_pg_array_add_int(&a[3], m->offsets[i]);
     }
-    return send_statement(pg, pg->on_sent == OBX_ON_SENT_DELETE ? SQL_DELETE : SQL_MARK, 1, values,
-                          0);
+    for (size_t i = 0; i < m->n_dead; i++) {
+        obx_pg_array_add_int(&a[4], m->dead_ids[i]);
+        obx_pg_array_add_text(&a[5], m->dead_reasons[i], strlen(m->dead_reasons[i]));
+    }
+    for (int k = 0; k < 6; k++) {
+        values[k] = obx_pg_array_finish(&a[k]);
+        if (!values[k]) {
+            obx_error("postgres: out of memory building the mark");
+            return -1;
+        }
+    }
+    return obx_pg_send_tx(pg, pg->mark_sql, 6, values, OBX_FP_MARK_BEFORE_COMMIT);
 }

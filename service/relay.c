@@ -8,17 +8,39 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Most keys held back at once under relay.on_reject = retry. Past this, a
+ * refused row is still retried but no longer holds its key back. */
+#define MAX_BLOCKED 1024
+/* Longest pause between retries of a refused row. */
+#define MAX_REJECT_BACKOFF_MS (60 * 1000)
+
 enum slot_state {
     SLOT_FREE = 0,
-    SLOT_PRODUCED, /* handed to Kafka, delivery report pending */
-    SLOT_ACKED,    /* persisted by Kafka, not yet marked */
-    SLOT_MARKING,  /* in the mark statement now in flight */
+    SLOT_PRODUCED,     /* handed to Kafka, delivery report pending */
+    SLOT_ACKED,        /* persisted by Kafka, not yet marked */
+    SLOT_MARKING,      /* in the mark transaction now in flight */
+    SLOT_DEAD,         /* refused; to be moved to outbox.dead_letters */
+    SLOT_DEAD_MARKING, /* in the mark transaction now in flight, as a dead letter */
 };
 
 struct slot {
     int64_t id;
+    int64_t offset;
+    int32_t partition;
+    uint32_t topic; /* index into obx_relay.topics */
     enum slot_state state;
     int32_t next_free; /* free-list link, -1 = end */
+    char *reason;      /* SLOT_DEAD*: why Kafka refused it (owned) */
+};
+
+/* A refused row under relay.on_reject = retry. */
+struct blocked {
+    int64_t id;
+    int64_t retry_at;
+    uint32_t topic;
+    int attempts;
+    char *key; /* owned; NULL = no key (only the row itself waits) */
+    size_t key_len;
 };
 
 struct obx_relay {
@@ -29,21 +51,41 @@ struct obx_relay {
 
     struct slot *slots;
     int32_t free_head;
-    size_t in_use;    /* slots not FREE */
-    size_t acked;     /* slots ACKED (waiting for a mark) */
-    int64_t *scratch; /* max_in_flight ids: fetch exclusions or mark ids */
+    size_t in_use;  /* slots not FREE */
+    size_t to_mark; /* slots ACKED or DEAD (waiting for a mark) */
 
+    /* Topic names seen so far; slots refer to them by index. */
+    char **topics;
+    size_t n_topics, cap_topics;
+    uint32_t last_topic;
+
+    struct blocked blocked[MAX_BLOCKED];
+    size_t n_blocked;
+
+    /* Scratch arrays for the fetch and mark arguments, sized once. */
+    int64_t *ids;
+    int64_t *dead_ids;
+    const char **dead_reasons;
+    const char **off_topics;
+    int32_t *off_partitions;
+    int64_t *off_offsets;
+    struct obx_blocked_key keys[MAX_BLOCKED];
+    int64_t key_ids[MAX_BLOCKED];
+
+    bool recovered;        /* the start-up recovery pass has succeeded */
     bool want_fetch;       /* rows may be waiting: NOTIFY, poll, full batch */
-    int64_t not_before;    /* back-off: no fetch or mark before this time */
+    int64_t not_before;    /* back-off: no statement before this time */
     int64_t last_fetch_at; /* when the last fetch was sent (poll fallback) */
 
     bool draining;
     int64_t drain_deadline;
     int exit_code;
     uint64_t marked_total;
+    uint64_t dead_total;
 };
 
-static const char *const state_names[] = {"wait_pg", "idle", "fetching", "marking", "stopped"};
+static const char *const state_names[] = {"wait_pg",  "recovering", "idle",
+                                          "fetching", "marking",    "stopped"};
 
 const char *obx_relay_state_name(enum obx_relay_state s)
 {
@@ -54,8 +96,9 @@ const char *obx_relay_state_name(enum obx_relay_state s)
 #define BIT(s) (1u << (s))
 static const unsigned allowed[] = {
     [OBX_RELAY_WAIT_PG] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_STOPPED),
-    [OBX_RELAY_IDLE] = BIT(OBX_RELAY_FETCHING) | BIT(OBX_RELAY_MARKING) | BIT(OBX_RELAY_WAIT_PG) |
-                       BIT(OBX_RELAY_STOPPED),
+    [OBX_RELAY_RECOVERING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG),
+    [OBX_RELAY_IDLE] = BIT(OBX_RELAY_RECOVERING) | BIT(OBX_RELAY_FETCHING) |
+                       BIT(OBX_RELAY_MARKING) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_FETCHING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG),
     [OBX_RELAY_MARKING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG),
     [OBX_RELAY_STOPPED] = 0,
@@ -77,6 +120,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
 {
     s->batch_size = cfg->batch_size;
     s->max_in_flight = cfg->max_in_flight;
+    s->on_reject = cfg->on_reject;
     s->poll_interval_ms = cfg->poll_interval_ms;
     s->retry_backoff_ms = cfg->retry_backoff_ms;
     s->shutdown_timeout_ms = cfg->shutdown_timeout_ms;
@@ -85,6 +129,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
                   struct obx_relay **out)
 {
+    size_t n = (size_t)s->max_in_flight;
     struct obx_relay *r = calloc(1, sizeof(*r));
     if (!r)
         return -1;
@@ -92,9 +137,15 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->ops = ops;
     r->io = io;
     r->state = OBX_RELAY_WAIT_PG;
-    r->slots = calloc((size_t)s->max_in_flight, sizeof(*r->slots));
-    r->scratch = calloc((size_t)s->max_in_flight, sizeof(*r->scratch));
-    if (!r->slots || !r->scratch) {
+    r->slots = calloc(n, sizeof(*r->slots));
+    r->ids = calloc(n + MAX_BLOCKED, sizeof(*r->ids));
+    r->dead_ids = calloc(n, sizeof(*r->dead_ids));
+    r->dead_reasons = calloc(n, sizeof(*r->dead_reasons));
+    r->off_topics = calloc(n, sizeof(*r->off_topics));
+    r->off_partitions = calloc(n, sizeof(*r->off_partitions));
+    r->off_offsets = calloc(n, sizeof(*r->off_offsets));
+    if (!r->slots || !r->ids || !r->dead_ids || !r->dead_reasons || !r->off_topics ||
+        !r->off_partitions || !r->off_offsets) {
         obx_relay_free(r);
         return -1;
     }
@@ -110,12 +161,49 @@ void obx_relay_free(struct obx_relay *r)
 {
     if (!r)
         return;
+    if (r->slots)
+        for (int i = 0; i < r->set.max_in_flight; i++)
+            free(r->slots[i].reason);
+    for (size_t i = 0; i < r->n_blocked; i++)
+        free(r->blocked[i].key);
+    for (size_t i = 0; i < r->n_topics; i++)
+        free(r->topics[i]);
+    free(r->topics);
     free(r->slots);
-    free(r->scratch);
+    free(r->ids);
+    free(r->dead_ids);
+    free(r->dead_reasons);
+    free(r->off_topics);
+    free(r->off_partitions);
+    free(r->off_offsets);
     free(r);
 }
 
-static struct slot *slot_alloc(struct obx_relay *r, int64_t id)
+/* Index of `name` in the topic table, adding it if new; -1 on no memory.
+ * Rows come in runs of one topic, so the last hit is tried first. */
+static int64_t topic_index(struct obx_relay *r, const char *name)
+{
+    if (r->last_topic < r->n_topics && strcmp(r->topics[r->last_topic], name) == 0)
+        return r->last_topic;
+    for (size_t i = 0; i < r->n_topics; i++)
+        if (strcmp(r->topics[i], name) == 0)
+            return r->last_topic = (uint32_t)i;
+    if (r->n_topics == r->cap_topics) {
+        size_t cap = r->cap_topics ? r->cap_topics * 2 : 16;
+        char **grown = realloc(r->topics, cap * sizeof(*grown));
+        if (!grown)
+            return -1;
+        r->topics = grown;
+        r->cap_topics = cap;
+    }
+    char *copy = strdup(name);
+    if (!copy)
+        return -1;
+    r->topics[r->n_topics] = copy;
+    return r->last_topic = (uint32_t)r->n_topics++;
+}
+
+static struct slot *slot_alloc(struct obx_relay *r, int64_t id, uint32_t topic)
 {
     struct slot *s;
     if (r->free_head < 0)
@@ -123,6 +211,9 @@ static struct slot *slot_alloc(struct obx_relay *r, int64_t id)
     s = &r->slots[r->free_head];
     r->free_head = s->next_free;
     s->id = id;
+    s->topic = topic;
+    s->partition = -1;
+    s->offset = -1;
     s->state = SLOT_PRODUCED;
     r->in_use++;
     return s;
@@ -130,13 +221,108 @@ static struct slot *slot_alloc(struct obx_relay *r, int64_t id)
 
 static void slot_release(struct obx_relay *r, struct slot *s)
 {
-    if (s->state == SLOT_ACKED)
-        r->acked--;
+    if (s->state == SLOT_ACKED || s->state == SLOT_DEAD)
+        r->to_mark--;
+    free(s->reason);
+    s->reason = NULL;
     s->state = SLOT_FREE;
     s->next_free = r->free_head;
     r->free_head = (int32_t)(s - r->slots);
     r->in_use--;
 }
+
+/* ---- keys held back behind a refused row (relay.on_reject = retry) ---- */
+
+static struct blocked *find_block_by_id(struct obx_relay *r, int64_t id)
+{
+    for (size_t i = 0; i < r->n_blocked; i++)
+        if (r->blocked[i].id == id)
+            return &r->blocked[i];
+    return NULL;
+}
+
+/* True if `row` must wait behind an earlier refused row of its key. */
+static bool held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic)
+{
+    if (!row->key)
+        return false;
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        const struct blocked *b = &r->blocked[i];
+        if (b->key && b->topic == topic && row->id > b->id && b->key_len == row->key_len &&
+            memcmp(b->key, row->key, row->key_len) == 0)
+            return true;
+    }
+    return false;
+}
+
+static void unblock(struct obx_relay *r, int64_t id)
+{
+    struct blocked *b = find_block_by_id(r, id);
+    if (!b)
+        return;
+    obx_info("relay: row %lld delivered after %d refusals; its key goes on", (long long)id,
+             b->attempts);
+    free(b->key);
+    *b = r->blocked[--r->n_blocked];
+}
+
+/* Row `id` was refused: retry it later, holding back its key meanwhile. */
+static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
+                  int64_t now)
+{
+    struct blocked *b = find_block_by_id(r, id);
+    if (!b) {
+        if (r->n_blocked == MAX_BLOCKED) {
+            obx_warn("relay: %d keys already held back; row %lld is retried without holding "
+                     "its key",
+                     MAX_BLOCKED, (long long)id);
+            return;
+        }
+        char *copy = NULL;
+        if (key && !(copy = malloc(key_len ? key_len : 1))) {
+            obx_error("relay: out of memory holding back the key of row %lld", (long long)id);
+            return;
+        }
+        if (key)
+            memcpy(copy, key, key_len);
+        b = &r->blocked[r->n_blocked++];
+        *b = (struct blocked){.id = id, .topic = topic, .key = copy, .key_len = key_len};
+    }
+    int64_t delay = r->set.retry_backoff_ms;
+    for (int i = 0; i < b->attempts && delay < MAX_REJECT_BACKOFF_MS; i++)
+        delay *= 2;
+    if (delay > MAX_REJECT_BACKOFF_MS)
+        delay = MAX_REJECT_BACKOFF_MS;
+    b->attempts++;
+    b->retry_at = now + delay;
+}
+
+/* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
+static void rejected(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                     const char *reason, int64_t now)
+{
+    if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
+        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
+                  "outbox.dead_letters",
+                  (long long)s->id, r->topics[s->topic], reason);
+        s->reason = strdup(reason ? reason : "refused by Kafka");
+        if (s->reason) {
+            s->state = SLOT_DEAD;
+            r->to_mark++;
+            return;
+        }
+        obx_error("relay: out of memory dead-lettering row %lld; retrying it", (long long)s->id);
+    } else {
+        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; retrying it, later rows of "
+                  "its key wait (relay.on_reject = retry)",
+                  (long long)s->id, r->topics[s->topic], reason);
+    }
+    block(r, s->id, s->topic, key, key_len, now);
+    slot_release(r, s);
+    r->want_fetch = true;
+}
+
+/* ---- commands ---- */
 
 static void stop(struct obx_relay *r, const char *why)
 {
@@ -145,40 +331,95 @@ static void stop(struct obx_relay *r, const char *why)
         r->ops->stopped(r->io, r->exit_code);
 }
 
-/* Marks every ACKED slot. Returns true if a mark statement was sent. */
+/* Adds slot `s`'s offset to the per-partition maxima of the mark. */
+static void note_offset(struct obx_relay *r, const struct slot *s, size_t *n)
+{
+    const char *topic = r->topics[s->topic];
+    for (size_t i = 0; i < *n; i++) {
+        if (r->off_partitions[i] == s->partition && r->off_topics[i] == topic) {
+            if (s->offset > r->off_offsets[i])
+                r->off_offsets[i] = s->offset;
+            return;
+        }
+    }
+    r->off_topics[*n] = topic;
+    r->off_partitions[*n] = s->partition;
+    r->off_offsets[(*n)++] = s->offset;
+}
+
+/* Marks every ACKED slot and dead-letters every DEAD one, in one
+ * transaction. Returns true if it was sent. */
 static bool start_mark(struct obx_relay *r, int64_t now)
 {
-    size_t n = 0;
-    for (int i = 0; i < r->set.max_in_flight; i++)
-        if (r->slots[i].state == SLOT_ACKED)
-            r->scratch[n++] = r->slots[i].id;
-    if (n == 0)
+    struct obx_mark m = {.ids = r->ids,
+                         .topics = r->off_topics,
+                         .partitions = r->off_partitions,
+                         .offsets = r->off_offsets,
+                         .dead_ids = r->dead_ids,
+                         .dead_reasons = r->dead_reasons};
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->state == SLOT_ACKED) {
+            r->ids[m.n_ids++] = s->id;
+            note_offset(r, s, &m.n_offsets);
+        } else if (s->state == SLOT_DEAD) {
+            r->dead_reasons[m.n_dead] = s->reason;
+            r->dead_ids[m.n_dead++] = s->id;
+        }
+    }
+    if (m.n_ids + m.n_dead == 0)
         return false;
-    if (OBX_FAILPOINT(OBX_FP_ACK_AFTER) != 0 || OBX_FAILPOINT(OBX_FP_MARK_BEFORE_COMMIT) != 0) {
+    if (OBX_FAILPOINT(OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
     }
-    if (r->ops->mark(r->io, r->scratch, n) != 0)
+    if (r->ops->mark(r->io, &m) != 0)
         return false;
-    for (int i = 0; i < r->set.max_in_flight; i++)
-        if (r->slots[i].state == SLOT_ACKED)
-            r->slots[i].state = SLOT_MARKING;
-    r->acked = 0;
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->state == SLOT_ACKED)
+            s->state = SLOT_MARKING;
+        else if (s->state == SLOT_DEAD)
+            s->state = SLOT_DEAD_MARKING;
+    }
+    r->to_mark = 0;
     set_state(r, OBX_RELAY_MARKING, "acknowledged rows to mark");
     return true;
 }
 
+/* Puts slots of a mark that did not (surely) commit back to be marked again. */
+static void unmark(struct obx_relay *r)
+{
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
+            s->state = s->state == SLOT_MARKING ? SLOT_ACKED : SLOT_DEAD;
+            r->to_mark++;
+        }
+    }
+}
+
 static bool start_fetch(struct obx_relay *r, int64_t now)
 {
-    size_t n = 0;
+    struct obx_fetch f = {.exclude = r->ids, .blocked = r->keys, .blocked_ids = r->key_ids};
     int free_slots = r->set.max_in_flight - (int)r->in_use;
-    int limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
-    if (limit <= 0)
+    f.limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
+    if (f.limit <= 0)
         return false;
     for (int i = 0; i < r->set.max_in_flight; i++)
         if (r->slots[i].state != SLOT_FREE)
-            r->scratch[n++] = r->slots[i].id;
-    if (r->ops->fetch(r->io, r->scratch, n, limit) != 0)
+            r->ids[f.n_exclude++] = r->slots[i].id;
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        const struct blocked *b = &r->blocked[i];
+        if (b->retry_at > now)
+            r->ids[f.n_exclude++] = b->id; /* not due yet */
+        if (b->key) {
+            r->keys[f.n_blocked] =
+                (struct obx_blocked_key){r->topics[b->topic], b->key, b->key_len};
+            r->key_ids[f.n_blocked++] = b->id;
+        }
+    }
+    if (r->ops->fetch(r->io, &f) != 0)
         return false;
     r->want_fetch = false;
     r->last_fetch_at = now;
@@ -196,22 +437,33 @@ static void kick(struct obx_relay *r, int64_t now)
         /* Done when nothing is in flight, or at the deadline once nothing
          * acknowledged is left to mark (or no connection to mark it with). */
         if (r->in_use == 0 ||
-            (deadline_passed && (r->acked == 0 || r->state == OBX_RELAY_WAIT_PG))) {
+            (deadline_passed && (r->to_mark == 0 || r->state == OBX_RELAY_WAIT_PG))) {
             if (r->in_use > 0)
                 obx_warn("relay: stopping with %zu rows unconfirmed (%zu acknowledged but not "
-                         "marked); they will be published again after a restart",
-                         r->in_use, r->acked);
+                         "marked); the next start recovers them from Kafka",
+                         r->in_use, r->to_mark);
             stop(r, r->exit_code ? "fatal error" : "drained");
             return;
         }
     }
     if (r->state != OBX_RELAY_IDLE || now < r->not_before)
         return;
-    if (r->acked > 0 && start_mark(r, now))
+    if (r->to_mark > 0 && start_mark(r, now))
         return;
-    if (!r->draining && r->want_fetch)
+    if (r->draining)
+        return;
+    if (!r->recovered) {
+        if (r->ops->recover(r->io) == 0)
+            set_state(r, OBX_RELAY_RECOVERING, "recovery pass before publishing");
+        else
+            r->not_before = now + r->set.retry_backoff_ms;
+        return;
+    }
+    if (r->want_fetch)
         start_fetch(r, now);
 }
+
+/* ---- events ---- */
 
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
 {
@@ -229,12 +481,22 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
         return;
     /* A mark in flight may or may not have committed: mark those rows again
      * after the reconnect (the statement is idempotent). */
-    for (int i = 0; i < r->set.max_in_flight; i++)
-        if (r->slots[i].state == SLOT_MARKING) {
-            r->slots[i].state = SLOT_ACKED;
-            r->acked++;
-        }
+    unmark(r);
     set_state(r, OBX_RELAY_WAIT_PG, "postgres connection lost");
+    kick(r, now);
+}
+
+void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
+{
+    if (r->state != OBX_RELAY_RECOVERING)
+        return;
+    set_state(r, OBX_RELAY_IDLE, ok ? "recovery done" : "recovery failed");
+    if (ok) {
+        r->recovered = true;
+        r->want_fetch = true;
+    } else {
+        r->not_before = now + r->set.retry_backoff_ms;
+    }
     kick(r, now);
 }
 
@@ -254,25 +516,37 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        struct slot *s = slot_alloc(r, rows[i].id);
-        if (!s) { /* cannot happen: the fetch limit was the free slot count */
-            obx_error("relay: no free slot for row %lld", (long long)rows[i].id);
+        const struct obx_row *row = &rows[i];
+        int64_t topic = topic_index(r, row->topic);
+        if (topic < 0) {
+            obx_error("relay: out of memory for topic names");
             break;
         }
-        enum obx_produce_result pr = r->ops->produce(r->io, &rows[i], s);
+        if (r->n_blocked > 0 && held_back(r, row, (uint32_t)topic))
+            continue; /* a refused row of its key comes first */
+        struct slot *s = slot_alloc(r, row->id, (uint32_t)topic);
+        if (!s) { /* cannot happen: the fetch limit was the free slot count */
+            obx_error("relay: no free slot for row %lld", (long long)row->id);
+            break;
+        }
+        const char *reason = NULL;
+        enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
         if (pr == OBX_PRODUCE_OK) {
+            struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, row->id) : NULL;
+            if (b)
+                b->retry_at = INT64_MAX; /* being retried: not due again until refused */
             produced++;
             continue;
         }
-        slot_release(r, s);
         if (pr == OBX_PRODUCE_BUSY) {
             /* Keep id order: the rest of the batch waits for the next fetch. */
-            obx_warn("relay: Kafka queue full at row %lld; retrying shortly",
-                     (long long)rows[i].id);
+            obx_warn("relay: Kafka queue full at row %lld; retrying shortly", (long long)row->id);
+            slot_release(r, s);
             r->not_before = now + 100;
+            r->want_fetch = true;
             break;
         }
-        r->not_before = now + r->set.retry_backoff_ms;
+        rejected(r, s, row->key, row->key_len, reason, now);
     }
     if (produced > 0)
         (void)OBX_FAILPOINT(OBX_FP_PRODUCE_AFTER);
@@ -286,18 +560,26 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
 
 void obx_relay_on_marked(struct obx_relay *r, int64_t now)
 {
-    size_t n = 0;
+    size_t marked = 0, dead = 0;
     if (r->state != OBX_RELAY_MARKING)
         return;
     (void)OBX_FAILPOINT(OBX_FP_MARK_AFTER_COMMIT);
-    for (int i = 0; i < r->set.max_in_flight; i++)
-        if (r->slots[i].state == SLOT_MARKING) {
-            slot_release(r, &r->slots[i]);
-            n++;
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
+            if (s->state == SLOT_MARKING)
+                marked++;
+            else
+                dead++;
+            slot_release(r, s);
         }
-    r->marked_total += n;
-    obx_debug("relay: marked %zu rows", n);
+    }
+    r->marked_total += marked;
+    r->dead_total += dead;
+    obx_debug("relay: marked %zu rows, dead-lettered %zu", marked, dead);
     set_state(r, OBX_RELAY_IDLE, "mark done");
+    if (dead > 0)
+        r->want_fetch = true; /* the rows behind them may go now */
     kick(r, now);
 }
 
@@ -308,11 +590,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         r->want_fetch = true;
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);
-        for (int i = 0; i < r->set.max_in_flight; i++)
-            if (r->slots[i].state == SLOT_MARKING) {
-                r->slots[i].state = SLOT_ACKED;
-                r->acked++;
-            }
+        unmark(r);
     } else {
         return;
     }
@@ -321,27 +599,36 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
     kick(r, now);
 }
 
-void obx_relay_on_delivery(struct obx_relay *r, void *opaque, bool ok, int32_t partition,
-                           int64_t offset, const char *reason, int64_t now)
+void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery outcome,
+                           int32_t partition, int64_t offset, const char *key, size_t key_len,
+                           const char *reason, int64_t now)
 {
     struct slot *s = opaque;
     if (!s || s->state != SLOT_PRODUCED) {
         obx_error("relay: delivery report for an unknown or finished row");
         return;
     }
-    if (ok) {
+    switch (outcome) {
+    case OBX_DELIVERED:
         s->state = SLOT_ACKED;
-        r->acked++;
-        (void)partition;
-        (void)offset;
-    } else {
+        s->partition = partition;
+        s->offset = offset;
+        r->to_mark++;
+        if (r->n_blocked > 0)
+            unblock(r, s->id);
+        break;
+    case OBX_DELIVERY_RETRY:
         /* Not persisted: the row stays unsent in Postgres and is fetched
          * again after the back-off. */
-        obx_error("relay: row %lld not delivered: %s; will retry", (long long)s->id,
-                  reason ? reason : "unknown error");
+        obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,
+                 reason ? reason : "unknown error");
         slot_release(r, s);
         r->want_fetch = true;
         r->not_before = now + r->set.retry_backoff_ms;
+        break;
+    case OBX_DELIVERY_REJECTED:
+        rejected(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        break;
     }
     kick(r, now);
 }
@@ -358,6 +645,9 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
         return;
     if (now - r->last_fetch_at >= r->set.poll_interval_ms)
         r->want_fetch = true;
+    for (size_t i = 0; i < r->n_blocked; i++)
+        if (r->blocked[i].retry_at <= now)
+            r->want_fetch = true; /* a refused row is due for another try */
     kick(r, now);
 }
 
@@ -397,4 +687,14 @@ size_t obx_relay_in_flight(const struct obx_relay *r)
 uint64_t obx_relay_marked_total(const struct obx_relay *r)
 {
     return r->marked_total;
+}
+
+uint64_t obx_relay_dead_total(const struct obx_relay *r)
+{
+    return r->dead_total;
+}
+
+size_t obx_relay_blocked_keys(const struct obx_relay *r)
+{
+    return r->n_blocked;
 }

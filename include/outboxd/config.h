@@ -40,7 +40,8 @@ struct obx_config {
     int64_t pg_backoff_min_ms;
     int64_t pg_backoff_max_ms;
 
-    int on_sent; /* enum obx_on_sent */
+    int on_sent;   /* enum obx_on_sent */
+    int on_reject; /* enum obx_on_reject (relay.h) */
     int batch_size;
     int max_in_flight;
     int64_t poll_interval_ms;

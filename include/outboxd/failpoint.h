@@ -15,11 +15,13 @@
 #include "outboxd/config.h"
 
 enum obx_fp_id {
-    OBX_FP_FETCH_AFTER = 0,    /* rows read, nothing produced */
-    OBX_FP_PRODUCE_AFTER,      /* handed to librdkafka, no delivery report yet */
-    OBX_FP_ACK_AFTER,          /* delivery reports in, rows not yet marked */
-    OBX_FP_MARK_BEFORE_COMMIT, /* mark statement about to be committed */
-    OBX_FP_MARK_AFTER_COMMIT,  /* mark committed, result not yet processed */
+    OBX_FP_FETCH_AFTER = 0,       /* rows read, nothing produced */
+    OBX_FP_PRODUCE_AFTER,         /* handed to librdkafka, no delivery report yet */
+    OBX_FP_ACK_AFTER,             /* delivery reports in, rows not yet marked */
+    OBX_FP_MARK_BEFORE_COMMIT,    /* mark statement about to be committed */
+    OBX_FP_MARK_AFTER_COMMIT,     /* mark committed, result not yet processed */
+    OBX_FP_RECOVER_AFTER_SCAN,    /* recovery read Kafka, nothing marked yet */
+    OBX_FP_RECOVER_BEFORE_COMMIT, /* recovery's mark about to be committed */
     OBX_FP_COUNT
 };
 

@@ -26,9 +26,10 @@
 #include "outboxd/relay.h"
 
 struct obx_kafka_callbacks {
-    /* One delivery report; `opaque` as given to obx_kafka_produce(). */
-    void (*delivery)(void *opaque, bool ok, int32_t partition, int64_t offset, const char *reason,
-                     void *arg);
+    /* One delivery report; `opaque` as given to obx_kafka_produce();
+     * key/key_len the record's key. */
+    void (*delivery)(void *opaque, enum obx_delivery outcome, int32_t partition, int64_t offset,
+                     const char *key, size_t key_len, const char *reason, void *arg);
     /* The producer hit a fatal error (e.g. idempotence broken): it cannot
      * produce any more. Called once. */
     void (*fatal)(const char *reason, void *arg);
@@ -36,19 +37,32 @@ struct obx_kafka_callbacks {
 
 struct obx_kafka;
 
-/* Builds a librdkafka configuration from cfg (defaults + kafka.* keys),
- * without creating a producer: what --check runs. Errors name the key and
- * where it was set. On success *out is owned by the caller. */
-int obx_kafka_conf_build(const struct obx_config *cfg, rd_kafka_conf_t **out, char *err,
-                         size_t errlen) OBX_WARN_UNUSED;
+enum obx_kafka_role {
+    OBX_KAFKA_PRODUCER, /* the relay's producer: our defaults, then kafka.* */
+    OBX_KAFKA_CONSUMER, /* the recovery reader: kafka.* (connection and security) */
+};
+
+/* Builds a librdkafka configuration from cfg without creating a client:
+ * what --check runs. Errors name the key and where it was set. On success
+ * *out is owned by the caller. */
+int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
+                         rd_kafka_conf_t **out, char *err, size_t errlen) OBX_WARN_UNUSED;
+
+/* Whether a delivery or produce error is final for the record (too large,
+ * unknown topic, not authorized...) rather than passing. */
+bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err);
+
+/* Routes librdkafka's log lines (of any client) into our log. */
+void obx_kafka_log_cb(const rd_kafka_t *rk, int level, const char *fac, const char *buf);
 
 int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
                   const struct obx_kafka_callbacks *cb, void *arg, struct obx_kafka **out,
                   char *err, size_t errlen) OBX_WARN_UNUSED;
 
-/* Hands one row to librdkafka (payload, key and headers are copied). */
+/* Hands one row to librdkafka (payload, key and headers are copied). On
+ * OBX_PRODUCE_REJECTED, *reason says why (a static string). */
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
-                                          void *opaque);
+                                          void *opaque, const char **reason);
 
 /* Number of messages librdkafka still holds (queued or in flight). */
 int obx_kafka_outq_len(struct obx_kafka *k);

@@ -14,6 +14,7 @@
 #ifndef OUTBOXD_PG_H
 #define OUTBOXD_PG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -21,9 +22,10 @@
 #include <uv.h>
 
 #include "outboxd/config.h"
+#include "outboxd/relay.h"
 
 /* The newest migration in sql/ that this binary needs. */
-#define OBX_SCHEMA_VERSION 1
+#define OBX_SCHEMA_VERSION 2
 /* NOTIFY channel used by outbox.enqueue(). */
 #define OBX_NOTIFY_CHANNEL "outboxd"
 
@@ -42,10 +44,11 @@ struct obx_pg_callbacks {
     /* A READY or BUSY connection was lost; a statement in flight has no
      * result. A reconnect is already scheduled. */
     void (*lost)(void *arg);
-    /* The result of the statement in flight. `res` is freed when the callback
-     * returns. The connection is READY again before the call, so the callback
-     * may send the next statement. */
-    void (*result)(PGresult *res, void *arg);
+    /* The statement in flight finished: `res` on success (freed when the
+     * callback returns), or `error` (one line from Postgres or from us) with
+     * res NULL. The connection is READY again before the call, so the
+     * callback may send the next statement. */
+    void (*result)(const PGresult *res, const char *error, void *arg);
     /* A NOTIFY arrived on the wake-up channel. */
     void (*notify)(void *arg);
 };
@@ -63,13 +66,41 @@ void obx_pg_close(struct obx_pg *pg);
 
 enum obx_pg_state obx_pg_state(const struct obx_pg *pg);
 
-/* Sends the fetch statement: up to `limit` unsent rows in id order, none of
- * `exclude`. Binary results, columns as in record.h. Only when READY.
- * Returns 0, or -1 if nothing was sent; if the connection broke, it is
- * dropped and `lost` has fired before this returns. */
-int obx_pg_send_fetch(struct obx_pg *pg, const int64_t *exclude, size_t n_exclude, int limit);
-/* Sends the statement that marks `ids` sent (or deletes them). */
-int obx_pg_send_mark(struct obx_pg *pg, const int64_t *ids, size_t n);
+/* A growable text buffer holding a Postgres array literal ("{1,2}",
+ * "{\"a\",NULL}") for a text-format parameter. */
+struct obx_pg_array {
+    char *buf;
+    size_t len, cap;
+    int count;
+    bool oom;
+};
+void obx_pg_array_reset(struct obx_pg_array *a);
+void obx_pg_array_add_int(struct obx_pg_array *a, int64_t v);
+/* s NULL = a NULL element; otherwise quoted and escaped. */
+void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len);
+/* Closes the literal; NULL if memory ran out on the way. */
+const char *obx_pg_array_finish(struct obx_pg_array *a);
+void obx_pg_array_free(struct obx_pg_array *a);
+
+/* Sends one statement (text parameters). Only when READY. Returns 0, or -1
+ * if nothing was sent; if the connection broke, it is dropped and `lost`
+ * has fired before this returns. */
+int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                int result_format);
+/* Sends one statement inside BEGIN ... COMMIT; the result reported is the
+ * statement's, after COMMIT succeeded. Failpoint `failpoint` (an enum
+ * obx_fp_id, or -1) is reached between the statement and COMMIT. `values`
+ * must stay valid until the result callback. */
+int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                   int failpoint);
+
+/* The fetch: unsent rows in id order as `f` says. Binary results, columns as
+ * in record.h. */
+int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f);
+/* The mark transaction: confirm m->ids (set sent_at, or delete in delete
+ * mode), store each partition's last offset, move dead rows to
+ * outbox.dead_letters. */
+int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m);
 
 /* Checks that `conninfo` parses; on error writes a sentence without any of
  * its values (it may hold a password). */

@@ -1,19 +1,25 @@
 /*
  * relay: the relay cycle as an explicit state machine (DESIGN 3.2).
  *
- *   fetch committed unsent rows in id order (excluding rows already in flight)
- *   -> produce each one -> collect acknowledged ids from delivery reports
- *   -> mark them sent in one statement -> repeat.
+ *   recover once (rows a crashed run published are marked, not republished)
+ *   -> fetch committed unsent rows in id order (excluding rows in flight)
+ *   -> produce each one -> collect acknowledgements from delivery reports
+ *   -> mark them sent, with each partition's last offset, in one
+ *      transaction -> repeat.
  *
  * The relay is pure logic: it does no I/O and knows neither libuv, libpq nor
  * librdkafka. It reacts to events (obx_relay_on_*) and issues commands
- * through struct obx_relay_ops, which main.c wires to pg and kafka, and which
- * unit tests replace with fakes. Time is passed in by the caller (ms on a
- * monotonic clock).
+ * through struct obx_relay_ops, which main.c wires to pg, kafka and
+ * recovery, and which unit tests replace with fakes. Time is passed in by
+ * the caller (ms on a monotonic clock).
  *
  * Every row handed to Kafka occupies a slot until it is marked; the slot
  * pointer is the Kafka message opaque, so a delivery report finds its row
  * without a lookup. The number of slots is relay.max_in_flight.
+ *
+ * Rows Kafka refuses for good follow relay.on_reject: `retry` keeps the row
+ * and holds back the later rows of its key (other keys go on); `dead_letter`
+ * moves it to outbox.dead_letters with the reason, and its key goes on.
  */
 #ifndef OUTBOXD_RELAY_H
 #define OUTBOXD_RELAY_H
@@ -27,36 +33,85 @@
 
 enum obx_relay_state {
     OBX_RELAY_WAIT_PG = 0, /* no usable Postgres connection */
+    OBX_RELAY_RECOVERING,  /* start-up recovery pass running (before any produce) */
     OBX_RELAY_IDLE,        /* connection idle: waiting for a wake-up, acks or a back-off */
     OBX_RELAY_FETCHING,    /* fetch query in flight */
-    OBX_RELAY_MARKING,     /* mark statement in flight */
+    OBX_RELAY_MARKING,     /* mark transaction in flight */
     OBX_RELAY_STOPPED,     /* shut down; ops->stopped() has been called */
 };
 
 /* Result of ops->produce. */
 enum obx_produce_result {
     OBX_PRODUCE_OK = 0,
-    OBX_PRODUCE_BUSY = -1,   /* local queue full: try again later, stop this batch */
-    OBX_PRODUCE_FAILED = -2, /* this row cannot be produced now (e.g. too large) */
+    OBX_PRODUCE_BUSY = -1,     /* local queue full: try again later, stop this batch */
+    OBX_PRODUCE_REJECTED = -2, /* this row can never be produced as it is (e.g. too large) */
+};
+
+/* Outcome of one delivery report. */
+enum obx_delivery {
+    OBX_DELIVERED = 0,     /* persisted by Kafka */
+    OBX_DELIVERY_RETRY,    /* failed for a passing reason: publish again later */
+    OBX_DELIVERY_REJECTED, /* refused for good: relay.on_reject applies */
+};
+
+/* A key whose later rows are held back behind a refused row. */
+struct obx_blocked_key {
+    const char *topic;
+    const char *key;
+    size_t key_len;
+};
+
+/* What the fetch must leave out. Arrays are the relay's; valid during the call. */
+struct obx_fetch {
+    const int64_t *exclude; /* ids in flight, and refused rows not yet due for a retry */
+    size_t n_exclude;
+    const struct obx_blocked_key *blocked; /* rows of these keys wait ... */
+    const int64_t *blocked_ids;            /* ... behind these ids (allowed themselves) */
+    size_t n_blocked;
+    int limit;
+};
+
+/* What one mark transaction confirms. Arrays are the relay's. */
+struct obx_mark {
+    const int64_t *ids; /* acknowledged rows: set sent_at (or delete) */
+    size_t n_ids;
+    const char *const *topics; /* highest acknowledged offset per partition */
+    const int32_t *partitions;
+    const int64_t *offsets;
+    size_t n_offsets;
+    const int64_t *dead_ids; /* rows to move to outbox.dead_letters */
+    const char *const *dead_reasons;
+    size_t n_dead;
 };
 
 struct obx_relay_ops {
-    /* Sends the fetch query: up to `limit` unsent rows in id order, none of
-     * the `n_exclude` ids. The answer comes through obx_relay_on_fetched() or
-     * obx_relay_on_query_failed(). Returns 0, or -1 if it could not be sent
-     * (the relay then waits for obx_relay_on_pg_lost/ready). */
-    int (*fetch)(void *io, const int64_t *exclude, size_t n_exclude, int limit);
-    /* Sends the mark statement for `ids`; answer via on_marked/on_query_failed. */
-    int (*mark)(void *io, const int64_t *ids, size_t n);
-    /* Hands one row to Kafka with `opaque` for its delivery report. */
-    enum obx_produce_result (*produce)(void *io, const struct obx_row *row, void *opaque);
+    /* Sends the fetch query: unsent rows in id order per `f`. The answer
+     * comes through obx_relay_on_fetched() or obx_relay_on_query_failed().
+     * Returns 0, or -1 if it could not be sent. */
+    int (*fetch)(void *io, const struct obx_fetch *f);
+    /* Sends the mark transaction; answer via on_marked/on_query_failed. */
+    int (*mark)(void *io, const struct obx_mark *m);
+    /* Hands one row to Kafka with `opaque` for its delivery report. On
+     * OBX_PRODUCE_REJECTED, *reason says why (static or valid until the
+     * next call). */
+    enum obx_produce_result (*produce)(void *io, const struct obx_row *row, void *opaque,
+                                       const char **reason);
+    /* Starts the recovery pass; its end comes through obx_relay_on_recovered.
+     * Returns 0, or -1 if it could not start. */
+    int (*recover)(void *io);
     /* The relay has stopped; called once. */
     void (*stopped)(void *io, int exit_code);
+};
+
+enum obx_on_reject {
+    OBX_ON_REJECT_RETRY = 0,
+    OBX_ON_REJECT_DEAD_LETTER = 1,
 };
 
 struct obx_relay_settings {
     int batch_size;
     int max_in_flight;
+    int on_reject; /* enum obx_on_reject */
     int64_t poll_interval_ms;
     int64_t retry_backoff_ms;
     int64_t shutdown_timeout_ms;
@@ -74,13 +129,15 @@ void obx_relay_free(struct obx_relay *r);
 /* Events. `now` is monotonic milliseconds. */
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now);
 void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now);
+void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now);
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now);
 void obx_relay_on_marked(struct obx_relay *r, int64_t now);
-/* The fetch or mark statement failed but the connection is still usable. */
+/* The fetch or mark failed but the connection is still usable. */
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now);
-/* One delivery report: `ok` = persisted by Kafka. */
-void obx_relay_on_delivery(struct obx_relay *r, void *opaque, bool ok, int32_t partition,
-                           int64_t offset, const char *reason, int64_t now);
+/* One delivery report. key/key_len are the record's key (for blocking). */
+void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery outcome,
+                           int32_t partition, int64_t offset, const char *key, size_t key_len,
+                           const char *reason, int64_t now);
 /* NOTIFY arrived: new rows may be committed. */
 void obx_relay_wakeup(struct obx_relay *r, int64_t now);
 /* Housekeeping: poll fallback, back-offs, shutdown deadline. */
@@ -97,5 +154,9 @@ const char *obx_relay_state_name(enum obx_relay_state s);
 size_t obx_relay_in_flight(const struct obx_relay *r);
 /* Rows acknowledged and marked since start. */
 uint64_t obx_relay_marked_total(const struct obx_relay *r);
+/* Rows moved to outbox.dead_letters since start. */
+uint64_t obx_relay_dead_total(const struct obx_relay *r);
+/* Keys currently held back behind a refused row. */
+size_t obx_relay_blocked_keys(const struct obx_relay *r);
 
 #endif

@@ -19,45 +19,75 @@ struct fake {
     size_t n_exclude;
     int limit;
     int fetch_rc;
+    size_t n_blocked;
+    char blocked_key[64];
+    int64_t blocked_id;
 
     int marks;
     int64_t marked[MAX_CALLS];
     size_t n_marked;
+    char off_topics[MAX_CALLS][16];
+    int32_t off_partitions[MAX_CALLS];
+    int64_t off_offsets[MAX_CALLS];
+    size_t n_offsets;
+    int64_t dead[MAX_CALLS];
+    char dead_reason[128];
+    size_t n_dead;
 
     int produced;
     int64_t produced_ids[MAX_CALLS];
     void *opaques[MAX_CALLS];
-    int busy_at; /* produce call index that returns BUSY; -1 = none */
-    int fail_at; /* produce call index that returns FAILED; -1 = none */
+    int busy_at;       /* produce call index that returns BUSY; -1 = none */
+    int64_t reject_id; /* row id that produce rejects; 0 = none */
+
+    int recovers;
+    int recover_rc;
 
     int stopped;
     int exit_code;
 };
 
-static int fake_fetch(void *io, const int64_t *exclude, size_t n, int limit)
+static int fake_fetch(void *io, const struct obx_fetch *f)
 {
-    struct fake *f = io;
-    if (f->fetch_rc != 0)
-        return f->fetch_rc;
-    f->fetches++;
-    assert_true(n <= MAX_CALLS);
-    memcpy(f->exclude, exclude, n * sizeof(*exclude));
-    f->n_exclude = n;
-    f->limit = limit;
+    struct fake *fk = io;
+    if (fk->fetch_rc != 0)
+        return fk->fetch_rc;
+    fk->fetches++;
+    assert_true(f->n_exclude <= MAX_CALLS);
+    memcpy(fk->exclude, f->exclude, f->n_exclude * sizeof(*f->exclude));
+    fk->n_exclude = f->n_exclude;
+    fk->limit = f->limit;
+    fk->n_blocked = f->n_blocked;
+    if (f->n_blocked > 0) {
+        snprintf(fk->blocked_key, sizeof(fk->blocked_key), "%s/%.*s", f->blocked[0].topic,
+                 (int)f->blocked[0].key_len, f->blocked[0].key);
+        fk->blocked_id = f->blocked_ids[0];
+    }
     return 0;
 }
 
-static int fake_mark(void *io, const int64_t *ids, size_t n)
+static int fake_mark(void *io, const struct obx_mark *m)
 {
     struct fake *f = io;
     f->marks++;
-    assert_true(n <= MAX_CALLS);
-    memcpy(f->marked, ids, n * sizeof(*ids));
-    f->n_marked = n;
+    assert_true(m->n_ids <= MAX_CALLS && m->n_offsets <= MAX_CALLS && m->n_dead <= MAX_CALLS);
+    memcpy(f->marked, m->ids, m->n_ids * sizeof(*m->ids));
+    f->n_marked = m->n_ids;
+    for (size_t i = 0; i < m->n_offsets; i++) {
+        snprintf(f->off_topics[i], sizeof(f->off_topics[i]), "%s", m->topics[i]);
+        f->off_partitions[i] = m->partitions[i];
+        f->off_offsets[i] = m->offsets[i];
+    }
+    f->n_offsets = m->n_offsets;
+    memcpy(f->dead, m->dead_ids, m->n_dead * sizeof(*m->dead_ids));
+    f->n_dead = m->n_dead;
+    if (m->n_dead > 0)
+        snprintf(f->dead_reason, sizeof(f->dead_reason), "%s", m->dead_reasons[0]);
     return 0;
 }
 
-static enum obx_produce_result fake_produce(void *io, const struct obx_row *row, void *opaque)
+static enum obx_produce_result fake_produce(void *io, const struct obx_row *row, void *opaque,
+                                            const char **reason)
 {
     struct fake *f = io;
     int call = f->produced;
@@ -65,14 +95,23 @@ static enum obx_produce_result fake_produce(void *io, const struct obx_row *row,
         f->busy_at = -1;
         return OBX_PRODUCE_BUSY;
     }
-    if (call == f->fail_at) {
-        f->fail_at = -1;
-        return OBX_PRODUCE_FAILED;
+    if (row->id == f->reject_id) {
+        *reason = "Broker: Message size too large";
+        return OBX_PRODUCE_REJECTED;
     }
     f->produced_ids[call] = row->id;
     f->opaques[call] = opaque;
     f->produced++;
     return OBX_PRODUCE_OK;
+}
+
+static int fake_recover(void *io)
+{
+    struct fake *f = io;
+    if (f->recover_rc != 0)
+        return f->recover_rc;
+    f->recovers++;
+    return 0;
 }
 
 static void fake_stopped(void *io, int exit_code)
@@ -82,7 +121,13 @@ static void fake_stopped(void *io, int exit_code)
     f->exit_code = exit_code;
 }
 
-static const struct obx_relay_ops ops = {fake_fetch, fake_mark, fake_produce, fake_stopped};
+static const struct obx_relay_ops ops = {
+    .fetch = fake_fetch,
+    .mark = fake_mark,
+    .produce = fake_produce,
+    .recover = fake_recover,
+    .stopped = fake_stopped,
+};
 
 struct ctx {
     struct fake f;
@@ -92,6 +137,7 @@ struct ctx {
 static struct obx_relay_settings settings = {
     .batch_size = 4,
     .max_in_flight = 6,
+    .on_reject = OBX_ON_REJECT_RETRY,
     .poll_interval_ms = 1000,
     .retry_backoff_ms = 500,
     .shutdown_timeout_ms = 3000,
@@ -100,7 +146,7 @@ static struct obx_relay_settings settings = {
 static int setup(void **state)
 {
     struct ctx *c = test_calloc(1, sizeof(*c));
-    c->f.busy_at = c->f.fail_at = -1;
+    c->f.busy_at = -1;
     assert_int_equal(obx_relay_new(&settings, &ops, &c->f, &c->r), 0);
     *state = c;
     return 0;
@@ -114,22 +160,40 @@ static int teardown(void **state)
     return 0;
 }
 
-/* Delivers a fetch result of ids [first, first + n). */
+/* Delivers a fetch result of ids [first, first + n); row i has key "k<id % 3>". */
 static void fetched(struct ctx *c, int64_t first, size_t n, int64_t now)
 {
+    static char keys[16][8];
     struct obx_row rows[16];
     memset(rows, 0, sizeof(rows));
     for (size_t i = 0; i < n; i++) {
         rows[i].id = first + (int64_t)i;
         rows[i].topic = "t";
+        snprintf(keys[i], sizeof(keys[i]), "k%d", (int)(rows[i].id % 3));
+        rows[i].key = keys[i];
+        rows[i].key_len = 2;
     }
     obx_relay_on_fetched(c->r, rows, n, now);
 }
 
-/* Delivery report for the k-th produced row. */
+/* Delivery report for the k-th produced row, at partition 0, offset 100 + k. */
+static void ack_as(struct ctx *c, int k, enum obx_delivery outcome, int64_t now)
+{
+    obx_relay_on_delivery(c->r, c->f.opaques[k], outcome, 0, 100 + k, "k0", 2,
+                          outcome == OBX_DELIVERED ? NULL : "boom", now);
+}
+
 static void ack(struct ctx *c, int k, bool ok, int64_t now)
 {
-    obx_relay_on_delivery(c->r, c->f.opaques[k], ok, 0, k, ok ? NULL : "boom", now);
+    ack_as(c, k, ok ? OBX_DELIVERED : OBX_DELIVERY_RETRY, now);
+}
+
+/* Postgres ready and the recovery pass done: the relay fetches. */
+static void ready(struct ctx *c, int64_t now)
+{
+    obx_relay_on_pg_ready(c->r, now);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    obx_relay_on_recovered(c->r, true, now);
 }
 
 static bool excluded(struct ctx *c, int64_t id)
@@ -148,6 +212,10 @@ static void test_cycle(void **state)
     assert_int_equal(c->f.fetches, 0);
 
     obx_relay_on_pg_ready(c->r, 0);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    assert_int_equal(c->f.recovers, 1);
+    assert_int_equal(c->f.fetches, 0); /* nothing is published before recovery */
+    obx_relay_on_recovered(c->r, true, 0);
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
     assert_int_equal(c->f.fetches, 1);
     assert_int_equal(c->f.limit, 4);
@@ -181,7 +249,7 @@ static void test_cycle(void **state)
 static void test_exclusion_and_backpressure(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 4, 0); /* full batch: fetch again at once */
     assert_int_equal(c->f.fetches, 2);
     assert_int_equal(c->f.limit, 2); /* 6 slots, 4 in flight */
@@ -207,7 +275,7 @@ static void test_exclusion_and_backpressure(void **state)
 static void test_notify_and_poll(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 0, 0);
     assert_int_equal(c->f.fetches, 1);
     obx_relay_tick(c->r, 500);
@@ -229,7 +297,7 @@ static void test_notify_and_poll(void **state)
 static void test_pg_lost_remarks_first(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 2, 0);
     ack(c, 0, true, 1);
     ack(c, 1, true, 1);
@@ -250,7 +318,7 @@ static void test_pg_lost_remarks_first(void **state)
 static void test_query_failed_backs_off(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     obx_relay_on_query_failed(c->r, "permission denied", 100);
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
     obx_relay_wakeup(c->r, 200);
@@ -273,7 +341,7 @@ static void test_query_failed_backs_off(void **state)
 static void test_delivery_failure_refetches(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 2, 0);
     ack(c, 0, false, 1); /* not persisted */
     assert_int_equal(obx_relay_in_flight(c->r), 1);
@@ -290,7 +358,7 @@ static void test_produce_busy_keeps_order(void **state)
 {
     struct ctx *c = *state;
     c->f.busy_at = 1;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 3, 0);
     /* Row 1 produced; rows 2 and 3 wait for a later fetch, in order. */
     assert_int_equal(c->f.produced, 1);
@@ -304,21 +372,114 @@ static void test_produce_busy_keeps_order(void **state)
     assert_int_equal(c->f.produced_ids[2], 3);
 }
 
-static void test_produce_failed_skips_row(void **state)
+/* Mark: ids plus the highest acknowledged offset of each partition. */
+static void test_mark_carries_offsets(void **state)
 {
     struct ctx *c = *state;
-    c->f.fail_at = 0;
+    ready(c, 0);
+    fetched(c, 1, 3, 0);
+    ack(c, 0, true, 1); /* mark [1] goes at once, offset 100 */
+    assert_int_equal(c->f.n_offsets, 1);
+    assert_string_equal(c->f.off_topics[0], "t");
+    assert_int_equal(c->f.off_partitions[0], 0);
+    assert_int_equal(c->f.off_offsets[0], 100);
+    obx_relay_on_delivery(c->r, c->f.opaques[2], OBX_DELIVERED, 1, 7, "k0", 2, NULL, 2);
+    obx_relay_on_delivery(c->r, c->f.opaques[1], OBX_DELIVERED, 1, 6, "k2", 2, NULL, 2);
+    obx_relay_on_marked(c->r, 3);
+    assert_int_equal(c->f.n_marked, 2);
+    assert_int_equal(c->f.n_offsets, 1);
+    assert_int_equal(c->f.off_partitions[0], 1);
+    assert_int_equal(c->f.off_offsets[0], 7); /* the highest of partition 1 */
+}
+
+static void test_recovery_retried(void **state)
+{
+    struct ctx *c = *state;
     obx_relay_on_pg_ready(c->r, 0);
-    fetched(c, 1, 2, 0);
-    assert_int_equal(c->f.produced, 1);
-    assert_int_equal(c->f.produced_ids[0], 2);
-    assert_int_equal(obx_relay_in_flight(c->r), 1);
+    obx_relay_on_recovered(c->r, false, 10); /* e.g. Kafka unreachable */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
+    obx_relay_wakeup(c->r, 20);
+    assert_int_equal(c->f.fetches, 0);
+    assert_int_equal(c->f.recovers, 1);
+    obx_relay_tick(c->r, 600); /* after the back-off */
+    assert_int_equal(c->f.recovers, 2);
+    obx_relay_on_pg_lost(c->r, 700); /* lost mid-pass: start over */
+    obx_relay_on_pg_ready(c->r, 800);
+    assert_int_equal(c->f.recovers, 3);
+    obx_relay_on_recovered(c->r, true, 900);
+    assert_int_equal(c->f.fetches, 1);
+}
+
+/* relay.on_reject = retry: the refused row is retried after a back-off and
+ * later rows of its key wait; other keys go on. */
+static void test_reject_retry_holds_key(void **state)
+{
+    struct ctx *c = *state;
+    c->f.reject_id = 3; /* key k0 */
+    ready(c, 0);
+    fetched(c, 1, 4, 0); /* ids 1 (k1), 2 (k2), 3 (k0, refused), 4 (k1) */
+    assert_int_equal(c->f.produced, 3);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(c->f.fetches, 2); /* full batch: fetch again */
+    assert_int_equal(c->f.n_blocked, 1);
+    assert_string_equal(c->f.blocked_key, "t/k0");
+    assert_int_equal(c->f.blocked_id, 3);
+    assert_true(excluded(c, 3)); /* not due yet */
+
+    /* A later row of k0 in a batch is held back; k1/k2 rows go. */
+    fetched(c, 6, 2, 1); /* 6 (k0) held, 7 (k1) produced */
+    assert_int_equal(c->f.produced, 4);
+    assert_int_equal(c->f.produced_ids[3], 7);
+
+    /* Due after retry_backoff: fetched again, and this time delivered. */
+    c->f.reject_id = 0;
+    obx_relay_tick(c->r, 600);
+    assert_false(excluded(c, 3));
+    fetched(c, 3, 1, 600);
+    assert_int_equal(c->f.produced_ids[4], 3);
+    obx_relay_on_delivery(c->r, c->f.opaques[4], OBX_DELIVERED, 0, 9, "k0", 2, NULL, 601);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+}
+
+/* relay.on_reject = dead_letter: the row goes to dead_letters with the
+ * reason, in the next mark; nothing is held back. */
+static void test_reject_dead_letter(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_free(c->r);
+    struct obx_relay_settings s = settings;
+    s.on_reject = OBX_ON_REJECT_DEAD_LETTER;
+    assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->r), 0);
+    c->f.reject_id = 2;
+    ready(c, 0);
+    fetched(c, 1, 3, 0);
+    assert_int_equal(c->f.produced, 2);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(c->f.marks, 1); /* the dead letter is marked at once */
+    assert_int_equal(c->f.n_dead, 1);
+    assert_int_equal(c->f.dead[0], 2);
+    assert_string_equal(c->f.dead_reason, "Broker: Message size too large");
+    assert_int_equal(c->f.n_marked, 0);
+    obx_relay_on_marked(c->r, 1);
+    assert_int_equal(obx_relay_dead_total(c->r), 1);
+    assert_int_equal(obx_relay_in_flight(c->r), 2);
+
+    /* A delivery report that refuses a row: dead-lettered too, in the mark
+     * after the fetch now in flight. */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    ack_as(c, 0, OBX_DELIVERY_REJECTED, 2);
+    assert_int_equal(c->f.marks, 1);
+    fetched(c, 10, 0, 3);
+    assert_int_equal(c->f.marks, 2);
+    assert_int_equal(c->f.n_dead, 1);
+    assert_int_equal(c->f.dead[0], 1);
+    assert_string_equal(c->f.dead_reason, "boom");
 }
 
 static void test_shutdown_drains(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 2, 0);
     obx_relay_shutdown(c->r, 10);
     obx_relay_wakeup(c->r, 11);
@@ -337,7 +498,7 @@ static void test_shutdown_drains(void **state)
 static void test_shutdown_deadline(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 2, 0);
     obx_relay_shutdown(c->r, 100);
     ack(c, 0, true, 200);
@@ -353,7 +514,7 @@ static void test_shutdown_deadline(void **state)
 static void test_fetch_in_flight_at_shutdown_is_not_produced(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     obx_relay_shutdown(c->r, 1);
     fetched(c, 1, 3, 2);
     assert_int_equal(c->f.produced, 0);
@@ -363,7 +524,7 @@ static void test_fetch_in_flight_at_shutdown_is_not_produced(void **state)
 static void test_fatal_marks_acked_then_stops(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 3, 0);
     ack(c, 0, true, 1); /* mark of id 1 in flight */
     ack(c, 1, true, 1); /* acknowledged, waiting */
@@ -381,7 +542,7 @@ static void test_fatal_marks_acked_then_stops(void **state)
 static void test_fatal_without_postgres(void **state)
 {
     struct ctx *c = *state;
-    obx_relay_on_pg_ready(c->r, 0);
+    ready(c, 0);
     fetched(c, 1, 1, 0);
     ack(c, 0, true, 1);
     obx_relay_on_pg_lost(c->r, 2);
@@ -400,7 +561,10 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_query_failed_backs_off, setup, teardown),
         cmocka_unit_test_setup_teardown(test_delivery_failure_refetches, setup, teardown),
         cmocka_unit_test_setup_teardown(test_produce_busy_keeps_order, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_produce_failed_skips_row, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_mark_carries_offsets, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_recovery_retried, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reject_retry_holds_key, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reject_dead_letter, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_drains, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fetch_in_flight_at_shutdown_is_not_produced, setup,

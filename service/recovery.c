@@ -1,0 +1,591 @@
+/*
+ * recovery: see include/outboxd/recovery.h.
+ */
+#include "outboxd/recovery.h"
+#include "outboxd/failpoint.h"
+#include "outboxd/kafka.h"
+#include "outboxd/log.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <librdkafka/rdkafka.h>
+#include <openssl/evp.h>
+
+/* The whole scan (metadata, watermarks, reading) gives up after this. */
+#define SCAN_TIMEOUT_MS    60000
+#define REQUEST_TIMEOUT_MS 10000
+
+/* Topics with unsent rows, and the offsets stored for their partitions. */
+static const char SQL_PLAN[] =
+    "SELECT t.topic, k.kafka_partition, k.last_offset"
+    " FROM (SELECT DISTINCT topic FROM outbox.events WHERE sent_at IS NULL) t"
+    " LEFT JOIN outbox.kafka_offsets k ON k.topic = t.topic"
+    " ORDER BY 1, 2";
+
+/* Marks the rows whose records were found, if id, topic, key and payload
+ * all match; stores each scanned partition's end. %s = how rows are
+ * confirmed. */
+static const char SQL_RECOVER_FMT[] =
+    "WITH found AS ("
+    "   SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[])"
+    "     AS f(id, topic, key, digest)),"
+    " matched AS ("
+    "   SELECT DISTINCT e.id FROM outbox.events e JOIN found f ON f.id = e.id"
+    "   WHERE e.sent_at IS NULL AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
+    "     AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest),"
+    " confirmed AS (%s),"
+    " offsets AS ("
+    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"
+    "   SELECT * FROM unnest($5::text[], $6::int[], $7::bigint[])"
+    "   ON CONFLICT (topic, kafka_partition) DO UPDATE"
+    "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"
+    "   RETURNING 1)"
+    " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM found),"
+    "        (SELECT count(*) FROM offsets)";
+
+static const char SQL_RECOVER_MARK[] = "UPDATE outbox.events SET sent_at = now()"
+                                       " WHERE id IN (SELECT id FROM matched)"
+                                       " AND sent_at IS NULL RETURNING id";
+static const char SQL_RECOVER_DELETE[] = "DELETE FROM outbox.events"
+                                         " WHERE id IN (SELECT id FROM matched) RETURNING id";
+
+#define NPARAMS 7
+
+enum step {
+    STEP_IDLE = 0,
+    STEP_PLAN, /* plan query in flight */
+    STEP_SCAN, /* worker reading Kafka */
+    STEP_MARK, /* recovery transaction in flight */
+};
+
+/* One partition to read. */
+struct part {
+    int topic; /* index into topics */
+    int32_t partition;
+    int64_t stored;     /* last offset a mark stored; -1 = none */
+    int64_t start, end; /* read [start, end); end = high watermark */
+    bool done;
+};
+
+/* A record carrying an outbox-id. */
+struct found {
+    int64_t id;
+    int topic;
+    char *key; /* NULL = no key */
+    size_t key_len;
+    bool tombstone;
+    char digest[65];
+};
+
+struct obx_recovery {
+    uv_loop_t *loop;
+    const struct obx_config *cfg;
+    struct obx_pg *pg;
+    struct obx_recovery_callbacks cb;
+    void *arg;
+    enum step step;
+    bool aborted; /* connection lost mid-pass: drop the worker's results */
+    bool closing;
+    uv_work_t work;
+
+    /* The plan (loop thread) and the scan results (worker, then loop). */
+    char **topics;
+    size_t n_topics;
+    struct part *parts;
+    size_t n_parts;
+    struct found *found;
+    size_t n_found, cap_found;
+    uint64_t records_read;
+    char error[512];
+
+    char sql[2048];
+    struct obx_pg_array params[NPARAMS];
+    const char *values[NPARAMS];
+};
+
+int obx_sha256_hex(const void *data, size_t len, char out[65])
+{
+    static const char hex[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    if (!EVP_Digest(data, len, md, &mdlen, EVP_sha256(), NULL) || mdlen != 32)
+        return -1;
+    for (unsigned i = 0; i < 32; i++) {
+        out[2 * i] = hex[md[i] >> 4];
+        out[2 * i + 1] = hex[md[i] & 15];
+    }
+    out[64] = '\0';
+    return 0;
+}
+
+bool obx_valid_text(const char *s, size_t len)
+{
+    const unsigned char *p = (const unsigned char *)s, *end = p + len;
+    while (p < end) {
+        unsigned c = *p;
+        size_t n;
+        uint32_t cp;
+        if (c == 0)
+            return false;
+        if (c < 0x80) {
+            p++;
+            continue;
+        }
+        if ((c & 0xe0) == 0xc0) {
+            n = 1;
+            cp = c & 0x1f;
+        } else if ((c & 0xf0) == 0xe0) {
+            n = 2;
+            cp = c & 0x0f;
+        } else if ((c & 0xf8) == 0xf0) {
+            n = 3;
+            cp = c & 0x07;
+        } else {
+            return false;
+        }
+        if ((size_t)(end - p) <= n)
+            return false;
+        for (size_t i = 1; i <= n; i++) {
+            if ((p[i] & 0xc0) != 0x80)
+                return false;
+            cp = (cp << 6) | (p[i] & 0x3f);
+        }
+        /* Overlong forms, surrogates and values past U+10FFFF are invalid. */
+        if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
+            (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+            return false;
+        p += n + 1;
+    }
+    return true;
+}
+
+static void clear_pass(struct obx_recovery *rec)
+{
+    for (size_t i = 0; i < rec->n_topics; i++)
+        free(rec->topics[i]);
+    free(rec->topics);
+    rec->topics = NULL;
+    rec->n_topics = 0;
+    free(rec->parts);
+    rec->parts = NULL;
+    rec->n_parts = 0;
+    for (size_t i = 0; i < rec->n_found; i++)
+        free(rec->found[i].key);
+    free(rec->found);
+    rec->found = NULL;
+    rec->n_found = rec->cap_found = 0;
+    rec->records_read = 0;
+    rec->error[0] = '\0';
+}
+
+int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_pg *pg,
+                     const struct obx_recovery_callbacks *cb, void *arg, struct obx_recovery **out)
+{
+    struct obx_recovery *rec = calloc(1, sizeof(*rec));
+    if (!rec)
+        return -1;
+    rec->loop = loop;
+    rec->cfg = cfg;
+    rec->pg = pg;
+    rec->cb = *cb;
+    rec->arg = arg;
+    rec->work.data = rec;
+    snprintf(rec->sql, sizeof(rec->sql), SQL_RECOVER_FMT,
+             cfg->on_sent == OBX_ON_SENT_DELETE ? SQL_RECOVER_DELETE : SQL_RECOVER_MARK);
+    *out = rec;
+    return 0;
+}
+
+int obx_recovery_start(struct obx_recovery *rec)
+{
+    if (rec->step != STEP_IDLE || rec->closing)
+        return -1; /* a scan from an abandoned pass is still running */
+    clear_pass(rec);
+    rec->aborted = false;
+    if (obx_pg_send(rec->pg, SQL_PLAN, 0, NULL, 0) != 0)
+        return -1;
+    rec->step = STEP_PLAN;
+    return 0;
+}
+
+static void finish(struct obx_recovery *rec, bool ok)
+{
+    rec->step = STEP_IDLE;
+    clear_pass(rec);
+    rec->cb.done(ok, rec->arg);
+}
+
+/* ---- the scan, in libuv's thread pool ---- */
+
+static int part_index(struct obx_recovery *rec, const char *topic, int32_t partition)
+{
+    for (size_t i = 0; i < rec->n_parts; i++)
+        if (rec->parts[i].partition == partition &&
+            strcmp(rec->topics[rec->parts[i].topic], topic) == 0)
+            return (int)i;
+    return -1;
+}
+
+/* Parses the outbox-id header; -1 if absent or not a decimal id. */
+static int64_t outbox_id(const rd_kafka_message_t *m)
+{
+    rd_kafka_headers_t *hdrs;
+    const void *val;
+    size_t len;
+    int64_t id = 0;
+    if (rd_kafka_message_headers(m, &hdrs) != RD_KAFKA_RESP_ERR_NO_ERROR ||
+        rd_kafka_header_get_last(hdrs, "outbox-id", &val, &len) != RD_KAFKA_RESP_ERR_NO_ERROR ||
+        !val || len == 0 || len > 19)
+        return -1;
+    for (size_t i = 0; i < len; i++) {
+        char c = ((const char *)val)[i];
+        if (c < '0' || c > '9')
+            return -1;
+        id = id * 10 + (c - '0');
+    }
+    return id;
+}
+
+static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int topic)
+{
+    int64_t id = outbox_id(m);
+    /* Not ours, or not storable as our text key: cannot match a row. */
+    if (id < 0 || (m->key && !obx_valid_text(m->key, m->key_len)))
+        return 0;
+    if (rec->n_found == rec->cap_found) {
+        size_t cap = rec->cap_found ? rec->cap_found * 2 : 256;
+        struct found *grown = realloc(rec->found, cap * sizeof(*grown));
+        if (!grown)
+            return -1;
+        rec->found = grown;
+        rec->cap_found = cap;
+    }
+    struct found *f = &rec->found[rec->n_found];
+    memset(f, 0, sizeof(*f));
+    f->id = id;
+    f->topic = topic;
+    if (m->key) {
+        f->key = malloc(m->key_len ? m->key_len : 1);
+        if (!f->key)
+            return -1;
+        memcpy(f->key, m->key, m->key_len);
+        f->key_len = m->key_len;
+    }
+    f->tombstone = m->payload == NULL;
+    if (!f->tombstone && obx_sha256_hex(m->payload, m->len, f->digest) != 0) {
+        free(f->key);
+        return -1;
+    }
+    rec->n_found++;
+    return 0;
+}
+
+/* Adds every partition of topic `t` to the plan's read list. */
+static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t)
+{
+    const struct rd_kafka_metadata *md = NULL;
+    rd_kafka_topic_t *rkt = rd_kafka_topic_new(rk, rec->topics[t], NULL);
+    if (!rkt) {
+        snprintf(rec->error, sizeof(rec->error), "topic handle for %s", rec->topics[t]);
+        return -1;
+    }
+    rd_kafka_resp_err_t e = rd_kafka_metadata(rk, 0, rkt, &md, REQUEST_TIMEOUT_MS);
+    rd_kafka_topic_destroy(rkt);
+    if (e != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        snprintf(rec->error, sizeof(rec->error), "metadata for %s: %s", rec->topics[t],
+                 rd_kafka_err2str(e));
+        return -1;
+    }
+    if (md->topic_cnt != 1 || md->topics[0].err) {
+        /* Unknown topic: nothing can have been published to it. */
+        rd_kafka_metadata_destroy(md);
+        return 0;
+    }
+    int rc = 0;
+    for (int p = 0; p < md->topics[0].partition_cnt && rc == 0; p++) {
+        int32_t pid = md->topics[0].partitions[p].id;
+        if (part_index(rec, rec->topics[t], pid) >= 0)
+            continue;
+        struct part *grown = realloc(rec->parts, (rec->n_parts + 1) * sizeof(*grown));
+        if (!grown) {
+            snprintf(rec->error, sizeof(rec->error), "out of memory");
+            rc = -1;
+            break;
+        }
+        rec->parts = grown;
+        rec->parts[rec->n_parts++] = (struct part){.topic = t, .partition = pid, .stored = -1};
+    }
+    rd_kafka_metadata_destroy(md);
+    return rc;
+}
+
+/* Reads every planned partition from start to end. Runs in the pool. */
+static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
+{
+    rd_kafka_topic_partition_list_t *assign = rd_kafka_topic_partition_list_new(16);
+    size_t open_parts = 0;
+    int rc = 0;
+
+    for (size_t t = 0; t < rec->n_topics && rc == 0; t++)
+        rc = plan_topic_partitions(rec, rk, (int)t);
+    for (size_t i = 0; i < rec->n_parts && rc == 0; i++) {
+        struct part *p = &rec->parts[i];
+        int64_t low, high;
+        rd_kafka_resp_err_t e = rd_kafka_query_watermark_offsets(
+            rk, rec->topics[p->topic], p->partition, &low, &high, REQUEST_TIMEOUT_MS);
+        if (e != RD_KAFKA_RESP_ERR_NO_ERROR) {
+            snprintf(rec->error, sizeof(rec->error), "offsets of %s [%d]: %s",
+                     rec->topics[p->topic], p->partition, rd_kafka_err2str(e));
+            rc = -1;
+            break;
+        }
+        p->start = p->stored >= 0 ? p->stored + 1 : low;
+        if (p->start < low) {
+            obx_warn("recovery: %s [%d]: records %lld..%lld are gone (retention); rows published "
+                     "there by a crashed run cannot be recognised",
+                     rec->topics[p->topic], p->partition, (long long)p->start, (long long)low - 1);
+            p->start = low;
+        }
+        p->end = high;
+        p->done = p->start >= p->end;
+        if (!p->done) {
+            rd_kafka_topic_partition_list_add(assign, rec->topics[p->topic], p->partition)->offset =
+                p->start;
+            open_parts++;
+        }
+    }
+    if (rc == 0 && open_parts > 0) {
+        rd_kafka_resp_err_t e = rd_kafka_assign(rk, assign);
+        if (e != RD_KAFKA_RESP_ERR_NO_ERROR) {
+            snprintf(rec->error, sizeof(rec->error), "assign: %s", rd_kafka_err2str(e));
+            rc = -1;
+        }
+    }
+    uint64_t deadline = uv_hrtime() / 1000000 + SCAN_TIMEOUT_MS;
+    while (rc == 0 && open_parts > 0) {
+        if (uv_hrtime() / 1000000 > deadline) {
+            snprintf(rec->error, sizeof(rec->error),
+                     "reading Kafka took longer than %d ms (%zu partitions unfinished)",
+                     SCAN_TIMEOUT_MS, open_parts);
+            rc = -1;
+            break;
+        }
+        rd_kafka_message_t *m = rd_kafka_consumer_poll(rk, 200);
+        if (!m)
+            continue;
+        const char *tname = m->rkt ? rd_kafka_topic_name(m->rkt) : NULL;
+        int pi = tname ? part_index(rec, tname, m->partition) : -1;
+        if (m->err && m->err != RD_KAFKA_RESP_ERR__PARTITION_EOF) {
+            obx_warn("recovery: reading %s [%d]: %s", tname ? tname : "?", m->partition,
+                     rd_kafka_message_errstr(m));
+        } else if (pi >= 0 && !rec->parts[pi].done) {
+            struct part *p = &rec->parts[pi];
+            if (!m->err && m->offset < p->end) {
+                rec->records_read++;
+                if (add_found(rec, m, p->topic) != 0) {
+                    snprintf(rec->error, sizeof(rec->error), "out of memory");
+                    rc = -1;
+                }
+            }
+            if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF || m->offset + 1 >= p->end) {
+                p->done = true;
+                open_parts--;
+            }
+        }
+        rd_kafka_message_destroy(m);
+    }
+    rd_kafka_topic_partition_list_destroy(assign);
+    return rc;
+}
+
+static void scan_work(uv_work_t *w)
+{
+    struct obx_recovery *rec = w->data;
+    rd_kafka_conf_t *conf;
+    char err[400];
+
+    if (obx_kafka_conf_build(rec->cfg, OBX_KAFKA_CONSUMER, &conf, err, sizeof(err)) != 0) {
+        snprintf(rec->error, sizeof(rec->error), "%s", err);
+        return;
+    }
+    static const char *const settings[][2] = {
+        {"group.id", "outboxd-recovery"}, /* required by the API; nothing is committed */
+        {"enable.auto.commit", "false"},         {"enable.partition.eof", "true"},
+        {"isolation.level", "read_uncommitted"}, {"client.id", "outboxd-recovery"},
+    };
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err));
+    rd_kafka_conf_set_log_cb(conf, obx_kafka_log_cb);
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof(err));
+    if (!rk) {
+        rd_kafka_conf_destroy(conf);
+        snprintf(rec->error, sizeof(rec->error), "cannot create the recovery consumer: %s", err);
+        return;
+    }
+    rd_kafka_poll_set_consumer(rk);
+    if (scan(rec, rk) != 0 && !rec->error[0])
+        snprintf(rec->error, sizeof(rec->error), "scan failed");
+    rd_kafka_consumer_close(rk);
+    rd_kafka_destroy(rk);
+}
+
+/* ---- back on the loop ---- */
+
+static void send_mark(struct obx_recovery *rec)
+{
+    struct obx_pg_array *a = rec->params;
+    for (int k = 0; k < NPARAMS; k++)
+        obx_pg_array_reset(&a[k]);
+    for (size_t i = 0; i < rec->n_found; i++) {
+        const struct found *f = &rec->found[i];
+        const char *topic = rec->topics[f->topic];
+        obx_pg_array_add_int(&a[0], f->id);
+        obx_pg_array_add_text(&a[1], topic, strlen(topic));
+        obx_pg_array_add_text(&a[2], f->key, f->key_len);
+        obx_pg_array_add_text(&a[3], f->tombstone ? NULL : f->digest, 64);
+    }
+    for (size_t i = 0; i < rec->n_parts; i++) {
+        const struct part *p = &rec->parts[i];
+        if (p->end <= 0 || p->end - 1 <= p->stored)
+            continue; /* nothing new there */
+        const char *topic = rec->topics[p->topic];
+        obx_pg_array_add_text(&a[4], topic, strlen(topic));
+        obx_pg_array_add_int(&a[5], p->partition);
+        obx_pg_array_add_int(&a[6], p->end - 1);
+    }
+    for (int k = 0; k < NPARAMS; k++) {
+        rec->values[k] = obx_pg_array_finish(&a[k]);
+        if (!rec->values[k]) {
+            obx_error("recovery: out of memory building the recovery mark");
+            finish(rec, false);
+            return;
+        }
+    }
+    if (obx_pg_send_tx(rec->pg, rec->sql, NPARAMS, rec->values, OBX_FP_RECOVER_BEFORE_COMMIT) !=
+        0) {
+        finish(rec, false); /* if the connection broke, abort() came first */
+        return;
+    }
+    rec->step = STEP_MARK;
+}
+
+static void free_recovery(struct obx_recovery *rec)
+{
+    clear_pass(rec);
+    for (int k = 0; k < NPARAMS; k++)
+        obx_pg_array_free(&rec->params[k]);
+    free(rec);
+}
+
+static void scan_done(uv_work_t *w, int status)
+{
+    struct obx_recovery *rec = w->data;
+    rec->step = STEP_IDLE;
+    if (rec->closing) {
+        free_recovery(rec);
+        return;
+    }
+    if (rec->aborted || status != 0) {
+        clear_pass(rec);
+        return;
+    }
+    if (rec->error[0]) {
+        obx_warn("recovery: cannot read Kafka: %s; retrying before publishing anything",
+                 rec->error);
+        finish(rec, false);
+        return;
+    }
+    obx_info("recovery: read %llu records in %zu partitions, %zu carry an outbox-id",
+             (unsigned long long)rec->records_read, rec->n_parts, rec->n_found);
+    if (OBX_FAILPOINT(OBX_FP_RECOVER_AFTER_SCAN) != 0) {
+        finish(rec, false);
+        return;
+    }
+    send_mark(rec);
+}
+
+/* The plan arrived: remember topics and stored offsets, start the scan. */
+static void on_plan(struct obx_recovery *rec, const PGresult *res)
+{
+    int n = PQntuples(res);
+    if (n == 0) {
+        obx_info("recovery: no unsent rows, nothing to recover");
+        finish(rec, true);
+        return;
+    }
+    rec->topics = calloc((size_t)n, sizeof(*rec->topics));
+    rec->parts = calloc((size_t)n, sizeof(*rec->parts));
+    if (!rec->topics || !rec->parts) {
+        obx_error("recovery: out of memory");
+        finish(rec, false);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const char *topic = PQgetvalue(res, i, 0);
+        if (rec->n_topics == 0 || strcmp(rec->topics[rec->n_topics - 1], topic) != 0) {
+            rec->topics[rec->n_topics] = strdup(topic);
+            if (!rec->topics[rec->n_topics]) {
+                obx_error("recovery: out of memory");
+                finish(rec, false);
+                return;
+            }
+            rec->n_topics++;
+        }
+        if (!PQgetisnull(res, i, 1))
+            rec->parts[rec->n_parts++] = (struct part){
+                .topic = (int)rec->n_topics - 1,
+                .partition = (int32_t)strtol(PQgetvalue(res, i, 1), NULL, 10),
+                .stored = strtoll(PQgetvalue(res, i, 2), NULL, 10),
+            };
+    }
+    rec->step = STEP_SCAN;
+    if (uv_queue_work(rec->loop, &rec->work, scan_work, scan_done) != 0) {
+        obx_error("recovery: cannot start the Kafka scan");
+        finish(rec, false);
+    }
+}
+
+void obx_recovery_on_result(struct obx_recovery *rec, const PGresult *res, const char *error)
+{
+    if (rec->step == STEP_PLAN) {
+        if (error) {
+            obx_warn("recovery: reading the plan failed: %s", error);
+            finish(rec, false);
+        } else {
+            on_plan(rec, res);
+        }
+    } else if (rec->step == STEP_MARK) {
+        if (error) {
+            obx_warn("recovery: marking failed: %s", error);
+            finish(rec, false);
+            return;
+        }
+        const char *confirmed = PQgetvalue(res, 0, 0);
+        obx_info("recovery: %s rows were already in Kafka (published by an earlier run) and are "
+                 "now marked, not published again",
+                 confirmed);
+        finish(rec, true);
+    }
+}
+
+void obx_recovery_abort(struct obx_recovery *rec)
+{
+    if (rec->step == STEP_SCAN) {
+        rec->aborted = true; /* scan_done drops the results */
+        return;
+    }
+    rec->step = STEP_IDLE;
+    clear_pass(rec);
+}
+
+void obx_recovery_close(struct obx_recovery *rec)
+{
+    if (!rec)
+        return;
+    if (rec->step == STEP_SCAN) {
+        rec->closing = true; /* freed by scan_done */
+        return;
+    }
+    free_recovery(rec);
+}
