@@ -65,13 +65,17 @@ static int parse_one(struct obx_failpoints *fps, const char *s, const char *end,
                e.arg > 0) {
         e.action = OBX_FP_CRASH;
     } else if (alen == 5 && memcmp(a, "error", 5) == 0) {
+        e.action = OBX_FP_ERROR; /* arg 0: every hit */
+    } else if (alen > 6 && memcmp(a, "error@", 6) == 0 && parse_count(a + 6, end, &e.arg) == 0 &&
+               e.arg > 0) {
         e.action = OBX_FP_ERROR;
     } else if (alen > 7 && memcmp(a, "sleep(", 6) == 0 && end[-1] == ')' &&
                parse_count(a + 6, end - 1, &e.arg) == 0) {
         e.action = OBX_FP_SLEEP;
     } else {
         snprintf(err, errlen,
-                 "OUTBOXD_FAILPOINTS: bad action '%.*s' for %s (crash, crash@N, error, sleep(MS))",
+                 "OUTBOXD_FAILPOINTS: bad action '%.*s' for %s (crash, crash@N, error, error@N, "
+                 "sleep(MS))",
                  (int)alen, a, fp_names[id]);
         return -1;
     }
@@ -110,7 +114,9 @@ int obx_failpoint_reach(struct obx_failpoints *fps, enum obx_fp_id id)
         }
         return 0;
     case OBX_FP_ERROR:
-        obx_warn("failpoint %s: injected error", fp_names[id]);
+        if (e->arg != 0 && e->hits != e->arg)
+            return 0;
+        obx_warn("failpoint %s: injected error (hit %lld)", fp_names[id], (long long)e->hits);
         return -1;
     case OBX_FP_SLEEP: {
         struct timespec ts = {e->arg / 1000, (long)(e->arg % 1000) * 1000000L};

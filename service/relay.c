@@ -548,8 +548,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         }
         rejected(r, s, row->key, row->key_len, reason, now);
     }
-    if (produced > 0)
-        (void)OBX_FAILPOINT(OBX_FP_PRODUCE_AFTER);
+    if (produced > 0 && OBX_FAILPOINT(OBX_FP_PRODUCE_AFTER) != 0)
+        r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced, r->in_use);
     /* A full batch means more rows are likely waiting: fetch again at once,
      * overlapping with Kafka's round trips. */
@@ -563,7 +563,11 @@ void obx_relay_on_marked(struct obx_relay *r, int64_t now)
     size_t marked = 0, dead = 0;
     if (r->state != OBX_RELAY_MARKING)
         return;
-    (void)OBX_FAILPOINT(OBX_FP_MARK_AFTER_COMMIT);
+    if (OBX_FAILPOINT(OBX_FP_MARK_AFTER_COMMIT) != 0) {
+        /* As if the COMMIT's answer was lost: mark again (idempotent). */
+        obx_relay_on_query_failed(r, "injected error after commit", now);
+        return;
+    }
     for (int i = 0; i < r->set.max_in_flight; i++) {
         struct slot *s = &r->slots[i];
         if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {

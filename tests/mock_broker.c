@@ -16,6 +16,9 @@
  *                                     (err by name, e.g. NOT_LEADER_FOR_PARTITION,
  *                                     or number; apikey 0 = Produce)
  *   clear-errors <apikey>
+ *   topic-error <topic> <err>         Metadata answers this error for the
+ *                                     topic (UNKNOWN_TOPIC_OR_PART = a topic
+ *                                     that does not exist, auto-create off)
  *   leader <topic> <partition> <broker|-1>
  *
  * SIGTERM or SIGINT: destroy the cluster and exit 0.
@@ -141,6 +144,13 @@ static const char *run_command(rd_kafka_mock_cluster_t *mc, char *line)
             if (parse_error(argv[i], &errs[n++]) != 0)
                 return "error: unknown error code";
         rd_kafka_mock_push_request_errors_array(mc, (int16_t)a, (size_t)n, errs);
+        return "ok";
+    }
+    if (strcmp(argv[0], "topic-error") == 0 && argc == 3) {
+        rd_kafka_resp_err_t err;
+        if (parse_error(argv[2], &err) != 0)
+            return "error: unknown error code";
+        rd_kafka_mock_topic_set_error(mc, argv[1], err);
         return "ok";
     }
     if (strcmp(argv[0], "clear-errors") == 0 && argc == 2 && parse_int(argv[1], &a) == 0) {

@@ -3,7 +3,8 @@
  *
  * OUTBOXD_FAILPOINTS="name=action[;name=action]" is read once at start-up.
  * Actions: crash (SIGKILL ourselves: no cleanup), crash@N (on the N-th hit),
- * error (the operation fails as if the dependency had failed), sleep(MS).
+ * error (the operation fails as if the dependency had failed, at every
+ * hit), error@N (only at the N-th hit), sleep(MS).
  * An unarmed point costs one predictable branch.
  */
 #ifndef OUTBOXD_FAILPOINT_H

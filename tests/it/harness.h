@@ -74,6 +74,8 @@ int h_relay_stop(struct h_env *e, int sig, int timeout_ms);
 int h_relay_wait(struct h_env *e, int timeout_ms);
 /* True if DIR/relay.log contains `needle`. */
 bool h_relay_log_contains(struct h_env *e, const char *needle);
+/* Sum of the integers that directly follow `prefix` in DIR/relay.log. */
+long h_relay_log_sum(struct h_env *e, const char *prefix);
 
 PGconn *h_connect(struct h_env *e);
 /* Runs SQL that must succeed; returns the first column of the first row as

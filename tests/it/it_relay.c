@@ -5,6 +5,7 @@
  *   it_relay [SCENARIO]   runs one scenario (ctest runs each on its own)
  */
 #include "harness.h"
+#include "scenario.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -33,125 +34,6 @@ static int teardown_env(void **state)
     return 0;
 }
 
-/* ---- deterministic rows: writer w, sequence s ---- */
-
-#define TOPICS_3 ((const char *const[]){"it.a", "it.b", "it.c", NULL})
-
-struct gen_row {
-    char topic[16];
-    char key[32];
-    bool key_null;
-    unsigned char payload[256];
-    size_t payload_len;
-    bool payload_null;
-    char traceparent[64];
-    char headers[256];
-};
-
-static void gen(int w, int s, struct gen_row *g)
-{
-    memset(g, 0, sizeof(*g));
-    snprintf(g->topic, sizeof(g->topic), "%s", TOPICS_3[(w + s) % 3]);
-    g->key_null = s % 10 == 3;
-    snprintf(g->key, sizeof(g->key), "key-%d", (w * 7 + s) % 40);
-    g->payload_null = s % 13 == 5;
-    g->payload_len = g->payload_null ? 0 : (size_t)(s % 50); /* includes empty */
-    for (size_t i = 0; i < g->payload_len; i++)
-        g->payload[i] = (unsigned char)((w * 31 + s * 17 + (int)i) & 0xff); /* NULs too */
-    snprintf(g->traceparent, sizeof(g->traceparent), "00-%032x-%016x-01", w * 100000 + s,
-             s * 7 + 1);
-    snprintf(g->headers, sizeof(g->headers),
-             "{\"w\": \"%d\", \"s\": \"%d\", \"traceparent\": \"%s\", \"n\": %d, \"ok\": true}", w,
-             s, g->traceparent, s);
-}
-
-struct writer {
-    struct h_env *env;
-    int w;
-    int count;       /* rows to write; 0 = until stop */
-    int rows_per_tx; /* 1..n */
-    int hot_keys;    /* if > 0: topic it.race, key hot-(s % hot_keys) */
-    atomic_int *stop;
-    int written; /* committed rows */
-    int failures;
-    char error[256];
-};
-
-static bool exec_ok(PGconn *c, const char *sql)
-{
-    PGresult *r = PQexec(c, sql);
-    bool ok = PQresultStatus(r) == PGRES_COMMAND_OK;
-    PQclear(r);
-    return ok;
-}
-
-/* Writes rows of (w, s) in transactions; survives lost connections when
- * running until `stop` (the restart scenarios). */
-static void *writer_main(void *arg)
-{
-    struct writer *wr = arg;
-    PGconn *c = NULL;
-    int s = 0;
-    while ((wr->count == 0 || s < wr->count) && !(wr->stop && atomic_load(wr->stop))) {
-        if (!c || PQstatus(c) != CONNECTION_OK) {
-            PQfinish(c);
-            c = PQconnectdb(wr->env->conninfo);
-            if (PQstatus(c) != CONNECTION_OK) {
-                wr->failures++;
-                h_sleep_ms(50);
-                continue;
-            }
-        }
-        bool ok = exec_ok(c, "BEGIN");
-        int n = 0;
-        for (; ok && n < wr->rows_per_tx && (wr->count == 0 || s + n < wr->count); n++) {
-            struct gen_row g;
-            gen(wr->w, s + n, &g);
-            if (wr->hot_keys > 0) {
-                snprintf(g.topic, sizeof(g.topic), "it.race");
-                snprintf(g.key, sizeof(g.key), "hot-%d", (s + n) % wr->hot_keys);
-                g.key_null = false;
-            }
-            const char *values[4] = {g.topic, g.key_null ? NULL : g.key,
-                                     g.payload_null ? NULL : (const char *)g.payload, g.headers};
-            int lengths[4] = {0, 0, (int)g.payload_len, 0};
-            int formats[4] = {0, 0, 1, 0};
-            PGresult *r = PQexecParams(c, "SELECT outbox.enqueue($1, $2, $3::bytea, $4::jsonb)", 4,
-                                       NULL, values, lengths, formats, 0);
-            ok = PQresultStatus(r) == PGRES_TUPLES_OK;
-            if (!ok)
-                snprintf(wr->error, sizeof(wr->error), "%s", PQresultErrorMessage(r));
-            PQclear(r);
-        }
-        if (ok && exec_ok(c, "COMMIT")) {
-            s += n;
-            wr->written += n;
-        } else {
-            wr->failures++;
-            if (!wr->stop)
-                break; /* a plain run must not fail */
-            h_sleep_ms(20);
-        }
-    }
-    PQfinish(c);
-    return NULL;
-}
-
-static void run_writers(struct writer *ws, int n)
-{
-    pthread_t t[32];
-    for (int i = 0; i < n; i++)
-        assert_int_equal(pthread_create(&t[i], NULL, writer_main, &ws[i]), 0);
-    for (int i = 0; i < n; i++)
-        pthread_join(t[i], NULL);
-}
-
-static void wait_drained_or_fail(int timeout_ms)
-{
-    if (!h_wait_drained(&env, timeout_ms))
-        fail_msg("rows still unsent after %d ms (see relay.log in %s)", timeout_ms, env.dir);
-}
-
 /* ---- scenarios ---- */
 
 /* Thousands of rows from concurrent writers, several topics and keys, all
@@ -164,16 +46,16 @@ static void test_delivery(void **state)
     h_env_start(&env, (const char *const[]){"it.a:6", "it.b:3", "it.c:1", NULL});
     h_relay_start(&env, NULL, NULL);
 
-    struct writer ws[WRITERS];
+    struct s_writer ws[WRITERS];
     for (int i = 0; i < WRITERS; i++)
-        ws[i] = (struct writer){.env = &env, .w = i, .count = PER_WRITER, .rows_per_tx = 1 + i};
-    run_writers(ws, WRITERS);
+        ws[i] = (struct s_writer){.env = &env, .w = i, .count = PER_WRITER, .rows_per_tx = 1 + i};
+    s_run_writers(ws, WRITERS);
     for (int i = 0; i < WRITERS; i++)
         assert_int_equal(ws[i].written, PER_WRITER);
-    wait_drained_or_fail(60000);
+    s_wait_drained(&env, 60000);
 
     struct h_records recs = {0};
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(recs.n, WRITERS * PER_WRITER);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
 
@@ -189,8 +71,8 @@ static void test_delivery(void **state)
         assert_in_range(w, 0, WRITERS - 1);
         assert_in_range(s, 0, PER_WRITER - 1);
         assert_int_equal(seen[w][s]++, 0);
-        struct gen_row g;
-        gen(w, s, &g);
+        struct s_row g;
+        s_gen(w, s, &g);
         assert_string_equal(r->topic, g.topic);
         if (g.key_null) {
             assert_null(r->key);
@@ -256,7 +138,7 @@ static void test_rollback(void **state)
             h_sql(c, "ROLLBACK");
         }
     }
-    wait_drained_or_fail(30000);
+    s_wait_drained(&env, 30000);
     h_sleep_ms(1500); /* past a poll interval: a phantom would have been fetched */
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.rb", NULL}, &recs);
@@ -301,7 +183,7 @@ static void test_late_commit(void **state)
         high = h_enqueue(b, "it.late", i % 2 ? "other" : NULL, "middle", 6, NULL);
     assert_true(high > low);
     /* Higher ids are published while the low one is still open. */
-    wait_drained_or_fail(20000);
+    s_wait_drained(&env, 20000);
     assert_int_equal(h_sql_int(b, "SELECT count(*) FROM outbox.events WHERE sent_at IS NOT NULL"),
                      50);
 
@@ -320,7 +202,7 @@ static void test_late_commit(void **state)
     h_sql(c, "COMMIT");
     assert_true(second > high); /* took its id after A committed */
 
-    wait_drained_or_fail(20000);
+    s_wait_drained(&env, 20000);
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.late", NULL}, &recs);
     assert_int_equal(recs.n, 52);
@@ -351,14 +233,14 @@ static void test_key_race(void **state)
     h_env_start(&env, (const char *const[]){"it.race:5", NULL});
     h_relay_start(&env, NULL, NULL);
 
-    struct writer ws[WRITERS];
+    struct s_writer ws[WRITERS];
     for (int i = 0; i < WRITERS; i++)
-        ws[i] = (struct writer){
+        ws[i] = (struct s_writer){
             .env = &env, .w = i, .count = PER_WRITER, .rows_per_tx = 1 + i % 2, .hot_keys = 4};
-    run_writers(ws, WRITERS);
+    s_run_writers(ws, WRITERS);
     for (int i = 0; i < WRITERS; i++)
         assert_int_equal(ws[i].written, PER_WRITER);
-    wait_drained_or_fail(60000);
+    s_wait_drained(&env, 60000);
 
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.race", NULL}, &recs);
@@ -366,36 +248,6 @@ static void test_key_race(void **state)
     /* Checks per-key partition and id order against Kafka offsets. */
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
-}
-
-/* Counts rows in outbox.events with sent_at set. */
-static int64_t sent_count(void)
-{
-    PGconn *c = h_connect(&env);
-    int64_t n = h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NOT NULL");
-    PQfinish(c);
-    return n;
-}
-
-static void prefill(const char *topic, int rows)
-{
-    PGconn *c = h_connect(&env);
-    h_sql(c,
-          "INSERT INTO outbox.events (topic, key, payload, headers)"
-          " SELECT '%s', 'k' || (g %% 50), convert_to('row ' || g, 'UTF8'),"
-          " jsonb_build_object('g', g::text) FROM generate_series(1, %d) g",
-          topic, rows);
-    PQfinish(c);
-}
-
-static void wait_sent_at_least(int64_t n, int timeout_ms)
-{
-    int64_t deadline = h_now_ms() + timeout_ms;
-    while (sent_count() < n) {
-        if (h_now_ms() > deadline)
-            fail_msg("fewer than %lld rows sent after %d ms", (long long)n, timeout_ms);
-        h_sleep_ms(50);
-    }
 }
 
 /* G5 + G1 (+ no duplicates): the relay's backend is terminated, then the
@@ -406,40 +258,40 @@ static void test_pg_restart(void **state)
     (void)state;
     atomic_int stop = 0;
     h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
-    prefill("it.a", 20000);
+    s_prefill(&env, "it.a", 20000);
     h_relay_start(&env, NULL, NULL);
-    struct writer ws[2] = {
+    struct s_writer ws[2] = {
         {.env = &env, .w = 0, .rows_per_tx = 3, .stop = &stop},
         {.env = &env, .w = 1, .rows_per_tx = 1, .stop = &stop},
     };
     pthread_t t[2];
     for (int i = 0; i < 2; i++)
-        assert_int_equal(pthread_create(&t[i], NULL, writer_main, &ws[i]), 0);
+        assert_int_equal(pthread_create(&t[i], NULL, s_writer_main, &ws[i]), 0);
 
-    wait_sent_at_least(2000, 30000);
+    s_wait_sent(&env, 2000, 30000);
     PGconn *c = h_connect(&env);
     assert_int_equal(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
                                   " WHERE application_name = 'outboxd'"),
                      1);
     PQfinish(c);
-    int64_t before = sent_count();
-    wait_sent_at_least(before + 2000, 30000); /* reconnected and relaying */
+    int64_t before = s_sent_count(&env);
+    s_wait_sent(&env, before + 2000, 30000); /* reconnected and relaying */
 
     h_pg_stop(&env);
     h_sleep_ms(1500); /* the relay retries against a server that is down */
     h_pg_start(&env);
-    int64_t after = sent_count();
-    wait_sent_at_least(after + 1000, 30000);
+    int64_t after = s_sent_count(&env);
+    s_wait_sent(&env, after + 1000, 30000);
 
     atomic_store(&stop, 1);
     for (int i = 0; i < 2; i++)
         pthread_join(t[i], NULL);
     assert_true(ws[0].written + ws[1].written > 0);
-    wait_drained_or_fail(60000);
+    s_wait_drained(&env, 60000);
 
     assert_true(h_relay_log_contains(&env, "connection to"));
     struct h_records recs = {0};
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
@@ -455,27 +307,27 @@ static void test_brokers_down(void **state)
     (void)state;
     atomic_int stop = 0;
     h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
-    prefill("it.b", 5000);
+    s_prefill(&env, "it.b", 5000);
     h_relay_start(&env, NULL, (const char *const[]){"relay.max_in_flight=2000", NULL});
-    struct writer w = {.env = &env, .w = 0, .rows_per_tx = 2, .stop = &stop};
+    struct s_writer w = {.env = &env, .w = 0, .rows_per_tx = 2, .stop = &stop};
     pthread_t t;
-    assert_int_equal(pthread_create(&t, NULL, writer_main, &w), 0);
-    wait_sent_at_least(1000, 30000);
+    assert_int_equal(pthread_create(&t, NULL, s_writer_main, &w), 0);
+    s_wait_sent(&env, 1000, 30000);
 
     assert_true(h_broker_cmd(&env, "down all"));
     h_sleep_ms(1000);
-    int64_t during = sent_count();
+    int64_t during = s_sent_count(&env);
     h_sleep_ms(3000);
     /* Nothing can be acknowledged while every broker is down. */
-    assert_true(sent_count() - during <= 0);
+    assert_true(s_sent_count(&env) - during <= 0);
     assert_true(h_broker_cmd(&env, "up all"));
     h_sleep_ms(1000);
     atomic_store(&stop, 1);
     pthread_join(t, NULL);
-    wait_drained_or_fail(90000);
+    s_wait_drained(&env, 90000);
 
     struct h_records recs = {0};
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     size_t dups = h_check_db_matches_kafka(&env, &recs, true);
     print_message("brokers down: %zu records, %zu duplicates from retried batches\n", recs.n, dups);
     h_records_free(&recs);
@@ -489,22 +341,22 @@ static void test_sigterm(void **state)
 {
     (void)state;
     h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
-    prefill("it.c", 30000);
+    s_prefill(&env, "it.c", 30000);
     h_relay_start(&env, NULL, NULL);
-    wait_sent_at_least(3000, 30000);
+    s_wait_sent(&env, 3000, 30000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     assert_true(h_relay_log_contains(&env, "draining"));
 
-    int64_t sent = sent_count();
+    int64_t sent = s_sent_count(&env);
     assert_true(sent < 30000); /* stopped mid-stream, or the test proves nothing */
     struct h_records recs = {0};
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal((int64_t)recs.n, sent);
     h_records_free(&recs);
 
     h_relay_start(&env, NULL, NULL);
-    wait_drained_or_fail(60000);
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    s_wait_drained(&env, 60000);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(recs.n, 30000);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
@@ -516,7 +368,7 @@ static void test_delete_mode(void **state)
 {
     (void)state;
     h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
-    prefill("it.a", 5000);
+    s_prefill(&env, "it.a", 5000);
     h_relay_start(&env, NULL, (const char *const[]){"relay.on_sent=delete", NULL});
     PGconn *c = h_connect(&env);
     int64_t deadline = h_now_ms() + 60000;
@@ -525,7 +377,7 @@ static void test_delete_mode(void **state)
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events"), 0);
     PQfinish(c);
     struct h_records recs = {0};
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(recs.n, 5000);
     static unsigned char seen[5001];
     memset(seen, 0, sizeof(seen));
@@ -598,7 +450,7 @@ static void test_start_before_dependencies(void **state)
 {
     (void)state;
     h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
-    prefill("it.a", 2000);
+    s_prefill(&env, "it.a", 2000);
     h_pg_stop(&env);
     assert_true(h_broker_cmd(&env, "down all"));
     h_relay_start(&env, NULL, NULL);
@@ -608,11 +460,11 @@ static void test_start_before_dependencies(void **state)
 
     h_pg_start(&env);
     h_sleep_ms(1500); /* rows are produced, but no broker can take them */
-    assert_int_equal(sent_count(), 0);
+    assert_int_equal(s_sent_count(&env), 0);
     assert_true(h_broker_cmd(&env, "up all"));
-    wait_drained_or_fail(60000);
+    s_wait_drained(&env, 60000);
     struct h_records recs = {0};
-    h_kafka_read_all(&env, TOPICS_3, &recs);
+    h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(recs.n, 2000);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);

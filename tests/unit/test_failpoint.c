@@ -40,6 +40,16 @@ static void test_parse_good(void **state)
     assert_int_equal(fps.entry[OBX_FP_PRODUCE_AFTER].arg, 25);
     assert_int_equal(fps.entry[OBX_FP_MARK_AFTER_COMMIT].action, OBX_FP_OFF);
 
+    assert_int_equal(obx_failpoints_parse(&fps, "fetch.after=error@2", err, sizeof(err)), 0);
+    assert_int_equal(fps.entry[OBX_FP_FETCH_AFTER].action, OBX_FP_ERROR);
+    assert_int_equal(fps.entry[OBX_FP_FETCH_AFTER].arg, 2);
+    assert_int_equal(obx_failpoints_parse(&fps,
+                                          "recover.after_scan=crash;recover.before_commit=error",
+                                          err, sizeof(err)),
+                     0);
+    assert_int_equal(fps.entry[OBX_FP_RECOVER_AFTER_SCAN].action, OBX_FP_CRASH);
+    assert_int_equal(fps.entry[OBX_FP_RECOVER_BEFORE_COMMIT].action, OBX_FP_ERROR);
+
     /* Empty parts (trailing ;) are ignored. */
     assert_int_equal(obx_failpoints_parse(&fps, "mark.after_commit=error;", err, sizeof(err)), 0);
     assert_int_equal(fps.entry[OBX_FP_MARK_AFTER_COMMIT].action, OBX_FP_ERROR);
@@ -57,6 +67,7 @@ static void test_parse_bad(void **state)
         {"fetch.after=explode", "bad action 'explode' for fetch.after"},
         {"fetch.after=crash@0", "bad action 'crash@0'"},
         {"fetch.after=crash@x", "bad action 'crash@x'"},
+        {"fetch.after=error@0", "bad action 'error@0'"},
         {"fetch.after=sleep(", "bad action 'sleep('"},
         {"fetch.after=sleep(1x)", "bad action 'sleep(1x)'"},
         {"ack.after=error;fetch.after=", "bad action '' for fetch.after"},
@@ -77,13 +88,21 @@ static void test_error_and_sleep(void **state)
     assert_int_equal(
         obx_failpoints_parse(&fps, "fetch.after=error;ack.after=sleep(30)", err, sizeof(err)), 0);
     assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_FETCH_AFTER), -1);
+    assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_FETCH_AFTER), -1); /* every hit */
     assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_MARK_AFTER_COMMIT), 0);
     clock_gettime(CLOCK_MONOTONIC, &a);
     assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_ACK_AFTER), 0);
     clock_gettime(CLOCK_MONOTONIC, &b);
     long ms = (b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000;
     assert_true(ms >= 30);
-    assert_int_equal(fps.entry[OBX_FP_FETCH_AFTER].hits, 1);
+    assert_int_equal(fps.entry[OBX_FP_FETCH_AFTER].hits, 2);
+
+    /* error@3: only the third hit fails. */
+    assert_int_equal(obx_failpoints_parse(&fps, "ack.after=error@3", err, sizeof(err)), 0);
+    assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_ACK_AFTER), 0);
+    assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_ACK_AFTER), 0);
+    assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_ACK_AFTER), -1);
+    assert_int_equal(obx_failpoint_reach(&fps, OBX_FP_ACK_AFTER), 0);
 }
 
 /* crash@3 kills the process on the third hit, not before. */

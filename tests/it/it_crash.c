@@ -1,0 +1,433 @@
+/*
+ * Crash windows and faults (G1, G4, G5, G6): the real outboxd binary is
+ * killed in every named window and at random moments, its Postgres backend
+ * is terminated mid-statement, errors are injected, Kafka misbehaves, and
+ * rows are refused. After each, every committed row must be in Kafka exactly
+ * once, in per-key order, checked against what is really in Kafka.
+ *
+ *   it_crash [SCENARIO]       OBX_KILLS=500 it_crash test_kill_loop (soak)
+ */
+#include "harness.h"
+#include "scenario.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+static struct h_env env;
+
+static int teardown_env(void **state)
+{
+    (void)state;
+    h_env_stop(&env);
+    return 0;
+}
+
+#define KILLED      (128 + SIGKILL)
+#define TOPICS_SPEC ((const char *const[]){"it.a:4", "it.b:3", "it.c:1", NULL})
+
+/* Background writers that keep committing until stopped. */
+struct writers {
+    atomic_int stop;
+    struct s_writer w[2];
+    pthread_t t[2];
+};
+
+static void writers_start(struct writers *ws, int pace_ms)
+{
+    atomic_store(&ws->stop, 0);
+    for (int i = 0; i < 2; i++) {
+        ws->w[i] = (struct s_writer){
+            .env = &env, .w = i, .rows_per_tx = 1 + 2 * i, .stop = &ws->stop, .pace_ms = pace_ms};
+        assert_int_equal(pthread_create(&ws->t[i], NULL, s_writer_main, &ws->w[i]), 0);
+    }
+}
+
+static int writers_stop(struct writers *ws)
+{
+    atomic_store(&ws->stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(ws->t[i], NULL);
+    return ws->w[0].written + ws->w[1].written;
+}
+
+/* Drains with a clean relay and checks exactly-once and per-key order
+ * against Kafka. Returns the number of records. */
+static size_t drain_and_check(void)
+{
+    s_wait_drained(&env, 90000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    size_t n = recs.n;
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    return n;
+}
+
+/* Rows the recovery pass found in Kafka and marked instead of republishing. */
+static long recovered(void)
+{
+    /* Lines "recovery: N rows were already in Kafka ..."; other recovery
+     * lines do not start with a number and count 0. */
+    return h_relay_log_sum(&env, "recovery: ");
+}
+
+/* Runs the relay with `spec` until it kills itself there, restarts it
+ * clean while writers keep writing, and checks every row exactly once. */
+static long crash_then_recover(const char *spec, const char *point)
+{
+    struct writers ws;
+    char expect[128];
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.a", 4000);
+    writers_start(&ws, 0);
+    h_relay_start(&env, spec, NULL);
+    assert_int_equal(h_relay_wait(&env, 60000), KILLED);
+    snprintf(expect, sizeof(expect), "failpoint %s: crash", point);
+    assert_true(h_relay_log_contains(&env, expect));
+
+    h_relay_start(&env, NULL, NULL);
+    s_wait_sent(&env, 4000, 60000);
+    assert_true(writers_stop(&ws) > 0);
+    drain_and_check();
+    long n = recovered();
+    print_message("%s: %ld rows recovered from Kafka instead of published twice\n", point, n);
+    return n;
+}
+
+static void test_crash_fetch_after(void **state)
+{
+    (void)state;
+    crash_then_recover("fetch.after=crash@3", "fetch.after");
+}
+
+static void test_crash_produce_after(void **state)
+{
+    (void)state;
+    crash_then_recover("produce.after=crash@3", "produce.after");
+}
+
+/* Acknowledged, not marked: the records are in Kafka; recovery must find
+ * them, or they would be published twice. */
+static void test_crash_ack_after(void **state)
+{
+    (void)state;
+    assert_true(crash_then_recover("ack.after=crash@3", "ack.after") > 0);
+}
+
+static void test_crash_mark_before_commit(void **state)
+{
+    (void)state;
+    assert_true(crash_then_recover("mark.before_commit=crash@3", "mark.before_commit") > 0);
+}
+
+static void test_crash_mark_after_commit(void **state)
+{
+    (void)state;
+    crash_then_recover("mark.after_commit=crash@3", "mark.after_commit");
+}
+
+/* A crash inside the recovery pass itself (after reading Kafka, and with its
+ * mark uncommitted): the next pass does the work again. */
+static void crash_in_recovery(const char *spec, const char *point)
+{
+    char expect[128];
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.b", 3000);
+    /* First leave records in Kafka that are not marked. */
+    h_relay_start(&env, "ack.after=crash@2", NULL);
+    assert_int_equal(h_relay_wait(&env, 60000), KILLED);
+    /* Then die in the recovery pass. */
+    h_relay_start(&env, spec, NULL);
+    assert_int_equal(h_relay_wait(&env, 60000), KILLED);
+    snprintf(expect, sizeof(expect), "failpoint %s: crash", point);
+    assert_true(h_relay_log_contains(&env, expect));
+    h_relay_start(&env, NULL, NULL);
+    assert_int_equal(drain_and_check(), 3000);
+    assert_true(recovered() > 0);
+}
+
+static void test_crash_recover_after_scan(void **state)
+{
+    (void)state;
+    crash_in_recovery("recover.after_scan=crash", "recover.after_scan");
+}
+
+static void test_crash_recover_before_commit(void **state)
+{
+    (void)state;
+    crash_in_recovery("recover.before_commit=crash", "recover.before_commit");
+}
+
+/* kill -9 at random moments while writers write: zero lost, zero twice.
+ * OBX_KILLS sets the number of kills (the soak runs hundreds). */
+static void test_kill_loop(void **state)
+{
+    (void)state;
+    struct writers ws;
+    const char *k = getenv("OBX_KILLS");
+    int kills = k ? atoi(k) : 50;
+    unsigned seed = getenv("OBX_SEED") ? (unsigned)atoi(getenv("OBX_SEED")) : (unsigned)time(NULL);
+    srand(seed);
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.c", 3000);
+    writers_start(&ws, 10);
+    for (int i = 0; i < kills; i++) {
+        h_relay_start(&env, NULL, NULL);
+        h_sleep_ms(150 + rand() % 1200);
+        int rc = h_relay_stop(&env, SIGKILL, 10000);
+        if (rc != KILLED)
+            fail_msg("kill %d: the relay had already exited with %d (see %s/relay.log)", i, rc,
+                     env.dir);
+    }
+    h_relay_start(&env, NULL, NULL);
+    h_sleep_ms(1000);
+    int written = writers_stop(&ws);
+    size_t n = drain_and_check();
+    print_message("kill loop (seed %u): %d kills, %zu rows (%d by writers), 0 lost, 0 "
+                  "duplicated, %ld recovered from Kafka instead of published twice\n",
+                  seed, kills, n, written, recovered());
+}
+
+/* Waits until the relay's backend waits on a lock while running a statement
+ * that starts with `query_prefix`; returns its pid. */
+static int relay_backend_waiting(PGconn *c, const char *query_prefix)
+{
+    int64_t deadline = h_now_ms() + 20000;
+    while (h_now_ms() < deadline) {
+        int64_t pid = h_sql_int(c,
+                                "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
+                                " WHERE application_name = 'outboxd' AND wait_event_type = 'Lock'"
+                                " AND query LIKE '%s%%'",
+                                query_prefix);
+        if (pid > 0)
+            return (int)pid;
+        h_sleep_ms(50);
+    }
+    fail_msg("the relay never waited on the lock in '%s...'", query_prefix);
+    return 0;
+}
+
+/* The relay's backend terminated while its fetch waits on a lock: nothing
+ * was produced from it; the relay reconnects and goes on. */
+static void test_terminate_during_fetch(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    h_relay_start(&env, NULL, NULL);
+    int64_t deadline = h_now_ms() + 20000;
+    while (!h_relay_log_contains(&env, "nothing to recover") && h_now_ms() < deadline)
+        h_sleep_ms(50);
+    PGconn *lock = h_connect(&env), *c = h_connect(&env);
+    h_sql(lock, "BEGIN");
+    h_sql(lock, "LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE");
+    h_sql(lock, "INSERT INTO outbox.events (topic, key, payload)"
+                " SELECT 'it.a', 'k' || (g %% 7), 'x'::bytea FROM generate_series(1, 2000) g");
+    int pid = relay_backend_waiting(c, "SELECT e.id"); /* the next poll's fetch */
+    assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
+    h_sql(lock, "COMMIT");
+    assert_int_equal(drain_and_check(), 2000);
+    assert_true(h_relay_log_contains(&env, "lost"));
+    PQfinish(lock);
+    PQfinish(c);
+}
+
+/* The relay's backend terminated while its mark waits on row locks: Kafka
+ * has acknowledged those rows; after the reconnect they are marked, not
+ * published again. */
+static void test_terminate_during_mark(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.b", 2000);
+    PGconn *lock = h_connect(&env), *c = h_connect(&env);
+    h_sql(lock, "BEGIN");
+    h_sql(lock, "SELECT id FROM outbox.events FOR UPDATE"); /* reads pass, marks wait */
+    h_relay_start(&env, NULL, NULL);
+    int pid = relay_backend_waiting(c, "WITH confirmed");
+    assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
+    h_sql(lock, "COMMIT");
+    assert_int_equal(drain_and_check(), 2000); /* checks: none published twice */
+    assert_true(h_relay_log_contains(&env, "lost"));
+    PQfinish(lock);
+    PQfinish(c);
+}
+
+/* `error` injected once at every point: the step fails as if Postgres or
+ * Kafka had failed it; nothing is lost or duplicated. */
+static void test_injected_errors(void **state)
+{
+    (void)state;
+    struct writers ws;
+    static const char *const points[] = {"fetch.after", "produce.after", "ack.after",
+                                         "mark.before_commit", "mark.after_commit"};
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.a", 5000);
+    writers_start(&ws, 0);
+    h_relay_start(&env,
+                  "fetch.after=error@2;produce.after=error@3;ack.after=error@2;"
+                  "mark.before_commit=error@3;mark.after_commit=error@4",
+                  NULL);
+    s_wait_sent(&env, 5000, 60000);
+    writers_stop(&ws);
+    drain_and_check();
+    for (size_t i = 0; i < sizeof(points) / sizeof(points[0]); i++) {
+        char expect[128];
+        snprintf(expect, sizeof(expect), "failpoint %s: injected error", points[i]);
+        if (!h_relay_log_contains(&env, expect))
+            fail_msg("no '%s' in the relay log", expect);
+    }
+}
+
+/* Broker-side request errors (leader not available, request timed out,
+ * not leader): librdkafka retries them; nothing lost or duplicated. */
+static void test_kafka_request_errors(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.b", 2000);
+    writers_start(&ws, 0);
+    h_relay_start(&env, NULL, NULL);
+    s_wait_sent(&env, 500, 30000);
+    for (int round = 0; round < 3; round++) {
+        assert_true(h_broker_cmd(&env, "push-errors 0 LEADER_NOT_AVAILABLE REQUEST_TIMED_OUT "
+                                       "NOT_LEADER_FOR_PARTITION REQUEST_TIMED_OUT"));
+        h_sleep_ms(700);
+    }
+    writers_stop(&ws);
+    drain_and_check();
+}
+
+/* A fatal idempotent-producer error (an out-of-order sequence reported by
+ * the broker): outboxd marks what was acknowledged and exits 1 for its
+ * supervisor; restarted, it recovers: nothing lost or duplicated. */
+static void test_producer_fatal(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.a", 2000);
+    writers_start(&ws, 0);
+    h_relay_start(&env, NULL, NULL);
+    s_wait_sent(&env, 500, 30000);
+    assert_true(h_broker_cmd(&env, "push-errors 0 OUT_OF_ORDER_SEQUENCE_NUMBER "
+                                   "OUT_OF_ORDER_SEQUENCE_NUMBER OUT_OF_ORDER_SEQUENCE_NUMBER"));
+    int rc = h_relay_wait(&env, 30000);
+    print_message("producer fatal: outboxd exited with %d\n", rc);
+    assert_int_equal(rc, 1);
+    assert_true(h_relay_log_contains(&env, "fatal"));
+    h_relay_start(&env, NULL, NULL); /* what the supervisor does */
+    writers_stop(&ws);
+    drain_and_check();
+}
+
+static const char big_payload_sql[] =
+    "SELECT outbox.enqueue('it.a', 'K', convert_to(repeat('x', 20000), 'UTF8'))";
+
+/* G6, relay.on_reject = retry: a row larger than message.max.bytes is
+ * refused; it is retried, the later rows of its key wait, other keys go on.
+ * Once fixed, it and its key's later rows are published in order. */
+static void test_reject_retry(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    int64_t before = h_enqueue(c, "it.a", "K", "first", 5, NULL);
+    int64_t big = h_sql_int(c, big_payload_sql);
+    int64_t after = h_enqueue(c, "it.a", "K", "after", 5, NULL);
+    s_prefill(&env, "it.b", 500); /* other keys */
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"kafka.message.max.bytes=10000", "kafka.batch.size=8000",
+                                        "relay.retry_backoff=200ms", NULL});
+    /* Everything but K's refused row and the one behind it goes out. */
+    int64_t deadline = h_now_ms() + 30000;
+    while (s_sent_count(&env) < 501 && h_now_ms() < deadline)
+        h_sleep_ms(100);
+    h_sleep_ms(1000);
+    assert_int_equal(s_sent_count(&env), 501);
+    assert_int_equal(h_sql_int(c,
+                               "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"
+                               " AND id IN (%lld, %lld)",
+                               (long long)big, (long long)after),
+                     2);
+    assert_true(h_relay_log_contains(&env, "refused by Kafka"));
+    assert_true(h_relay_log_contains(&env, "later rows of its key wait"));
+    (void)before;
+
+    /* The operator fixes the row: it goes, then the row behind it. */
+    h_sql(c, "UPDATE outbox.events SET payload = 'fixed' WHERE id = %lld", (long long)big);
+    assert_int_equal(drain_and_check(), 503); /* order of K checked in there */
+    PQfinish(c);
+}
+
+/* G6, relay.on_reject = dead_letter: the too-large row and a row for a topic
+ * that does not exist (auto-create off) are moved to outbox.dead_letters
+ * with the reason; everything else, K's later row included, is published. */
+static void test_reject_dead_letter(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    h_enqueue(c, "it.a", "K", "first", 5, NULL);
+    int64_t big = h_sql_int(c, big_payload_sql);
+    int64_t missing = h_enqueue(c, "it.missing", "M", "lost?", 5, NULL);
+    h_enqueue(c, "it.a", "K", "after", 5, NULL);
+    s_prefill(&env, "it.c", 300);
+    /* The 2.0.2 mock ignores allow.auto.create.topics=false; make its
+     * Metadata say the topic does not exist instead. */
+    assert_true(h_broker_cmd(&env, "topic-error it.missing UNKNOWN_TOPIC_OR_PART"));
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_reject=dead_letter",
+                                        "kafka.message.max.bytes=10000", "kafka.batch.size=8000",
+                                        "kafka.topic.metadata.propagation.max.ms=1000", NULL});
+    assert_int_equal(drain_and_check(), 302);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"), 2);
+    assert_int_equal(
+        h_sql_int(c,
+                  "SELECT count(*) FROM outbox.dead_letters WHERE id = %lld"
+                  " AND reason ILIKE '%%too large%%' AND octet_length(payload) = 20000",
+                  (long long)big),
+        1);
+    assert_int_equal(h_sql_int(c,
+                               "SELECT count(*) FROM outbox.dead_letters WHERE id = %lld"
+                               " AND reason ILIKE '%%unknown topic%%'",
+                               (long long)missing),
+                     1);
+    assert_true(h_relay_log_contains(&env, "moving it to outbox.dead_letters"));
+    PQfinish(c);
+}
+
+int main(int argc, char **argv)
+{
+#define T(name) cmocka_unit_test_teardown(name, teardown_env)
+    const struct CMUnitTest tests[] = {
+        T(test_crash_fetch_after),
+        T(test_crash_produce_after),
+        T(test_crash_ack_after),
+        T(test_crash_mark_before_commit),
+        T(test_crash_mark_after_commit),
+        T(test_crash_recover_after_scan),
+        T(test_crash_recover_before_commit),
+        T(test_kill_loop),
+        T(test_terminate_during_fetch),
+        T(test_terminate_during_mark),
+        T(test_injected_errors),
+        T(test_kafka_request_errors),
+        T(test_producer_fatal),
+        T(test_reject_retry),
+        T(test_reject_dead_letter),
+    };
+#undef T
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
