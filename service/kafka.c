@@ -80,7 +80,7 @@ void obx_kafka_log_cb(const rd_kafka_t *rk, int level, const char *fac, const ch
                            : level == 4 ? OBX_LOG_WARN
                            : level <= 6 ? OBX_LOG_INFO
                                         : OBX_LOG_DEBUG;
-    obx_log(l, "librdkafka %s: %s", fac, buf);
+    obx_log(l, "librdkafka %s %s: %s", rk ? rd_kafka_name(rk) : "?", fac, buf);
 }
 
 static int conf_set(rd_kafka_conf_t *conf, const char *name, const char *value, const char *origin,
@@ -130,6 +130,17 @@ fail:
     return -1;
 }
 
+/* Serves everything queued; returns how many events were served. The io
+ * event fires only when the queue turns non-empty, so leaving ops behind
+ * would stall. */
+static int serve(struct obx_kafka *k)
+{
+    int total = 0, n;
+    while (!k->closing && (n = rd_kafka_poll(k->rk, 0)) > 0)
+        total += n;
+    return total;
+}
+
 static void on_pipe(uv_poll_t *h, int status, int events)
 {
     struct obx_kafka *k = h->data;
@@ -138,10 +149,16 @@ static void on_pipe(uv_poll_t *h, int status, int events)
     (void)events;
     while (read(k->pipe_rd, drain, sizeof(drain)) > 0) {
     }
-    /* Serve everything queued: the io event fires only when the queue turns
-     * non-empty, so leaving ops behind would stall. */
-    while (!k->closing && rd_kafka_poll(k->rk, 0) > 0) {
-    }
+    serve(k);
+}
+
+void obx_kafka_housekeeping(struct obx_kafka *k)
+{
+    /* A safety net for a lost wake-up: cheap, and it may legitimately find
+     * events whose wake-up is merely not processed yet in this loop turn. */
+    int n = serve(k);
+    if (n > 0)
+        obx_debug("kafka: housekeeping served %d events", n);
 }
 
 int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
@@ -192,7 +209,16 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
         goto fail;
     }
     k->poll.data = k;
-    uv_poll_start(&k->poll, UV_READABLE, on_pipe);
+    if (uv_poll_start(&k->poll, UV_READABLE, on_pipe) != 0) {
+        snprintf(err, errlen, "cannot watch the librdkafka queue pipe");
+        obx_kafka_close(k); /* the handle is initialised: free through its close */
+        return -1;
+    }
+    /* librdkafka writes the wake-up only when the queue turns from empty to
+     * non-empty (rd_kafka_q_enq1: `if (rkq->rkq_qlen == 1)`). Ops queued
+     * before io_event_enable (start-up logs, "brokers down" errors) would keep
+     * it non-empty for ever and nothing would wake us: serve them now. */
+    serve(k);
     obx_info("kafka: producer ready for %s (idempotent)",
              obx_config_kafka_get(cfg, "bootstrap.servers"));
     *out = k;

@@ -177,6 +177,7 @@ static void kafka_fatal(const char *reason, void *arg)
 static void on_housekeeping(uv_timer_t *t)
 {
     struct app *a = t->data;
+    obx_kafka_housekeeping(a->kafka);
     obx_relay_tick(a->relay, (int64_t)uv_now(&a->loop));
 }
 

@@ -64,6 +64,9 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
                                           void *opaque, const char **reason);
 
+/* Serves librdkafka's queue from the housekeeping timer too. */
+void obx_kafka_housekeeping(struct obx_kafka *k);
+
 /* Number of messages librdkafka still holds (queued or in flight). */
 int obx_kafka_outq_len(struct obx_kafka *k);
 
