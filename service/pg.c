@@ -517,6 +517,18 @@ static void on_timer(uv_timer_t *t)
         disconnect(pg, "timed out connecting");
 }
 
+const char *obx_pg_sql_fetch(void)
+{
+    return SQL_FETCH;
+}
+
+const char *obx_pg_sql_mark(int on_sent, char *buf, size_t len)
+{
+    snprintf(buf, len, SQL_MARK_FMT,
+             on_sent == OBX_ON_SENT_DELETE ? SQL_CONFIRM_DELETE : SQL_CONFIRM_MARK);
+    return buf;
+}
+
 int obx_pg_check_conninfo(const char *conninfo, char *err, size_t errlen)
 {
     char *msg = NULL;
@@ -568,8 +580,7 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->backoff_min_ms = cfg->pg_backoff_min_ms;
     pg->backoff_max_ms = cfg->pg_backoff_max_ms;
     pg->state = OBX_PG_DISCONNECTED;
-    snprintf(pg->mark_sql, sizeof(pg->mark_sql), SQL_MARK_FMT,
-             cfg->on_sent == OBX_ON_SENT_DELETE ? SQL_CONFIRM_DELETE : SQL_CONFIRM_MARK);
+    obx_pg_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
     uv_timer_init(loop, &pg->timer);
     pg->timer.data = pg;
     *out = pg;

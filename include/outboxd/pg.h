@@ -102,6 +102,15 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f);
  * outbox.dead_letters. */
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m);
 
+/* The statements outboxd runs, for benchmarks that must measure exactly
+ * them. Fetch parameters: $1 excluded ids, $2 limit, $3..$5 held-back keys
+ * (topics, keys, ids). Mark parameters: $1 ids, $2..$4 offsets (topics,
+ * partitions, offsets), $5..$6 dead letters (ids, reasons); run inside
+ * BEGIN ... COMMIT. */
+const char *obx_pg_sql_fetch(void);
+/* Writes the mark statement for `on_sent` into buf; returns buf. */
+const char *obx_pg_sql_mark(int on_sent, char *buf, size_t len);
+
 /* Checks that `conninfo` parses; on error writes a sentence without any of
  * its values (it may hold a password). */
 int obx_pg_check_conninfo(const char *conninfo, char *err, size_t errlen) OBX_WARN_UNUSED;

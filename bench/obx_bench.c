@@ -1,0 +1,630 @@
+/*
+ * obx-bench: outboxd against the limits of the systems it sits between,
+ * measured side by side in one run on one machine (issue 4). Prints one
+ * Markdown table. Run it through bench/run, which starts a throwaway
+ * PostgreSQL and the mock broker (topics bench:12 and lat:12).
+ *
+ *   obx-bench --conninfo C --bootstrap B --outboxd PATH [--malloc-count LIB]
+ *             [--rows N] [--latency-seconds S]
+ *
+ * 1. Postgres-side limit: outboxd's own fetch and mark statements (taken
+ *    from its code), one connection, batches of 1000, no Kafka.
+ * 2. Kafka-side limit: a bare idempotent producer with the same records.
+ * 3. outboxd drain: N pre-filled rows relayed by the real binary.
+ * 4. Latency: one event per transaction at fixed rates; commit -> record
+ *    read by a consumer in this process, on one clock.
+ * 5. Footprint of the outboxd process.
+ */
+#include "outboxd/config.h"
+#include "outboxd/pg.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <libpq-fe.h>
+#include <librdkafka/rdkafka.h>
+
+#define BATCH      1000
+#define PARTITIONS 12
+#define KEYS       300
+
+struct opts {
+    const char *conninfo, *bootstrap, *outboxd, *malloc_lib;
+    int rows;
+    int latency_seconds;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void die(const char *what, const char *detail)
+{
+    fprintf(stderr, "obx-bench: %s: %s\n", what, detail ? detail : "");
+    exit(1);
+}
+
+static PGconn *connect_db(const struct opts *o)
+{
+    PGconn *c = PQconnectdb(o->conninfo);
+    if (PQstatus(c) != CONNECTION_OK)
+        die("connect", PQerrorMessage(c));
+    return c;
+}
+
+static void exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    if (PQresultStatus(r) != PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_TUPLES_OK)
+        die(sql, PQresultErrorMessage(r));
+    PQclear(r);
+}
+
+static long long query_int(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        die(sql, PQresultErrorMessage(r));
+    long long v = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+    PQclear(r);
+    return v;
+}
+
+/* N rows like the issue's workload: 200-byte payloads (or `payload` bytes),
+ * 3 headers counting outbox-id, 300 keys. */
+static void prefill(PGconn *c, int rows, int payload)
+{
+    char sql[1024];
+    snprintf(sql, sizeof(sql),
+             "INSERT INTO outbox.events (topic, key, payload, headers)"
+             " SELECT 'bench', 'key-' || (g %% %d), convert_to(rpad(g::text, %d, 'x'), 'UTF8'),"
+             " jsonb_build_object('traceparent', '00-' || md5(g::text) || '-' ||"
+             "   left(md5('s' || g), 16) || '-01', 'source', 'bench')"
+             " FROM generate_series(1, %d) g",
+             KEYS, payload, rows);
+    exec_ok(c, sql);
+}
+
+/* ---- 1. Postgres-side limit ---- */
+
+static double pg_limit(const struct opts *o, int on_sent, int payload)
+{
+    PGconn *c = connect_db(o);
+    char mark_sql[2048];
+    obx_pg_sql_mark(on_sent, mark_sql, sizeof(mark_sql));
+    exec_ok(c, "TRUNCATE outbox.events");
+    prefill(c, o->rows, payload);
+    exec_ok(c, "VACUUM ANALYZE outbox.events");
+    struct obx_pg_array ids = {0};
+    char limit[16];
+    snprintf(limit, sizeof(limit), "%d", BATCH);
+    long done = 0;
+    double t0 = now_s();
+    for (;;) {
+        const char *fv[5] = {"{}", limit, "{}", "{}", "{}"};
+        PGresult *r = PQexecParams(c, obx_pg_sql_fetch(), 5, NULL, fv, NULL, NULL, 1);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("fetch", PQresultErrorMessage(r));
+        int n = PQntuples(r);
+        if (n == 0) {
+            PQclear(r);
+            break;
+        }
+        obx_pg_array_reset(&ids);
+        for (int i = 0; i < n; i++) {
+            const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
+            int64_t id = 0;
+            for (int b = 0; b < 8; b++)
+                id = (id << 8) | p[b];
+            obx_pg_array_add_int(&ids, id);
+        }
+        PQclear(r);
+        /* One offset per partition, as outboxd stores them. */
+        const char *mv[6] = {obx_pg_array_finish(&ids),
+                             "{bench,bench,bench,bench,bench,bench,bench,bench,bench,bench,bench,"
+                             "bench}",
+                             "{0,1,2,3,4,5,6,7,8,9,10,11}",
+                             "{1,1,1,1,1,1,1,1,1,1,1,1}",
+                             "{}",
+                             "{}"};
+        exec_ok(c, "BEGIN");
+        r = PQexecParams(c, mark_sql, 6, NULL, mv, NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("mark", PQresultErrorMessage(r));
+        PQclear(r);
+        exec_ok(c, "COMMIT");
+        done += n;
+    }
+    double t = now_s() - t0;
+    obx_pg_array_free(&ids);
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    PQfinish(c);
+    return (double)done / t;
+}
+
+/* ---- 2. Kafka-side limit ---- */
+
+static atomic_long delivered;
+
+static void on_dr(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaque)
+{
+    (void)rk;
+    (void)opaque;
+    if (m->err)
+        die("delivery", rd_kafka_err2str(m->err));
+    atomic_fetch_add(&delivered, 1);
+}
+
+static double kafka_limit(const struct opts *o)
+{
+    char err[512], key[32], id[24], payload[200], trace[64];
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    const char *settings[][2] = {{"bootstrap.servers", o->bootstrap},
+                                 {"enable.idempotence", "true"},
+                                 {"message.timeout.ms", "0"},
+                                 {"partitioner", "murmur2_random"},
+                                 {"linger.ms", "5"}};
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err)))
+            die("producer conf", err);
+    rd_kafka_conf_set_dr_msg_cb(conf, on_dr);
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
+    if (!rk)
+        die("producer", err);
+    memset(payload, 'x', sizeof(payload));
+    /* Warm up: metadata and producer id, as outboxd has them after start-up. */
+    rd_kafka_producev(rk, RD_KAFKA_V_TOPIC("bench"), RD_KAFKA_V_VALUE(payload, 10), RD_KAFKA_V_END);
+    rd_kafka_flush(rk, 10000);
+    atomic_store(&delivered, 0);
+    double t0 = now_s();
+    for (int i = 0; i < o->rows; i++) {
+        int kl = snprintf(key, sizeof(key), "key-%d", i % KEYS);
+        int il = snprintf(id, sizeof(id), "%d", i + 1);
+        snprintf(trace, sizeof(trace), "00-%032x-%016x-01", i, i);
+        rd_kafka_headers_t *h = rd_kafka_headers_new(3);
+        rd_kafka_header_add(h, "outbox-id", -1, id, il);
+        rd_kafka_header_add(h, "traceparent", -1, trace, -1);
+        rd_kafka_header_add(h, "source", -1, "bench", -1);
+        for (;;) {
+            rd_kafka_resp_err_t e =
+                rd_kafka_producev(rk, RD_KAFKA_V_TOPIC("bench"), RD_KAFKA_V_KEY(key, (size_t)kl),
+                                  RD_KAFKA_V_VALUE(payload, sizeof(payload)), RD_KAFKA_V_HEADERS(h),
+                                  RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_END);
+            if (e == RD_KAFKA_RESP_ERR_NO_ERROR)
+                break;
+            if (e != RD_KAFKA_RESP_ERR__QUEUE_FULL)
+                die("produce", rd_kafka_err2str(e));
+            rd_kafka_poll(rk, 10);
+        }
+        rd_kafka_poll(rk, 0);
+    }
+    while (atomic_load(&delivered) < o->rows)
+        rd_kafka_poll(rk, 50);
+    double t = now_s() - t0;
+    rd_kafka_destroy(rk);
+    return o->rows / t;
+}
+
+/* ---- the outboxd process ---- */
+
+struct proc_stats {
+    double cpu_s; /* user + system */
+    long peak_kb; /* VmHWM */
+};
+
+static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
+{
+    char conninfo[1024], bootstrap[600];
+    snprintf(conninfo, sizeof(conninfo), "postgres.conninfo=%s", o->conninfo);
+    snprintf(bootstrap, sizeof(bootstrap), "kafka.bootstrap.servers=%s", o->bootstrap);
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork", strerror(errno));
+    if (pid == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        dup2(fd, 2);
+        char preload[600], countvar[600];
+        char *envp[4] = {NULL};
+        int n = 0;
+        if (count_file && o->malloc_lib) {
+            snprintf(preload, sizeof(preload), "LD_PRELOAD=%s", o->malloc_lib);
+            snprintf(countvar, sizeof(countvar), "OBX_MALLOC_COUNT_FILE=%s", count_file);
+            envp[n++] = preload;
+            envp[n++] = countvar;
+        }
+        char *argv[] = {(char *)o->outboxd,
+                        "-X",
+                        conninfo,
+                        "-X",
+                        bootstrap,
+                        "-X",
+                        on_sent == OBX_ON_SENT_DELETE ? "relay.on_sent=delete"
+                                                      : "relay.on_sent=mark",
+                        "-X",
+                        "log.level=warn",
+                        NULL,
+                        NULL,
+                        NULL};
+        /* OBX_BENCH_X=key=value: one extra setting, for trying alternatives. */
+        const char *extra = getenv("OBX_BENCH_X");
+        if (extra && *extra) {
+            argv[9] = "-X";
+            argv[10] = (char *)extra;
+        }
+        execve(o->outboxd, argv, envp);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void proc_stats(pid_t pid, struct proc_stats *st)
+{
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f && fgets(buf, sizeof(buf), f)) {
+        const char *p = strrchr(buf, ')');
+        unsigned long ut = 0, stt = 0;
+        /* fields after ")": state ppid pgrp session tty tpgid flags minflt
+         * cminflt majflt cmajflt utime stime */
+        if (p &&
+            sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &stt) == 2)
+            st->cpu_s = (double)(ut + stt) / (double)sysconf(_SC_CLK_TCK);
+    }
+    if (f)
+        fclose(f);
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    f = fopen(path, "r");
+    while (f && fgets(buf, sizeof(buf), f))
+        if (strncmp(buf, "VmHWM:", 6) == 0)
+            st->peak_kb = strtol(buf + 6, NULL, 10);
+    if (f)
+        fclose(f);
+}
+
+static void stop_outboxd(pid_t pid)
+{
+    int status;
+    kill(pid, SIGTERM);
+    waitpid(pid, &status, 0);
+}
+
+struct drain_result {
+    double rows_per_s;
+    double cpu_per_100k;
+    long peak_kb;
+    double idle_cpu_s; /* over 10 s */
+};
+
+static long read_count(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    unsigned long v = 0;
+    long r = -1;
+    if (f) {
+        if (fread(&v, sizeof(v), 1, f) == 1)
+            r = (long)v;
+        fclose(f);
+    }
+    return r;
+}
+
+static void wait_left(PGconn *c, const char *sql, long long target)
+{
+    while (query_int(c, sql) > target)
+        usleep(2000);
+}
+
+/* A warm relay (recovered, producer connected) is handed N rows committed
+ * in one transaction with NOTIFY; the clock runs from that commit until the
+ * last row is confirmed. */
+static void drain(const struct opts *o, int on_sent, int rows, int payload, bool idle,
+                  struct drain_result *res, long *allocs)
+{
+    PGconn *c = connect_db(o);
+    const char *left_sql = on_sent == OBX_ON_SENT_DELETE
+                               ? "SELECT count(*) FROM outbox.events"
+                               : "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL";
+    const char *count_file = allocs ? "/tmp/obx-bench-allocs" : NULL;
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    pid_t pid = spawn_outboxd(o, on_sent, count_file);
+    exec_ok(c, "SELECT outbox.enqueue('bench', 'warm-up', 'x'::bytea)");
+    wait_left(c, left_sql, 0);
+    sleep(1);
+    struct proc_stats s0 = {0}, s1 = {0}, s2 = {0};
+    exec_ok(c, "BEGIN");
+    prefill(c, rows, payload);
+    exec_ok(c, "NOTIFY outboxd");
+    proc_stats(pid, &s0);
+    long a0 = count_file ? read_count(count_file) : 0;
+    double t0 = now_s();
+    exec_ok(c, "COMMIT");
+    wait_left(c, left_sql, 0);
+    double t1 = now_s();
+    proc_stats(pid, &s1);
+    if (allocs)
+        *allocs = read_count(count_file) - a0;
+    res->rows_per_s = rows / (t1 - t0);
+    res->cpu_per_100k = (s1.cpu_s - s0.cpu_s) / rows * 100000.0;
+    res->peak_kb = s1.peak_kb;
+    if (idle) {
+        sleep(10);
+        proc_stats(pid, &s2);
+        res->idle_cpu_s = s2.cpu_s - s1.cpu_s;
+    }
+    stop_outboxd(pid);
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    PQfinish(c);
+}
+
+/* ---- 4. latency ---- */
+
+#define MAX_IDS (1 << 22)
+static double *commit_at; /* by outbox id: when the writer sent the commit */
+static atomic_int writers_done;
+
+struct lat_writer {
+    const struct opts *o;
+    double rate; /* events/s for this thread */
+    double seconds;
+};
+
+static void *lat_writer_main(void *arg)
+{
+    struct lat_writer *w = arg;
+    PGconn *c = connect_db(w->o);
+    double period = 1.0 / w->rate, start = now_s(), next = start;
+    int k = 0;
+    while (now_s() - start < w->seconds) {
+        double wait = next - now_s();
+        if (wait > 0)
+            usleep((useconds_t)(wait * 1e6));
+        char key[32];
+        snprintf(key, sizeof(key), "key-%d", k++ % KEYS);
+        const char *v[2] = {key, "{\"event\": \"latency probe\"}"};
+        double t = now_s(); /* one statement = one transaction: commit at its end */
+        PGresult *r = PQexecParams(c, "SELECT outbox.enqueue('lat', $1, $2::jsonb)", 2, NULL, v,
+                                   NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("enqueue", PQresultErrorMessage(r));
+        long long id = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+        PQclear(r);
+        if (id > 0 && id < MAX_IDS)
+            commit_at[id] = t;
+        next += period;
+    }
+    PQfinish(c);
+    atomic_fetch_add(&writers_done, 1);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+struct lat_result {
+    double achieved, p50, p99, p999, max;
+    long n;
+};
+
+static void latency(const struct opts *o, int rate, struct lat_result *res)
+{
+    char err[512];
+    int threads = rate >= 1000 ? 4 : 1;
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    rd_kafka_conf_set(conf, "bootstrap.servers", o->bootstrap, err, sizeof(err));
+    rd_kafka_conf_set(conf, "group.id", "obx-bench", err, sizeof(err));
+    rd_kafka_conf_set(conf, "fetch.wait.max.ms", "1", err, sizeof(err));
+    rd_kafka_conf_set(conf, "fetch.error.backoff.ms", "5", err, sizeof(err));
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof(err));
+    if (!rk)
+        die("consumer", err);
+    rd_kafka_poll_set_consumer(rk);
+    rd_kafka_topic_partition_list_t *parts = rd_kafka_topic_partition_list_new(PARTITIONS);
+    for (int p = 0; p < PARTITIONS; p++)
+        rd_kafka_topic_partition_list_add(parts, "lat", p)->offset = RD_KAFKA_OFFSET_END;
+    rd_kafka_assign(rk, parts);
+    rd_kafka_topic_partition_list_destroy(parts);
+    for (int i = 0; i < 20; i++) { /* let the assignment settle */
+        rd_kafka_message_t *m = rd_kafka_consumer_poll(rk, 50);
+        if (m)
+            rd_kafka_message_destroy(m);
+    }
+
+    size_t cap = (size_t)rate * (size_t)o->latency_seconds + 1024, n = 0;
+    double *samples = malloc(cap * sizeof(double));
+    struct lat_writer w = {o, (double)rate / threads, o->latency_seconds};
+    pthread_t t[8];
+    atomic_store(&writers_done, 0);
+    double start = now_s();
+    for (int i = 0; i < threads; i++)
+        pthread_create(&t[i], NULL, lat_writer_main, &w);
+    double quiet_since = 0;
+    for (;;) {
+        rd_kafka_message_t *m = rd_kafka_consumer_poll(rk, 10);
+        double now = now_s();
+        if (m) {
+            rd_kafka_headers_t *h;
+            const void *val;
+            size_t len;
+            if (!m->err && rd_kafka_message_headers(m, &h) == 0 &&
+                rd_kafka_header_get_last(h, "outbox-id", &val, &len) == 0 && len < 20) {
+                char buf[24];
+                memcpy(buf, val, len);
+                buf[len] = '\0';
+                long long id = strtoll(buf, NULL, 10);
+                if (id > 0 && id < MAX_IDS && commit_at[id] > 0 && n < cap)
+                    samples[n++] = now - commit_at[id];
+            }
+            rd_kafka_message_destroy(m);
+            quiet_since = 0;
+        } else if (atomic_load(&writers_done) == threads) {
+            if (quiet_since == 0)
+                quiet_since = now;
+            else if (now - quiet_since > 2.0)
+                break;
+        }
+    }
+    double elapsed = o->latency_seconds;
+    (void)start;
+    for (int i = 0; i < threads; i++)
+        pthread_join(t[i], NULL);
+    rd_kafka_consumer_close(rk);
+    rd_kafka_destroy(rk);
+    qsort(samples, n, sizeof(double), cmp_double);
+    res->n = (long)n;
+    res->achieved = n / elapsed;
+    res->p50 = n ? samples[n / 2] * 1e3 : 0;
+    res->p99 = n ? samples[(size_t)(n * 0.99)] * 1e3 : 0;
+    res->p999 = n ? samples[(size_t)(n * 0.999)] * 1e3 : 0;
+    res->max = n ? samples[n - 1] * 1e3 : 0;
+    free(samples);
+}
+
+/* ---- main ---- */
+
+static void machine(char *buf, size_t len)
+{
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    snprintf(buf, len, "unknown CPU");
+    while (f && fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "model name", 10) == 0) {
+            char *p = strchr(line, ':');
+            if (p) {
+                p += 2;
+                p[strcspn(p, "\n")] = '\0';
+                snprintf(buf, len, "%s", p);
+            }
+            break;
+        }
+    }
+    if (f)
+        fclose(f);
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o = {.rows = 200000, .latency_seconds = 5};
+    static const struct option longopts[] = {{"conninfo", required_argument, NULL, 'c'},
+                                             {"bootstrap", required_argument, NULL, 'b'},
+                                             {"outboxd", required_argument, NULL, 'o'},
+                                             {"malloc-count", required_argument, NULL, 'm'},
+                                             {"rows", required_argument, NULL, 'r'},
+                                             {"latency-seconds", required_argument, NULL, 'l'},
+                                             {NULL, 0, NULL, 0}};
+    int opt;
+    while ((opt = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'c':
+            o.conninfo = optarg;
+            break;
+        case 'b':
+            o.bootstrap = optarg;
+            break;
+        case 'o':
+            o.outboxd = optarg;
+            break;
+        case 'm':
+            o.malloc_lib = optarg;
+            break;
+        case 'r':
+            o.rows = atoi(optarg);
+            break;
+        case 'l':
+            o.latency_seconds = atoi(optarg);
+            break;
+        default:
+            die("usage", "see bench/run");
+        }
+    }
+    if (!o.conninfo || !o.bootstrap || !o.outboxd)
+        die("usage", "--conninfo, --bootstrap and --outboxd are required");
+    commit_at = calloc(MAX_IDS, sizeof(double));
+
+    char cpu[256], date[32];
+    machine(cpu, sizeof(cpu));
+    time_t t = time(NULL);
+    strftime(date, sizeof(date), "%Y-%m-%d", gmtime(&t));
+    PGconn *c = connect_db(&o);
+    char pgver[64];
+    snprintf(pgver, sizeof(pgver), "%lld", query_int(c, "SHOW server_version_num"));
+    PQfinish(c);
+
+    fprintf(stderr, "obx-bench: 1/5 Postgres-side limit...\n");
+    double pg_mark = pg_limit(&o, OBX_ON_SENT_MARK, 200);
+    double pg_delete = pg_limit(&o, OBX_ON_SENT_DELETE, 200);
+    double pg_mark_4k = pg_limit(&o, OBX_ON_SENT_MARK, 4096);
+    fprintf(stderr, "obx-bench: 2/5 Kafka-side limit...\n");
+    double kafka = kafka_limit(&o);
+    fprintf(stderr, "obx-bench: 3/5 outboxd drain...\n");
+    struct drain_result d_mark, d_delete, d_4k, d_alloc;
+    drain(&o, OBX_ON_SENT_MARK, o.rows, 200, true, &d_mark, NULL);
+    drain(&o, OBX_ON_SENT_DELETE, o.rows, 200, false, &d_delete, NULL);
+    drain(&o, OBX_ON_SENT_MARK, o.rows, 4096, false, &d_4k, NULL);
+    long allocs = -1;
+    if (o.malloc_lib)
+        drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d_alloc, &allocs);
+    fprintf(stderr, "obx-bench: 4/5 latency...\n");
+    pid_t relay = spawn_outboxd(&o, OBX_ON_SENT_MARK, NULL);
+    sleep(2);
+    struct lat_result lat[3];
+    static const int rates[3] = {100, 1000, 5000};
+    /* Warm the topic up: its first record waits for metadata. */
+    c = connect_db(&o);
+    exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+    PQfinish(c);
+    sleep(2);
+    for (int i = 0; i < 3; i++)
+        latency(&o, rates[i], &lat[i]);
+    stop_outboxd(relay);
+
+    printf("outboxd benchmark, %s: %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s "
+           "mock cluster (3 brokers, TCP_NODELAY), all on this machine; outboxd defaults "
+           "(batch %d, linger.ms 5); %d rows, 200-byte payloads, 3 headers, %d keys, %d "
+           "partitions.\n\n",
+           date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str(), BATCH, o.rows,
+           KEYS, PARTITIONS);
+    printf("| # | measurement | result |\n| --- | --- | --- |\n");
+    printf(
+        "| 1 | Postgres-side limit, mark (outboxd's fetch + mark, 1 connection) | %.0f rows/s |\n",
+        pg_mark);
+    printf("| 1 | Postgres-side limit, delete | %.0f rows/s |\n", pg_delete);
+    printf("| 1 | Postgres-side limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n", pg_mark_4k);
+    printf("| 2 | Kafka-side limit (bare idempotent producer, same records) | %.0f records/s |\n",
+           kafka);
+    printf("| 3 | outboxd drain, mark | %.0f rows/s = %.2f x limit |\n", d_mark.rows_per_s,
+           d_mark.rows_per_s / pg_mark);
+    printf("| 3 | outboxd drain, delete | %.0f rows/s = %.2f x limit |\n", d_delete.rows_per_s,
+           d_delete.rows_per_s / pg_delete);
+    printf("| 3 | outboxd drain, mark, 4 KiB payloads | %.0f rows/s = %.2f x its limit |\n",
+           d_4k.rows_per_s, d_4k.rows_per_s / pg_mark_4k);
+    for (int i = 0; i < 3; i++)
+        printf("| 4 | latency at %d events/s (achieved %.0f/s, %ld samples): commit -> consumer "
+               "| p50 %.2f ms, p99 %.2f ms, p99.9 %.2f ms, max %.2f ms |\n",
+               rates[i], lat[i].achieved, lat[i].n, lat[i].p50, lat[i].p99, lat[i].p999,
+               lat[i].max);
+    printf("| 5 | peak RSS of outboxd (drain, mark) | %.1f MB |\n", d_mark.peak_kb / 1024.0);
+    printf("| 5 | CPU per 100k rows (drain, mark) | %.2f s |\n", d_mark.cpu_per_100k);
+    if (allocs >= 0)
+        printf("| 5 | allocations per row during the drain (malloc+calloc+realloc, all "
+               "threads, librdkafka's included) | %.2f |\n",
+               (double)allocs / o.rows);
+    printf("| 5 | CPU while idle for 10 s | %.2f s |\n", d_mark.idle_cpu_s);
+    return 0;
+}
