@@ -16,10 +16,13 @@
 #define SCAN_TIMEOUT_MS    60000
 #define REQUEST_TIMEOUT_MS 10000
 
-/* Topics with unsent rows, and the offsets stored for their partitions. */
+/* Topics with unsent rows, the offsets stored for their partitions, and the
+ * range of unsent ids (a record outside it cannot match any row). */
 static const char SQL_PLAN[] =
-    "SELECT t.topic, k.kafka_partition, k.last_offset"
+    "SELECT t.topic, k.kafka_partition, k.last_offset, r.lo, r.hi"
     " FROM (SELECT DISTINCT topic FROM outbox.events WHERE sent_at IS NULL) t"
+    " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM outbox.events"
+    "             WHERE sent_at IS NULL) r"
     " LEFT JOIN outbox.kafka_offsets k ON k.topic = t.topic"
     " ORDER BY 1, 2";
 
@@ -96,6 +99,7 @@ struct obx_recovery {
     size_t n_parts;
     struct found *found;
     size_t n_found, cap_found;
+    int64_t id_lo, id_hi; /* unsent ids lie in [id_lo, id_hi] */
     uint64_t records_read;
     char error[512];
 
@@ -250,8 +254,10 @@ static int64_t outbox_id(const rd_kafka_message_t *m)
 static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int topic)
 {
     int64_t id = outbox_id(m);
-    /* Not ours, or not storable as our text key: cannot match a row. */
-    if (id < 0 || (m->key && !obx_valid_text(m->key, m->key_len)))
+    /* Not ours, not an unsent id, or not storable as our text key: it
+     * cannot match a row. Keeping only candidates bounds memory when a
+     * partition is read from its start. */
+    if (id < rec->id_lo || id > rec->id_hi || (m->key && !obx_valid_text(m->key, m->key_len)))
         return 0;
     if (rec->n_found == rec->cap_found) {
         size_t cap = rec->cap_found ? rec->cap_found * 2 : 256;
@@ -411,8 +417,14 @@ static void scan_work(uv_work_t *w)
     }
     static const char *const settings[][2] = {
         {"group.id", "outboxd-recovery"}, /* required by the API; nothing is committed */
-        {"enable.auto.commit", "false"},         {"enable.partition.eof", "true"},
-        {"isolation.level", "read_uncommitted"}, {"client.id", "outboxd-recovery"},
+        {"enable.auto.commit", "false"},
+        {"enable.partition.eof", "true"},
+        {"isolation.level", "read_uncommitted"},
+        /* Read sequentially with a small prefetch: the default (64 MiB
+         * queued per consumer) would dominate outboxd's memory. */
+        {"queued.max.messages.kbytes", "2048"},
+        {"fetch.max.bytes", "4194304"},
+        {"client.id", "outboxd-recovery"},
     };
     for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
         rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err));
@@ -521,6 +533,8 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
         finish(rec, false);
         return;
     }
+    rec->id_lo = strtoll(PQgetvalue(res, 0, 3), NULL, 10);
+    rec->id_hi = strtoll(PQgetvalue(res, 0, 4), NULL, 10);
     for (int i = 0; i < n; i++) {
         const char *topic = PQgetvalue(res, i, 0);
         if (rec->n_topics == 0 || strcmp(rec->topics[rec->n_topics - 1], topic) != 0) {
