@@ -98,6 +98,15 @@ static void prefill(PGconn *c, int rows, int payload)
     exec_ok(c, sql);
 }
 
+/* Each measurement starts from a clean table and no vacuum or checkpoint
+ * debt left by the one before. */
+static void settle(PGconn *c)
+{
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    exec_ok(c, "VACUUM ANALYZE outbox.events");
+    exec_ok(c, "CHECKPOINT");
+}
+
 /* ---- 1. Postgres-side limit ---- */
 
 static double pg_limit(const struct opts *o, int on_sent, int payload)
@@ -105,7 +114,7 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
     PGconn *c = connect_db(o);
     char mark_sql[2048];
     obx_pg_sql_mark(on_sent, mark_sql, sizeof(mark_sql));
-    exec_ok(c, "TRUNCATE outbox.events");
+    settle(c);
     prefill(c, o->rows, payload);
     exec_ok(c, "VACUUM ANALYZE outbox.events");
     struct obx_pg_array ids = {0};
@@ -187,7 +196,8 @@ static double kafka_limit(const struct opts *o, size_t payload_len)
         die("producer", err);
     memset(payload, 'x', sizeof(payload));
     /* Warm up: metadata and producer id, as outboxd has them after start-up. */
-    rd_kafka_producev(rk, RD_KAFKA_V_TOPIC("bench"), RD_KAFKA_V_VALUE(payload, 10), RD_KAFKA_V_END);
+    rd_kafka_producev(rk, RD_KAFKA_V_TOPIC("kbench"), RD_KAFKA_V_VALUE(payload, 10),
+                      RD_KAFKA_V_END);
     rd_kafka_flush(rk, 10000);
     atomic_store(&delivered, 0);
     double t0 = now_s();
@@ -344,7 +354,7 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
             ? "SELECT EXISTS (SELECT FROM outbox.events)::int"
             : "SELECT EXISTS (SELECT FROM outbox.events WHERE sent_at IS NULL)::int";
     const char *count_file = allocs ? "/tmp/obx-bench-allocs" : NULL;
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    settle(c);
     pid_t pid = spawn_outboxd(o, on_sent, count_file);
     exec_ok(c, "SELECT outbox.enqueue('bench', 'warm-up', 'x'::bytea)");
     wait_drained(c, left_sql);
@@ -571,13 +581,18 @@ int main(int argc, char **argv)
     snprintf(pgver, sizeof(pgver), "%lld", query_int(c, "SHOW server_version_num"));
     PQfinish(c);
 
+    if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: mark-mode drain vs its limit */
+        double limit = pg_limit(&o, OBX_ON_SENT_MARK, 200);
+        struct drain_result d;
+        drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d, NULL);
+        printf("limit %.0f rows/s, drain %.0f rows/s = %.2f, %.2f s CPU per 100k\n", limit,
+               d.rows_per_s, d.rows_per_s / limit, d.cpu_per_100k);
+        return 0;
+    }
     fprintf(stderr, "obx-bench: 1/5 Postgres-side limit...\n");
     double pg_mark = pg_limit(&o, OBX_ON_SENT_MARK, 200);
     double pg_delete = pg_limit(&o, OBX_ON_SENT_DELETE, 200);
     double pg_mark_4k = pg_limit(&o, OBX_ON_SENT_MARK, 4096);
-    fprintf(stderr, "obx-bench: 2/5 Kafka-side limit...\n");
-    double kafka = kafka_limit(&o, 200);
-    double kafka_4k = kafka_limit(&o, 4096);
     fprintf(stderr, "obx-bench: 3/5 outboxd drain...\n");
     struct drain_result d_mark, d_delete, d_4k, d_alloc;
     drain(&o, OBX_ON_SENT_MARK, o.rows, 200, true, &d_mark, NULL);
@@ -599,6 +614,11 @@ int main(int argc, char **argv)
     for (int i = 0; i < 3; i++)
         latency(&o, rates[i], &lat[i]);
     stop_outboxd(relay);
+    /* Last, on a topic of its own: the volume it pushes through the mock
+     * (about 1 GB) would slow whatever ran after it. */
+    fprintf(stderr, "obx-bench: 2/5 Kafka-side limit...\n");
+    double kafka = kafka_limit(&o, 200);
+    double kafka_4k = kafka_limit(&o, 4096);
 
     printf("outboxd benchmark, %s: %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s "
            "mock cluster (3 brokers, TCP_NODELAY), all on this machine; outboxd defaults "
