@@ -13,7 +13,11 @@
 #include "outboxd/recovery.h"
 #include "outboxd/relay.h"
 
+#include <errno.h>
 #include <getopt.h>
+#include <stddef.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +27,7 @@
 
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE   2
+#define EXIT_DONE    -1 /* --help or --version printed: exit 0 */
 
 /* Housekeeping period: poll fallback, back-offs and deadlines are checked
  * this often. Cheap enough to leave the process idle at ~0% CPU. */
@@ -36,11 +41,17 @@ struct app {
     struct obx_recovery *recovery;
     struct obx_relay *relay;
     struct obx_row *rows; /* batch_size rows, reused by every fetch */
-    uv_signal_t sigterm, sigint;
+    uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
     uv_timer_t teardown; /* closes everything from a fresh loop turn */
     int signals;
     int exit_code;
+    bool ready_notified;
+    /* The command line, kept to rebuild the configuration on SIGHUP. */
+    const char *config_path;
+    char **xargs;
+    int n_xargs;
+    bool cfg_loaded;
 };
 
 /* ---- relay commands ---- */
@@ -104,9 +115,16 @@ static void pg_lost(void *arg)
     obx_relay_on_pg_lost(a->relay, (int64_t)uv_now(&a->loop));
 }
 
+static void sd_notify_state(const char *state);
+static void reload(struct app *a);
+
 static void recovery_done(bool ok, void *arg)
 {
     struct app *a = arg;
+    if (ok && !a->ready_notified) {
+        a->ready_notified = true;
+        sd_notify_state("READY=1"); /* publishing may start */
+    }
     obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
 }
 
@@ -181,9 +199,39 @@ static void on_housekeeping(uv_timer_t *t)
     obx_relay_tick(a->relay, (int64_t)uv_now(&a->loop));
 }
 
+/* Tells systemd (Type=notify) about our state when NOTIFY_SOCKET is set:
+ * one datagram, no libsystemd needed. Best effort. */
+static void sd_notify_state(const char *state)
+{
+    const char *path = getenv("NOTIFY_SOCKET");
+    struct sockaddr_un addr;
+    size_t len;
+    if (!path || (path[0] != '/' && path[0] != '@') ||
+        (len = strlen(path)) >= sizeof(addr.sun_path))
+        return;
+    memset(&addr, 0, sizeof(addr));
+    addr.sun_family = AF_UNIX;
+    memcpy(addr.sun_path, path, len);
+    if (path[0] == '@')
+        addr.sun_path[0] = '\0'; /* abstract namespace */
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    if (sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&addr,
+               (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) < 0)
+        obx_debug("sd_notify: %s", strerror(errno));
+    close(fd);
+}
+
 static void on_signal(uv_signal_t *s, int signum)
 {
     struct app *a = s->data;
+    if (signum == SIGHUP) {
+        reload(a);
+        return;
+    }
+    if (a->signals == 0)
+        sd_notify_state("STOPPING=1");
     if (++a->signals > 1) {
         obx_warn("received %s again: exiting at once", strsignal(signum));
         _exit(EXIT_RUNTIME);
@@ -203,6 +251,7 @@ static void on_teardown(uv_timer_t *t)
     a->recovery = NULL;
     uv_close((uv_handle_t *)&a->sigterm, NULL);
     uv_close((uv_handle_t *)&a->sigint, NULL);
+    uv_close((uv_handle_t *)&a->sighup, NULL);
     uv_close((uv_handle_t *)&a->housekeeping, NULL);
     uv_close((uv_handle_t *)&a->teardown, NULL);
 }
@@ -235,6 +284,40 @@ static const char *real_getenv(const char *name)
 }
 
 /* Loads and validates the configuration. Returns 0, or EXIT_USAGE. */
+/* Builds a configuration from the sources the command line named: file,
+ * environment, -X. The same sequence serves start-up and SIGHUP. */
+static int build_config(const struct app *a, struct obx_config *cfg, char *err, size_t errlen)
+{
+    if (obx_config_init(cfg) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    int rc = 0;
+    if (a->config_path && obx_config_load_file(cfg, a->config_path, err, errlen) != 0)
+        rc = -1;
+    if (rc == 0 && obx_config_apply_env(cfg, real_getenv, err, errlen) != 0)
+        rc = -1;
+    for (int i = 0; rc == 0 && i < a->n_xargs; i++)
+        if (obx_config_set_arg(cfg, a->xargs[i], err, errlen) != 0)
+            rc = -1;
+    if (rc == 0 && obx_config_validate(cfg, err, errlen) != 0)
+        rc = -1;
+    if (rc == 0 && obx_pg_check_conninfo(cfg->pg_conninfo, err, errlen) != 0)
+        rc = -1;
+    if (rc == 0) {
+        rd_kafka_conf_t *conf;
+        if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, errlen) != 0)
+            rc = -1;
+        else
+            rd_kafka_conf_destroy(conf);
+    }
+    if (rc != 0)
+        obx_config_free(cfg);
+    return rc;
+}
+
+/* Parses the command line and loads the configuration. Returns 0, or the
+ * exit status. */
 static int load_config(struct app *a, int argc, char **argv, bool *check_only)
 {
     static const struct option longopts[] = {
@@ -244,12 +327,11 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    const char *path = NULL;
     char err[512];
-    int opt, nx = 0;
-    char **xargs = calloc((size_t)argc + 1, sizeof(char *));
+    int opt;
 
-    if (!xargs) {
+    a->xargs = calloc((size_t)argc + 1, sizeof(char *));
+    if (!a->xargs) {
         fprintf(stderr, "outboxd: out of memory\n");
         return EXIT_RUNTIME;
     }
@@ -257,10 +339,10 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
     while ((opt = getopt_long(argc, argv, "c:X:Vh", longopts, NULL)) != -1) {
         switch (opt) {
         case 'c':
-            path = optarg;
+            a->config_path = optarg;
             break;
         case 'X':
-            xargs[nx++] = optarg;
+            a->xargs[a->n_xargs++] = optarg;
             break;
         case 'k':
             *check_only = true;
@@ -268,48 +350,44 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
         case 'V':
             printf("outboxd %s (librdkafka %s, libpq %d, libuv %s)\n", OBX_VERSION,
                    rd_kafka_version_str(), PQlibVersion(), uv_version_string());
-            free(xargs);
-            exit(0);
+            return EXIT_DONE;
         case 'h':
             usage(stdout);
-            free(xargs);
-            exit(0);
+            return EXIT_DONE;
         default:
             fprintf(stderr, "Try 'outboxd --help'.\n");
-            free(xargs);
             return EXIT_USAGE;
         }
     }
     if (optind < argc) {
         fprintf(stderr, "outboxd: unexpected argument '%s'\nTry 'outboxd --help'.\n", argv[optind]);
-        free(xargs);
         return EXIT_USAGE;
     }
-    int rc = 0;
-    if (path && obx_config_load_file(&a->cfg, path, err, sizeof(err)) != 0)
-        rc = -1;
-    if (rc == 0 && obx_config_apply_env(&a->cfg, real_getenv, err, sizeof(err)) != 0)
-        rc = -1;
-    for (int i = 0; rc == 0 && i < nx; i++)
-        if (obx_config_set_arg(&a->cfg, xargs[i], err, sizeof(err)) != 0)
-            rc = -1;
-    free(xargs);
-    if (rc == 0 && obx_config_validate(&a->cfg, err, sizeof(err)) != 0)
-        rc = -1;
-    if (rc == 0 && obx_pg_check_conninfo(a->cfg.pg_conninfo, err, sizeof(err)) != 0)
-        rc = -1;
-    if (rc == 0) {
-        rd_kafka_conf_t *conf;
-        if (obx_kafka_conf_build(&a->cfg, OBX_KAFKA_PRODUCER, &conf, err, sizeof(err)) != 0)
-            rc = -1;
-        else
-            rd_kafka_conf_destroy(conf);
-    }
-    if (rc != 0) {
+    if (build_config(a, &a->cfg, err, sizeof(err)) != 0) {
         fprintf(stderr, "outboxd: %s\n", err);
         return EXIT_USAGE;
     }
+    a->cfg_loaded = true;
     return 0;
+}
+
+/* SIGHUP: read the configuration again and apply what can change while
+ * running (log.level, log.format); other changes need a restart. */
+static void reload(struct app *a)
+{
+    struct obx_config fresh;
+    char err[512];
+    if (build_config(a, &fresh, err, sizeof(err)) != 0) {
+        obx_error("SIGHUP: configuration not reloaded: %s", err);
+        return;
+    }
+    obx_log_setup((enum obx_log_level)fresh.log_level, (enum obx_log_format)fresh.log_format);
+    a->cfg.log_level = fresh.log_level;
+    a->cfg.log_format = fresh.log_format;
+    obx_info("SIGHUP: log level %s, format %s; other settings take effect after a restart",
+             obx_log_level_name((enum obx_log_level)fresh.log_level),
+             fresh.log_format == OBX_LOG_JSON ? "json" : "text");
+    obx_config_free(&fresh);
 }
 
 static int start(struct app *a)
@@ -348,9 +426,11 @@ static int start(struct app *a)
     }
     uv_signal_init(&a->loop, &a->sigterm);
     uv_signal_init(&a->loop, &a->sigint);
-    a->sigterm.data = a->sigint.data = a;
+    uv_signal_init(&a->loop, &a->sighup);
+    a->sigterm.data = a->sigint.data = a->sighup.data = a;
     uv_signal_start(&a->sigterm, on_signal, SIGTERM);
     uv_signal_start(&a->sigint, on_signal, SIGINT);
+    uv_signal_start(&a->sighup, on_signal, SIGHUP);
     uv_timer_init(&a->loop, &a->housekeeping);
     uv_timer_init(&a->loop, &a->teardown);
     a->housekeeping.data = a->teardown.data = a;
@@ -376,11 +456,11 @@ int main(int argc, char **argv)
     sigaction(SIGPIPE, &ign, NULL);
     srand((unsigned)time(NULL) ^ (unsigned)getpid());
 
-    if (obx_config_init(&a.cfg) != 0) {
-        fprintf(stderr, "outboxd: out of memory\n");
-        return EXIT_RUNTIME;
-    }
     rc = load_config(&a, argc, argv, &check_only);
+    if (rc == EXIT_DONE) {
+        free(a.xargs);
+        return 0;
+    }
     if (rc == 0 && obx_failpoints_parse(&obx_failpoints_active, getenv("OUTBOXD_FAILPOINTS"), err,
                                         sizeof(err)) != 0) {
         fprintf(stderr, "outboxd: %s\n", err);
@@ -389,7 +469,9 @@ int main(int argc, char **argv)
     if (rc != 0 || check_only) {
         if (rc == 0)
             printf("outboxd: configuration OK\n");
-        obx_config_free(&a.cfg);
+        if (a.cfg_loaded)
+            obx_config_free(&a.cfg);
+        free(a.xargs);
         return rc;
     }
     obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
@@ -399,6 +481,7 @@ int main(int argc, char **argv)
     if (uv_loop_init(&a.loop) != 0) {
         obx_error("cannot initialise the event loop");
         obx_config_free(&a.cfg);
+        free(a.xargs);
         return EXIT_RUNTIME;
     }
     rc = start(&a);
@@ -415,5 +498,6 @@ int main(int argc, char **argv)
     obx_relay_free(a.relay);
     free(a.rows);
     obx_config_free(&a.cfg);
+    free(a.xargs);
     return rc;
 }

@@ -345,6 +345,8 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
         snprintf(fpvar, sizeof(fpvar), "OUTBOXD_FAILPOINTS=%s", failpoints);
         envp[envc++] = fpvar;
     }
+    for (int i = 0; i < 4 && e->relay_env[i] && envc < 254; i++)
+        envp[envc++] = (char *)e->relay_env[i];
     envp[envc] = NULL;
 
     pid_t pid = spawn(argv, envp, NULL, SIGKILL, log);

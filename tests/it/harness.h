@@ -26,6 +26,7 @@ struct h_env {
     char bootstrap[512];
     pid_t relay_pid;
     int relay_starts;
+    const char *relay_env[4]; /* extra NAME=value for the relay, NULL-ended */
 };
 
 struct h_header {

@@ -7,7 +7,10 @@
 #include "harness.h"
 #include "scenario.h"
 
+#include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -471,6 +474,99 @@ static void test_start_before_dependencies(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 }
 
+/* Receives one datagram within timeout_ms into buf; false on timeout. */
+static bool recv_notify(int fd, char *buf, size_t len, int timeout_ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, timeout_ms) != 1)
+        return false;
+    ssize_t n = recv(fd, buf, len - 1, 0);
+    if (n < 0)
+        return false;
+    buf[n] = '\0';
+    return true;
+}
+
+static void append_config(const char *line)
+{
+    char path[300];
+    snprintf(path, sizeof(path), "%s/outboxd.conf", env.dir);
+    FILE *f = fopen(path, "a");
+    assert_non_null(f);
+    fputs(line, f);
+    fclose(f);
+}
+
+static void wait_log(const char *needle, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    while (!h_relay_log_contains(&env, needle) && h_now_ms() < deadline)
+        h_sleep_ms(50);
+    if (!h_relay_log_contains(&env, needle))
+        fail_msg("no '%s' in the relay log within %d ms", needle, timeout_ms);
+}
+
+/* Lifecycle: sd_notify READY/STOPPING, SIGHUP reloads the log level (and
+ * refuses a bad file without stopping), SIGTERM drains and exits 0, and a
+ * second SIGTERM during a drain exits at once. */
+static void test_lifecycle(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:2", NULL});
+    char sock[100], var[128], msg[256];
+    snprintf(sock, sizeof(sock), "%.80s/notify.sock", env.dir);
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", sock);
+    assert_int_equal(bind(fd, (struct sockaddr *)&addr, sizeof(addr)), 0);
+    snprintf(var, sizeof(var), "NOTIFY_SOCKET=%s", sock);
+    env.relay_env[0] = var;
+
+    h_relay_start(&env, NULL, NULL);
+    assert_true(recv_notify(fd, msg, sizeof(msg), 15000));
+    assert_string_equal(msg, "READY=1");
+
+    /* SIGHUP: a new log level applies without a restart. */
+    assert_false(h_relay_log_contains(&env, " debug "));
+    append_config("log.level = debug\n");
+    kill(env.relay_pid, SIGHUP);
+    wait_log("SIGHUP: log level debug", 5000);
+    PGconn *c = h_connect(&env);
+    h_enqueue(c, "it.a", "k", "after-hup", 9, NULL);
+    s_wait_drained(&env, 10000);
+    wait_log(" debug relay: fetched", 5000);
+
+    /* A broken file on SIGHUP is refused; the relay goes on. */
+    append_config("log.level = loud\n");
+    kill(env.relay_pid, SIGHUP);
+    wait_log("SIGHUP: configuration not reloaded", 5000);
+    h_enqueue(c, "it.a", "k", "still-going", 11, NULL);
+    s_wait_drained(&env, 10000);
+
+    assert_int_equal(kill(env.relay_pid, SIGTERM), 0);
+    assert_true(recv_notify(fd, msg, sizeof(msg), 5000));
+    assert_string_equal(msg, "STOPPING=1");
+    assert_int_equal(h_relay_wait(&env, 30000), 0);
+
+    /* Rows stuck in flight (brokers down): SIGTERM drains, a second SIGTERM
+     * does not wait for the 20 s shutdown timeout. */
+    assert_true(h_broker_cmd(&env, "down all"));
+    h_relay_start(&env, NULL, NULL);
+    assert_true(recv_notify(fd, msg, sizeof(msg), 15000)); /* READY=1 */
+    h_enqueue(c, "it.a", "k", "stuck", 5, NULL);
+    h_sleep_ms(1500);
+    kill(env.relay_pid, SIGTERM);
+    h_sleep_ms(500);
+    kill(env.relay_pid, SIGTERM);
+    int64_t t0 = h_now_ms();
+    assert_int_equal(h_relay_wait(&env, 5000), 1);
+    assert_true(h_now_ms() - t0 < 3000);
+    assert_true(h_relay_log_contains(&env, "again: exiting at once"));
+    assert_true(h_broker_cmd(&env, "up all"));
+    PQfinish(c);
+    close(fd);
+}
+
 /* Runs outboxd with args; returns its exit status and its output. */
 static int run_outboxd(char *out, size_t outlen, char *const argv[])
 {
@@ -562,6 +658,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_delete_mode, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_start_before_dependencies, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_lifecycle, setup_env, teardown_env),
         cmocka_unit_test(test_cli),
     };
     if (argc > 1)
