@@ -567,6 +567,50 @@ static void test_lifecycle(void **state)
     close(fd);
 }
 
+/* Secrets never reach the logs: a Postgres password in the conninfo and a
+ * SASL password, at debug level with every librdkafka debug context on, in
+ * JSON format (whose lines are checked for shape too). */
+static void test_secrets_not_logged(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:1", NULL});
+    char conninfo[700];
+    snprintf(conninfo, sizeof(conninfo), "postgres.conninfo=%s password=PgSecret-4711",
+             env.conninfo);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){
+                      conninfo, "log.level=debug", "log.format=json", "kafka.sasl.username=relay",
+                      "kafka.sasl.password=SaslSecret-0815", "kafka.debug=all", NULL});
+    PGconn *c = h_connect(&env);
+    h_enqueue(c, "it.a", "k", "v", 1, NULL);
+    h_sleep_ms(3000); /* SASL against the mock fails: plenty of log lines */
+    PQfinish(c);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    char path[300], line[8192];
+    snprintf(path, sizeof(path), "%s/relay.log", env.dir);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    int lines = 0;
+    while (fgets(line, sizeof(line), f)) {
+        size_t n = strlen(line);
+        if (n == sizeof(line) - 1)
+            continue; /* a line longer than our buffer: its parts are not lines */
+        lines++;
+        if (strstr(line, "PgSecret-4711") || strstr(line, "SaslSecret-0815"))
+            fail_msg("a secret reached the log: %s", line);
+        if (strncmp(line, "{\"ts\":\"", 7) != 0 || !strstr(line, "\",\"level\":\"") ||
+            !strstr(line, "\",\"msg\":\"") || n < 3 || strcmp(line + n - 3, "\"}\n") != 0)
+            fail_msg("not a JSON log line: %s", line);
+        for (size_t i = 0; i + 1 < n; i++)
+            if ((unsigned char)line[i] < 0x20)
+                fail_msg("raw control character in a JSON log line: %s", line);
+    }
+    fclose(f);
+    assert_true(lines > 20);
+    assert_true(h_relay_log_contains(&env, "\"level\":\"debug\""));
+}
+
 /* Runs outboxd with args; returns its exit status and its output. */
 static int run_outboxd(char *out, size_t outlen, char *const argv[])
 {
@@ -604,7 +648,7 @@ static void test_cli(void **state)
     const char *good = "# test\n"
                        "postgres.conninfo = host=/nonexistent password=hunter2secret\n"
                        "kafka.bootstrap.servers = 127.0.0.1:1\n"
-                       "kafka.linger.ms = 20\n";
+                       "kafka.sasl.password = saslhunter3\n";
     assert_int_equal(write(fd, good, strlen(good)), (ssize_t)strlen(good));
     close(fd);
 
@@ -613,6 +657,17 @@ static void test_cli(void **state)
                      0);
     assert_non_null(strstr(out, "configuration OK"));
     assert_null(strstr(out, "hunter2secret"));
+    assert_null(strstr(out, "saslhunter3"));
+
+    /* A bad value of a secret key is reported without the value. */
+    assert_int_equal(
+        run_outboxd(out, sizeof(out),
+                    (char *const[]){"outboxd", "--config", path, "-X", "kafka.sasl.password=", "-X",
+                                    "kafka.ssl.key.password=x\"y", "-X", "kafka.linger.ms=never",
+                                    "--check", NULL}),
+        2);
+    assert_null(strstr(out, "saslhunter3"));
+    assert_non_null(strstr(out, "kafka.linger.ms"));
 
     assert_int_equal(run_outboxd(out, sizeof(out),
                                  (char *const[]){"outboxd", "--config", path, "-X",
@@ -659,6 +714,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_start_before_dependencies, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_lifecycle, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_secrets_not_logged, setup_env, teardown_env),
         cmocka_unit_test(test_cli),
     };
     if (argc > 1)
