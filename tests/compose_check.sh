@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# No Docker engine runs here: validate docker-compose.yml with
+# `docker-compose config`, and check that the outboxd configuration the
+# compose file mounts is one outboxd accepts, with the conninfo the compose
+# file passes in the environment.
+set -euo pipefail
+src=$1 outboxd=$2
+cd "$src"
+docker-compose -f docker-compose.yml config -q
+conninfo=$(docker-compose -f docker-compose.yml config | awk '/OUTBOXD_POSTGRES_CONNINFO:/ {sub(/^[^:]*: */, ""); print}')
+[ -n "$conninfo" ] || { echo "compose: outboxd has no OUTBOXD_POSTGRES_CONNINFO"; exit 1; }
+env -i PATH="$PATH" OUTBOXD_POSTGRES_CONNINFO="$conninfo" \
+  "$outboxd" --config config/compose/outboxd.conf --check
+# The schema files the postgres service mounts are the ones in sql/.
+for f in sql/*.sql; do
+  grep -q "./$f:/docker-entrypoint-initdb.d/" docker-compose.yml || { echo "compose does not apply $f"; exit 1; }
+done
+echo "compose: valid"
