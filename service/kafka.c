@@ -262,11 +262,6 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     return OBX_PRODUCE_REJECTED;
 }
 
-int obx_kafka_outq_len(struct obx_kafka *k)
-{
-    return rd_kafka_outq_len(k->rk);
-}
-
 static void on_poll_closed(uv_handle_t *h)
 {
     struct obx_kafka *k = h->data;

@@ -20,17 +20,6 @@ void obx_log_setup(enum obx_log_level level, enum obx_log_format format)
     log_format = format;
 }
 
-int obx_log_level_parse(const char *name, enum obx_log_level *out)
-{
-    for (size_t i = 0; i < sizeof(level_names) / sizeof(level_names[0]); i++) {
-        if (strcmp(name, level_names[i]) == 0) {
-            *out = (enum obx_log_level)i;
-            return 0;
-        }
-    }
-    return -1;
-}
-
 const char *obx_log_level_name(enum obx_log_level level)
 {
     if ((unsigned)level >= sizeof(level_names) / sizeof(level_names[0]))

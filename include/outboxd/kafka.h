@@ -67,9 +67,6 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
 /* Serves librdkafka's queue from the housekeeping timer too. */
 void obx_kafka_housekeeping(struct obx_kafka *k);
 
-/* Number of messages librdkafka still holds (queued or in flight). */
-int obx_kafka_outq_len(struct obx_kafka *k);
-
 /* Purges what is still queued (no more delivery callbacks are made for
  * them), destroys the producer and closes the pipe watcher; the struct is
  * freed by the loop. */

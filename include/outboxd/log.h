@@ -28,8 +28,6 @@ extern int obx_log_threshold;
 
 void obx_log_setup(enum obx_log_level level, enum obx_log_format format);
 
-/* Parses "error", "warn", "info", "debug"; returns 0 or -1. */
-int obx_log_level_parse(const char *name, enum obx_log_level *out);
 const char *obx_log_level_name(enum obx_log_level level);
 
 void obx_log_write(enum obx_log_level level, const char *fmt, ...)
