@@ -65,6 +65,14 @@ static const struct key_def keys[] = {
      "pause before fetching again after a failed fetch or a failed delivery"},
     {"shutdown.timeout", KEY_DURATION, OFF(shutdown_timeout_ms), "30s", 0, MS_PER_HOUR, NULL, 0,
      "on SIGTERM/SIGINT, how long to wait for in-flight deliveries before exiting"},
+    {"retention.period", KEY_DURATION, OFF(retention_ms), "7d", 0, 3650 * 24 * MS_PER_HOUR, NULL, 0,
+     "mark mode: delete rows sent longer ago than this, in batches (0 = keep them for ever)"},
+    {"retention.interval", KEY_DURATION, OFF(retention_interval_ms), "1m", 1000, 24 * MS_PER_HOUR,
+     NULL, 0, "how often a retention round starts"},
+    {"retention.batch_size", KEY_INT, OFF(retention_batch), "1000", 1, 100000, NULL, 0,
+     "most rows one retention DELETE looks at (each batch is its own short transaction)"},
+    {"http.listen", KEY_STRING, OFF(http_listen), "127.0.0.1:9187", 0, 0, NULL, 0,
+     "HOST:PORT serving /livez, /readyz and /metrics (empty = off)"},
     {"log.level", KEY_ENUM, OFF(log_level), "info", 0, 0, level_choices, 0,
      "error, warn, info or debug"},
     {"log.format", KEY_ENUM, OFF(log_format), "text", 0, 0, format_choices, 0,
@@ -142,6 +150,8 @@ static int parse_duration_ms(const char *s, int64_t *out)
         mult = 60 * 1000;
     else if (strcmp(unit, "h") == 0)
         mult = MS_PER_HOUR;
+    else if (strcmp(unit, "d") == 0)
+        mult = 24 * MS_PER_HOUR;
     else
         return -1;
     if (v > INT64_MAX / mult)
@@ -188,7 +198,7 @@ static void describe_range(const struct key_def *k, char *buf, size_t len)
         snprintf(buf, len, "an integer from %lld to %lld", (long long)k->min, (long long)k->max);
         break;
     case KEY_DURATION:
-        snprintf(buf, len, "a duration from %lldms to %lldms (e.g. 500ms, 5s, 2m)",
+        snprintf(buf, len, "a duration from %lldms to %lldms (e.g. 500ms, 5s, 2m, 7d)",
                  (long long)k->min, (long long)k->max);
         break;
     case KEY_ENUM:
@@ -535,6 +545,8 @@ void obx_config_describe(FILE *out)
                 (k->flags & KEY_REQUIRED) ? " (required)" : "");
         if (k->type != KEY_STRING && k->type != KEY_KAFKA)
             fprintf(out, "  %-32s   %s; default %s\n", "", range, k->def);
+        else if (k->type == KEY_STRING && k->def)
+            fprintf(out, "  %-32s   default %s\n", "", k->def);
     }
     fprintf(out, "  %-32s %s\n", "kafka.<property>",
             "any librdkafka producer property, passed as-is (like kcat -X)");

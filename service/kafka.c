@@ -3,6 +3,7 @@
  */
 #include "outboxd/kafka.h"
 #include "outboxd/log.h"
+#include "outboxd/metrics.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -19,6 +20,12 @@ struct obx_kafka {
     uv_poll_t poll;
     bool fatal_reported;
     bool closing;
+    /* Connectivity probe: a metadata request in the thread pool. */
+    uv_work_t probe;
+    bool probe_busy;
+    bool probe_ok;  /* written by the worker, read in after_work */
+    bool connected; /* the last probe's answer */
+    int refs;       /* the poll handle and a running probe hold k */
 };
 
 bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
@@ -48,8 +55,12 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
     (void)rk;
     if (k->closing)
         return;
-    if (m->err)
+    if (m->err) {
         outcome = obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
+        obx_stats_publish_error(rd_kafka_err2name(m->err));
+    } else {
+        obx_stats_published(rd_kafka_topic_name(m->rkt));
+    }
     k->cb.delivery(m->_private, outcome, m->partition, m->offset, m->key, m->key_len,
                    m->err ? rd_kafka_err2str(m->err) : NULL, k->arg);
 }
@@ -209,6 +220,7 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
         goto fail;
     }
     k->poll.data = k;
+    k->refs = 1;
     if (uv_poll_start(&k->poll, UV_READABLE, on_pipe) != 0) {
         snprintf(err, errlen, "cannot watch the librdkafka queue pipe");
         obx_kafka_close(k); /* the handle is initialised: free through its close */
@@ -243,6 +255,7 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
 
     if (obx_record_headers(row, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
+        obx_stats_publish_error("HEADERS_INVALID");
         *reason = "headers could not be encoded";
         return OBX_PRODUCE_REJECTED;
     }
@@ -258,16 +271,66 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL || e == RD_KAFKA_RESP_ERR__FATAL ||
         !obx_kafka_error_is_permanent(e))
         return OBX_PRODUCE_BUSY;
+    obx_stats_publish_error(rd_kafka_err2name(e));
     *reason = rd_kafka_err2str(e);
     return OBX_PRODUCE_REJECTED;
 }
 
-static void on_poll_closed(uv_handle_t *h)
+static void unref(struct obx_kafka *k)
 {
-    struct obx_kafka *k = h->data;
+    if (--k->refs > 0)
+        return;
+    rd_kafka_destroy(k->rk);
     close(k->pipe_rd);
     close(k->pipe_wr);
     free(k);
+}
+
+static void on_poll_closed(uv_handle_t *h)
+{
+    unref(h->data);
+}
+
+/* Thread pool: a metadata request for brokers only (no topic is created or
+ * listed). rd_kafka_metadata() may be called from any thread. */
+static void probe_work(uv_work_t *w)
+{
+    struct obx_kafka *k = w->data;
+    const struct rd_kafka_metadata *md = NULL;
+    rd_kafka_resp_err_t e = rd_kafka_metadata(k->rk, 0, NULL, &md, OBX_KAFKA_PROBE_TIMEOUT_MS);
+    k->probe_ok = e == RD_KAFKA_RESP_ERR_NO_ERROR && md && md->broker_cnt > 0;
+    if (md)
+        rd_kafka_metadata_destroy(md);
+}
+
+static void probe_done(uv_work_t *w, int status)
+{
+    struct obx_kafka *k = w->data;
+    k->probe_busy = false;
+    if (!k->closing) {
+        bool ok = status == 0 && k->probe_ok;
+        if (ok != k->connected)
+            obx_info("kafka: cluster %s",
+                     ok ? "reachable (metadata received)" : "unreachable (no metadata)");
+        k->connected = ok;
+    }
+    unref(k);
+}
+
+void obx_kafka_probe(struct obx_kafka *k)
+{
+    if (k->probe_busy || k->closing)
+        return;
+    k->probe.data = k;
+    if (uv_queue_work(k->poll.loop, &k->probe, probe_work, probe_done) == 0) {
+        k->probe_busy = true;
+        k->refs++;
+    }
+}
+
+bool obx_kafka_connected(const struct obx_kafka *k)
+{
+    return k->connected;
 }
 
 void obx_kafka_close(struct obx_kafka *k)
@@ -281,6 +344,6 @@ void obx_kafka_close(struct obx_kafka *k)
     rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
     rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
     rd_kafka_queue_destroy(k->mainq);
-    rd_kafka_destroy(k->rk);
+    /* rd_kafka_destroy waits for the last reference: a running probe. */
     uv_close((uv_handle_t *)&k->poll, on_poll_closed);
 }

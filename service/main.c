@@ -6,8 +6,11 @@
  */
 #include "outboxd/config.h"
 #include "outboxd/failpoint.h"
+#include "outboxd/http.h"
 #include "outboxd/kafka.h"
 #include "outboxd/log.h"
+#include "outboxd/maint.h"
+#include "outboxd/metrics.h"
 #include "outboxd/pg.h"
 #include "outboxd/record.h"
 #include "outboxd/recovery.h"
@@ -32,6 +35,10 @@
 /* Housekeeping period: poll fallback, back-offs and deadlines are checked
  * this often. Cheap enough to leave the process idle at ~0% CPU. */
 #define HOUSEKEEPING_MS 100
+/* Kafka reachability (for /readyz and metrics) is asked this often. */
+#define KAFKA_PROBE_MS 5000
+/* /livez fails when housekeeping has not run for this long. */
+#define LIVENESS_STALL_MS 10000
 
 struct app {
     uv_loop_t loop;
@@ -40,13 +47,18 @@ struct app {
     struct obx_kafka *kafka;
     struct obx_recovery *recovery;
     struct obx_relay *relay;
-    struct obx_row *rows; /* batch_size rows, reused by every fetch */
+    struct obx_http *http;   /* NULL when http.listen is empty */
+    struct obx_maint *maint; /* backlog figures and retention */
+    struct obx_row *rows;    /* batch_size rows, reused by every fetch */
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
     uv_timer_t teardown; /* closes everything from a fresh loop turn */
     int signals;
     int exit_code;
     bool ready_notified;
+    int64_t last_tick;  /* loop time of the last housekeeping run */
+    int64_t next_probe; /* loop time of the next Kafka probe */
+    double start_time;  /* Unix seconds */
     /* The command line, kept to rebuild the configuration on SIGHUP. */
     const char *config_path;
     char **xargs;
@@ -152,6 +164,7 @@ static void pg_result(const PGresult *res, const char *error, void *arg)
         int n = PQntuples(res);
         if (n > a->cfg.batch_size)
             n = a->cfg.batch_size;
+        obx_histogram_observe(&obx_stats.batch_rows, n);
         for (int i = 0; i < n; i++) {
             if (obx_row_from_result(res, i, &a->rows[i], err, sizeof(err)) != 0) {
                 obx_relay_on_query_failed(a->relay, err, now);
@@ -195,8 +208,82 @@ static void kafka_fatal(const char *reason, void *arg)
 static void on_housekeeping(uv_timer_t *t)
 {
     struct app *a = t->data;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    a->last_tick = now;
     obx_kafka_housekeeping(a->kafka);
-    obx_relay_tick(a->relay, (int64_t)uv_now(&a->loop));
+    obx_relay_tick(a->relay, now);
+    if (now >= a->next_probe) {
+        obx_kafka_probe(a->kafka);
+        a->next_probe = now + KAFKA_PROBE_MS;
+    }
+    obx_maint_tick(a->maint, now);
+}
+
+/* ---- HTTP endpoints ---- */
+
+static bool pg_connected(const struct app *a)
+{
+    enum obx_pg_state s = obx_pg_state(a->pg);
+    return s == OBX_PG_READY || s == OBX_PG_BUSY;
+}
+
+/* Why the relay is not ready, or NULL when it is. */
+static const char *not_ready_reason(const struct app *a)
+{
+    enum obx_relay_state s = obx_relay_state(a->relay);
+    if (a->signals > 0 || s == OBX_RELAY_STOPPED)
+        return "draining after SIGTERM/SIGINT";
+    if (!pg_connected(a))
+        return "no Postgres connection";
+    if (s == OBX_RELAY_WAIT_PG || s == OBX_RELAY_RECOVERING || !a->ready_notified)
+        return "recovery pass not finished";
+    if (!obx_kafka_connected(a->kafka))
+        return "Kafka unreachable (no metadata)";
+    return NULL;
+}
+
+static void http_handler(const char *path, struct obx_buf *body, int *status,
+                         const char **content_type, void *arg)
+{
+    struct app *a = arg;
+    if (strcmp(path, "/livez") == 0) {
+        /* Answering proves the loop turns; a starved timer would not. */
+        int64_t stalled = (int64_t)uv_now(&a->loop) - a->last_tick;
+        if (stalled > LIVENESS_STALL_MS) {
+            *status = 503;
+            obx_buf_printf(body, "housekeeping has not run for %lldms\n", (long long)stalled);
+        } else {
+            obx_buf_puts(body, "ok\n");
+        }
+    } else if (strcmp(path, "/readyz") == 0) {
+        const char *why = not_ready_reason(a);
+        if (why) {
+            *status = 503;
+            obx_buf_printf(body, "not ready: %s\n", why);
+        } else {
+            obx_buf_puts(body, "ready\n");
+        }
+    } else if (strcmp(path, "/metrics") == 0) {
+        struct obx_metrics_gauges g = {
+            .in_flight = obx_relay_in_flight(a->relay),
+            .in_flight_limit = (size_t)a->cfg.max_in_flight,
+            .keys_held_back = obx_relay_blocked_keys(a->relay),
+            .rows_marked = obx_relay_marked_total(a->relay),
+            .rows_dead_lettered = obx_relay_dead_total(a->relay),
+            .backlog_rows = obx_maint_backlog(a->maint),
+            .lag_seconds = obx_maint_lag_seconds(a->maint),
+            .postgres_connected = pg_connected(a),
+            .kafka_connected = obx_kafka_connected(a->kafka),
+            .ready = not_ready_reason(a) == NULL,
+            .draining = a->signals > 0,
+            .start_time = a->start_time,
+        };
+        *content_type = "text/plain; version=0.0.4; charset=utf-8";
+        obx_metrics_render(body, &g);
+    } else {
+        *status = 404;
+        obx_buf_puts(body, "not found: try /livez, /readyz or /metrics\n");
+    }
 }
 
 /* Tells systemd (Type=notify) about our state when NOTIFY_SOCKET is set:
@@ -249,6 +336,10 @@ static void on_teardown(uv_timer_t *t)
     a->kafka = NULL;
     obx_recovery_close(a->recovery);
     a->recovery = NULL;
+    obx_http_close(a->http);
+    a->http = NULL;
+    obx_maint_close(a->maint);
+    a->maint = NULL;
     uv_close((uv_handle_t *)&a->sigterm, NULL);
     uv_close((uv_handle_t *)&a->sigint, NULL);
     uv_close((uv_handle_t *)&a->sighup, NULL);
@@ -303,6 +394,10 @@ static int build_config(const struct app *a, struct obx_config *cfg, char *err, 
     if (rc == 0 && obx_config_validate(cfg, err, errlen) != 0)
         rc = -1;
     if (rc == 0 && obx_pg_check_conninfo(cfg->pg_conninfo, err, errlen) != 0)
+        rc = -1;
+    struct sockaddr_storage http_addr;
+    if (rc == 0 && cfg->http_listen[0] != '\0' &&
+        obx_http_parse_listen(cfg->http_listen, &http_addr, err, errlen) != 0)
         rc = -1;
     if (rc == 0) {
         rd_kafka_conf_t *conf;
@@ -416,13 +511,30 @@ static int start(struct app *a)
         a->kafka = NULL;
         return EXIT_USAGE;
     }
-    if (obx_recovery_new(&a->loop, &a->cfg, a->pg, &recovery_cb, a, &a->recovery) != 0) {
+    if (obx_recovery_new(&a->loop, &a->cfg, a->pg, &recovery_cb, a, &a->recovery) != 0 ||
+        obx_maint_new(&a->loop, &a->cfg, a->cfg.http_listen[0] != '\0', &a->maint) != 0) {
         obx_error("out of memory");
+        obx_recovery_close(a->recovery);
         obx_pg_close(a->pg);
         obx_kafka_close(a->kafka);
+        a->recovery = NULL;
         a->pg = NULL;
         a->kafka = NULL;
         return EXIT_RUNTIME;
+    }
+    if (a->cfg.http_listen[0] != '\0' && obx_http_new(&a->loop, a->cfg.http_listen, http_handler, a,
+                                                      &a->http, err, sizeof(err)) != 0) {
+        /* A port in use is a deployment error: say so at once, exit 2. */
+        obx_error("%s", err);
+        obx_maint_close(a->maint);
+        obx_recovery_close(a->recovery);
+        obx_pg_close(a->pg);
+        obx_kafka_close(a->kafka);
+        a->maint = NULL;
+        a->recovery = NULL;
+        a->pg = NULL;
+        a->kafka = NULL;
+        return EXIT_USAGE;
     }
     uv_signal_init(&a->loop, &a->sigterm);
     uv_signal_init(&a->loop, &a->sigint);
@@ -435,6 +547,9 @@ static int start(struct app *a)
     uv_timer_init(&a->loop, &a->teardown);
     a->housekeeping.data = a->teardown.data = a;
     uv_timer_start(&a->housekeeping, on_housekeeping, HOUSEKEEPING_MS, HOUSEKEEPING_MS);
+    a->last_tick = (int64_t)uv_now(&a->loop);
+    obx_kafka_probe(a->kafka);
+    a->next_probe = a->last_tick + KAFKA_PROBE_MS;
     obx_info("outboxd %s starting: batch %d, max in flight %d, on_sent=%s", OBX_VERSION,
              a->cfg.batch_size, a->cfg.max_in_flight,
              a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark");
@@ -475,6 +590,10 @@ int main(int argc, char **argv)
         return rc;
     }
     obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
+    obx_stats_init();
+    struct timespec started;
+    clock_gettime(CLOCK_REALTIME, &started);
+    a.start_time = (double)started.tv_sec + (double)started.tv_nsec / 1e9;
     if (obx_failpoints_active.armed)
         obx_warn("failpoints armed: %s", getenv("OUTBOXD_FAILPOINTS"));
 
@@ -496,6 +615,7 @@ int main(int argc, char **argv)
     if (uv_loop_close(&a.loop) != 0)
         obx_warn("event loop closed with handles still open");
     obx_relay_free(a.relay);
+    obx_stats_free();
     free(a.rows);
     obx_config_free(&a.cfg);
     free(a.xargs);

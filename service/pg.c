@@ -4,6 +4,7 @@
 #include "outboxd/pg.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
+#include "outboxd/metrics.h"
 
 #include <stdbool.h>
 #include <stdlib.h>
@@ -18,7 +19,7 @@
  * Rows of transactions that commit late (lower ids) are found by the next
  * fetch: nothing is skipped because a higher id was seen first. */
 static const char SQL_FETCH[] =
-    "SELECT e.id, e.topic, e.key, e.payload, h.keys, h.vals"
+    "SELECT e.id, e.topic, e.key, e.payload, h.keys, h.vals, e.created_at"
     " FROM outbox.events e"
     " LEFT JOIN LATERAL ("
     "   SELECT array_agg(j.k ORDER BY j.k COLLATE \"C\") AS keys,"
@@ -88,6 +89,7 @@ struct obx_pg {
     struct pg_watch *watch;
     uv_timer_t timer; /* reconnect back-off, or connect+setup timeout */
     int attempts;     /* failed attempts since the last READY */
+    bool started;     /* a first connection was attempted */
     PGresult *result; /* first result of the statement in flight */
     char target[256]; /* "host:port/db as user", for logs; no password */
 
@@ -237,6 +239,9 @@ static void start_connect(struct obx_pg *pg)
     const char *const values[] = {"outboxd", "30", "10", "3", pg->conninfo, NULL};
 
     pg->target[0] = '\0';
+    if (pg->started)
+        obx_stats.pg_reconnects++;
+    pg->started = true;
     pg->conn = PQconnectStartParams(keys, values, 1);
     if (!pg->conn) {
         obx_error("postgres: out of memory starting a connection");

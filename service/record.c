@@ -86,6 +86,14 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
         row->hdr_values = PQgetvalue(res, i, OBX_COL_HDR_VALUES);
         row->hdr_values_len = (size_t)PQgetlength(res, i, OBX_COL_HDR_VALUES);
     }
+    /* timestamptz in binary: microseconds since 2000-01-01 UTC. Only for
+     * the latency histogram, so a missing value is just 0. */
+    row->created_us = 0;
+    if (!PQgetisnull(res, i, OBX_COL_CREATED_AT) && PQgetlength(res, i, OBX_COL_CREATED_AT) == 8) {
+        const char *p = PQgetvalue(res, i, OBX_COL_CREATED_AT);
+        int64_t pg_us = (int64_t)(((uint64_t)be32(p) << 32) | be32(p + 4));
+        row->created_us = pg_us + OBX_PG_EPOCH_US;
+    }
     return 0;
 }
 

@@ -4,6 +4,7 @@
 #include "outboxd/recovery.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/kafka.h"
+#include "outboxd/metrics.h"
 #include "outboxd/log.h"
 
 #include <stdlib.h>
@@ -579,6 +580,7 @@ void obx_recovery_on_result(struct obx_recovery *rec, const PGresult *res, const
         obx_info("recovery: %s rows were already in Kafka (published by an earlier run) and are "
                  "now marked, not published again",
                  confirmed);
+        obx_stats.rows_recovered += strtoull(confirmed, NULL, 10);
         finish(rec, true);
     }
 }

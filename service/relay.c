@@ -4,6 +4,7 @@
 #include "outboxd/relay.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
+#include "outboxd/metrics.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,7 @@ enum slot_state {
 
 struct slot {
     int64_t id;
+    int64_t created_us; /* for the latency histogram */
     int64_t offset;
     int32_t partition;
     uint32_t topic; /* index into obx_relay.topics */
@@ -529,6 +531,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             obx_error("relay: no free slot for row %lld", (long long)row->id);
             break;
         }
+        s->created_us = row->created_us;
         const char *reason = NULL;
         enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
         if (pr == OBX_PRODUCE_OK) {
@@ -618,6 +621,8 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         s->partition = partition;
         s->offset = offset;
         r->to_mark++;
+        if (s->created_us > 0)
+            obx_stats_acked(s->created_us);
         if (r->n_blocked > 0)
             unblock(r, s->id);
         break;

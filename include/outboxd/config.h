@@ -48,6 +48,12 @@ struct obx_config {
     int64_t retry_backoff_ms;
     int64_t shutdown_timeout_ms;
 
+    int64_t retention_ms; /* 0 = keep sent rows */
+    int64_t retention_interval_ms;
+    int retention_batch;
+
+    char *http_listen; /* owned; "" = no HTTP endpoints */
+
     int log_level;  /* enum obx_log_level */
     int log_format; /* enum obx_log_format */
 

@@ -64,6 +64,13 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
                                           void *opaque, const char **reason);
 
+/* Starts a metadata request in the thread pool unless one runs; its answer
+ * sets obx_kafka_connected(). */
+#define OBX_KAFKA_PROBE_TIMEOUT_MS 3000
+void obx_kafka_probe(struct obx_kafka *k);
+/* Whether the last probe reached a broker. */
+bool obx_kafka_connected(const struct obx_kafka *k);
+
 /* Serves librdkafka's queue from the housekeeping timer too. */
 void obx_kafka_housekeeping(struct obx_kafka *k);
 

@@ -24,6 +24,7 @@ enum {
     OBX_COL_PAYLOAD,
     OBX_COL_HDR_KEYS,
     OBX_COL_HDR_VALUES,
+    OBX_COL_CREATED_AT,
     OBX_COL_COUNT
 };
 
@@ -39,7 +40,11 @@ struct obx_row {
     size_t hdr_keys_len;
     const char *hdr_values; /* binary text[], same length as hdr_keys */
     size_t hdr_values_len;
+    int64_t created_us; /* created_at, Unix microseconds (0 if unknown) */
 };
+
+/* 2000-01-01 (Postgres' epoch) in Unix microseconds. */
+#define OBX_PG_EPOCH_US 946684800000000LL
 
 /* Reads row `i` of a fetch result (binary format). Returns 0, or -1 with a
  * sentence in err if the result does not have the expected shape. */

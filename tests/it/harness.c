@@ -8,12 +8,15 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <grp.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -131,23 +134,33 @@ void h_pg_start(struct h_env *e)
         if (rc != 0)
             fail_msg("initdb failed (%d), see %s", rc, log);
     }
-    char *const argv[] = {PG_BINDIR "/postgres",
-                          "-D",
-                          data,
-                          "-k",
-                          sockdir,
-                          "-c",
-                          "listen_addresses=",
-                          "-c",
-                          "fsync=off",
-                          "-c",
-                          "max_connections=60",
-                          NULL};
+    char port[16];
+    int port_n = e->pg_port ? e->pg_port : 5432;
+    snprintf(port, sizeof(port), "%d", port_n);
+    char *argv[40] = {PG_BINDIR "/postgres",
+                      "-D",
+                      data,
+                      "-k",
+                      sockdir,
+                      "-p",
+                      port,
+                      "-c",
+                      "listen_addresses=",
+                      "-c",
+                      "fsync=off",
+                      "-c",
+                      "max_connections=60"};
+    int argc = 13;
+    for (int i = 0; i < 8 && e->pg_opts[i]; i++) {
+        argv[argc++] = "-c";
+        argv[argc++] = (char *)e->pg_opts[i];
+    }
+    argv[argc] = NULL;
     /* SIGINT = fast shutdown when the test process dies. */
     pid_t pid = spawn(argv, NULL, pw, SIGINT, log);
     e->pg_pid = pid;
-    snprintf(e->conninfo, sizeof(e->conninfo), "host=%s port=5432 user=postgres dbname=postgres",
-             e->dir);
+    snprintf(e->conninfo, sizeof(e->conninfo), "host=%s port=%d user=postgres dbname=postgres",
+             e->dir, port_n);
     int64_t deadline = h_now_ms() + 30000;
     while (PQping(e->conninfo) != PQPING_OK) {
         if (h_now_ms() > deadline || waitpid(pid, NULL, WNOHANG) == pid)
@@ -266,6 +279,90 @@ void h_env_start(struct h_env *e, const char *const *topics)
     h_pg_start(e);
     apply_migrations(e);
     broker_start(e, topics);
+    e->http_port = h_free_port();
+}
+
+void h_wait_log(struct h_env *e, const char *needle, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    while (!h_relay_log_contains(e, needle) && h_now_ms() < deadline)
+        h_sleep_ms(50);
+    if (!h_relay_log_contains(e, needle))
+        fail_msg("no '%s' in the relay log within %d ms", needle, timeout_ms);
+}
+
+int h_free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 ||
+        getsockname(fd, (struct sockaddr *)&a, &len) != 0)
+        fail_msg("cannot find a free port: %s", strerror(errno));
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+int h_http_raw(int port, const char *request, size_t request_len, char *body, size_t body_len,
+               int timeout_ms)
+{
+    static char resp[1 << 20];
+    size_t got = 0;
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (body && body_len)
+        body[0] = '\0';
+    if (fd < 0)
+        return 0;
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        return 0;
+    }
+    if (request_len > 0 && send(fd, request, request_len, MSG_NOSIGNAL) != (ssize_t)request_len) {
+        close(fd);
+        return 0;
+    }
+    int64_t deadline = h_now_ms() + timeout_ms;
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int left = (int)(deadline - h_now_ms());
+        if (left <= 0 || poll(&p, 1, left) <= 0)
+            break;
+        ssize_t n = recv(fd, resp + got, sizeof(resp) - 1 - got, 0);
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+        if (got == sizeof(resp) - 1)
+            break;
+    }
+    close(fd);
+    resp[got] = '\0';
+    int status = 0;
+    if (sscanf(resp, "HTTP/1.%*d %d", &status) != 1)
+        status = 0;
+    const char *start = strstr(resp, "\r\n\r\n");
+    if (body && body_len && start)
+        snprintf(body, body_len, "%s", start + 4);
+    return status;
+}
+
+int h_http_get(struct h_env *e, const char *path, char *body, size_t body_len)
+{
+    char req[512];
+    int n = snprintf(req, sizeof(req), "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", path);
+    return h_http_raw(e->http_port, req, (size_t)n, body, body_len, 5000);
+}
+
+double h_metric(const char *exposition, const char *series)
+{
+    size_t n = strlen(series);
+    for (const char *p = exposition; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        if (strncmp(p, series, n) == 0 && p[n] == ' ')
+            return strtod(p + n + 1, NULL);
+    }
+    return -1;
 }
 
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
@@ -325,8 +422,9 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
              "relay.poll_interval = 500ms\n"
              "relay.retry_backoff = 200ms\n"
              "shutdown.timeout = 20s\n"
+             "http.listen = 127.0.0.1:%d\n"
              "log.level = info\n",
-             e->conninfo, e->bootstrap);
+             e->conninfo, e->bootstrap, e->http_port);
     write_file(conf, text);
 
     argv[argc++] = OBX_BINARY_DIR "/outboxd";

@@ -27,6 +27,9 @@ struct h_env {
     pid_t relay_pid;
     int relay_starts;
     const char *relay_env[4]; /* extra NAME=value for the relay, NULL-ended */
+    int pg_port;              /* 0 = 5432; the Unix socket's name follows it */
+    const char *pg_opts[8];   /* extra "name=value" server settings, NULL-ended */
+    int http_port;            /* free port picked by h_env_start for http.listen */
 };
 
 struct h_header {
@@ -75,6 +78,8 @@ int h_relay_stop(struct h_env *e, int sig, int timeout_ms);
 int h_relay_wait(struct h_env *e, int timeout_ms);
 /* True if DIR/relay.log contains `needle`. */
 bool h_relay_log_contains(struct h_env *e, const char *needle);
+/* Fails the test unless `needle` shows up in DIR/relay.log within timeout_ms. */
+void h_wait_log(struct h_env *e, const char *needle, int timeout_ms);
 /* Sum of the integers that directly follow `prefix` in DIR/relay.log. */
 long h_relay_log_sum(struct h_env *e, const char *prefix);
 
@@ -105,6 +110,20 @@ const struct h_header *h_record_header(const struct h_record *r, const char *nam
  * key sit in one partition in id order. Returns the number of duplicates. */
 size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
                                 bool allow_duplicates);
+
+/* A TCP port that was free a moment ago on 127.0.0.1. */
+int h_free_port(void);
+
+/* Sends `request` (raw bytes) to 127.0.0.1:port and reads the answer until
+ * the server closes, up to timeout_ms. Returns the HTTP status (0 if none)
+ * and the body, NUL-terminated, in body (may be NULL). */
+int h_http_raw(int port, const char *request, size_t request_len, char *body, size_t body_len,
+               int timeout_ms);
+/* GET path from the relay's HTTP endpoints. */
+int h_http_get(struct h_env *e, const char *path, char *body, size_t body_len);
+/* Value of the sample `series` (name with labels, as printed) in a
+ * Prometheus text exposition; -1 when absent. */
+double h_metric(const char *exposition, const char *series);
 
 int64_t h_now_ms(void);
 void h_sleep_ms(int ms);

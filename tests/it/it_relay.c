@@ -497,15 +497,6 @@ static void append_config(const char *line)
     fclose(f);
 }
 
-static void wait_log(const char *needle, int timeout_ms)
-{
-    int64_t deadline = h_now_ms() + timeout_ms;
-    while (!h_relay_log_contains(&env, needle) && h_now_ms() < deadline)
-        h_sleep_ms(50);
-    if (!h_relay_log_contains(&env, needle))
-        fail_msg("no '%s' in the relay log within %d ms", needle, timeout_ms);
-}
-
 /* Lifecycle: sd_notify READY/STOPPING, SIGHUP reloads the log level (and
  * refuses a bad file without stopping), SIGTERM drains and exits 0, and a
  * second SIGTERM during a drain exits at once. */
@@ -530,16 +521,16 @@ static void test_lifecycle(void **state)
     assert_false(h_relay_log_contains(&env, " debug "));
     append_config("log.level = debug\n");
     kill(env.relay_pid, SIGHUP);
-    wait_log("SIGHUP: log level debug", 5000);
+    h_wait_log(&env, "SIGHUP: log level debug", 5000);
     PGconn *c = h_connect(&env);
     h_enqueue(c, "it.a", "k", "after-hup", 9, NULL);
     s_wait_drained(&env, 10000);
-    wait_log(" debug relay: fetched", 5000);
+    h_wait_log(&env, " debug relay: fetched", 5000);
 
     /* A broken file on SIGHUP is refused; the relay goes on. */
     append_config("log.level = loud\n");
     kill(env.relay_pid, SIGHUP);
-    wait_log("SIGHUP: configuration not reloaded", 5000);
+    h_wait_log(&env, "SIGHUP: configuration not reloaded", 5000);
     h_enqueue(c, "it.a", "k", "still-going", 11, NULL);
     s_wait_drained(&env, 10000);
 

@@ -149,7 +149,7 @@ static void test_row_from_result(void **state)
     (void)state;
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
     PGresAttDesc attrs[OBX_COL_COUNT];
-    static const char *names[] = {"id", "topic", "key", "payload", "keys", "vals"};
+    static const char *names[] = {"id", "topic", "key", "payload", "keys", "vals", "created_at"};
     memset(attrs, 0, sizeof(attrs));
     for (int i = 0; i < OBX_COL_COUNT; i++) {
         attrs[i].name = (char *)names[i];
@@ -166,6 +166,10 @@ static void test_row_from_result(void **state)
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_PAYLOAD, payload, 3), 1);
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_HDR_KEYS, keys, (int)klen), 1);
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_HDR_VALUES, keys, (int)klen), 1);
+    /* 2026-01-01T00:00:00Z as Postgres sends it: microseconds since 2000. */
+    char created[8] = {(char)0x00, (char)0x02, (char)0xea, (char)0x47,
+                       (char)0x0a, (char)0xe8, (char)0x60, (char)0x00};
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_CREATED_AT, created, 8), 1);
 
     struct obx_row row;
     assert_int_equal(obx_row_from_result(res, 0, &row, err, sizeof(err)), 0);
@@ -175,6 +179,7 @@ static void test_row_from_result(void **state)
     assert_int_equal(row.payload_len, 3);
     assert_memory_equal(row.payload, payload, 3);
     assert_int_equal(row.hdr_keys_len, klen);
+    assert_int_equal(row.created_us, 1767225600000000LL);
 
     /* A NULL payload is a tombstone; an 8-byte id is required. */
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 4), 1);

@@ -1,0 +1,285 @@
+/*
+ * maint: see include/outboxd/maint.h.
+ */
+#include "outboxd/maint.h"
+#include "outboxd/log.h"
+#include "outboxd/metrics.h"
+
+#include <libpq-fe.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char SQL_BACKLOG[] =
+    "SELECT (SELECT count(*) FROM outbox.events WHERE sent_at IS NULL),"
+    "       coalesce((SELECT extract(epoch FROM now() - created_at)::float8"
+    "                 FROM outbox.events WHERE sent_at IS NULL ORDER BY id LIMIT 1), 0)";
+
+/* $1 cursor (last id looked at), $2 batch size, $3 period in ms. Returns the
+ * highest id looked at, rows deleted, rows created within the period. */
+static const char SQL_PURGE[] =
+    "WITH batch AS ("
+    "   SELECT id, created_at FROM outbox.events WHERE id > $1::bigint ORDER BY id"
+    "   LIMIT $2::int),"
+    " doomed AS ("
+    "   DELETE FROM outbox.events e USING batch b"
+    "   WHERE e.id = b.id AND e.sent_at < now() - $3::bigint * interval '1 millisecond'"
+    "   RETURNING e.id)"
+    " SELECT (SELECT max(id) FROM batch), (SELECT count(*) FROM doomed),"
+    "        (SELECT count(*) FROM batch"
+    "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond')";
+
+struct obx_maint {
+    uv_loop_t *loop;
+    uv_work_t work;
+    char *conninfo; /* secret: never logged */
+    int64_t statement_timeout_ms;
+    int64_t retention_ms; /* 0 = off (or delete mode) */
+    int64_t retention_interval_ms;
+    int retention_batch;
+
+    bool with_stats; /* count the backlog (for /metrics) */
+    bool busy;
+    bool closing;
+    atomic_bool stop; /* read by the worker between statements */
+    int64_t stats_due, purge_due;
+    int64_t stats_spacing_ms;
+
+    /* The job: inputs set on the loop thread, outputs by the worker. */
+    bool job_stats, job_purge;
+    PGconn *conn; /* used only by the worker (and freed after the last job) */
+    uv_mutex_t cancel_lock;
+    PGcancel *cancel; /* for conn; lets close() interrupt a long statement */
+    int64_t cursor;   /* purge position; 0 = start a new round */
+    bool round_done;
+    int64_t purged, batches;
+    int64_t backlog_out;
+    double lag_out;
+    int64_t stats_ms; /* how long the count took */
+    char error[256];
+
+    int64_t backlog; /* published on the loop thread */
+    double lag;
+    int64_t round_purged;
+};
+
+int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats,
+                  struct obx_maint **out)
+{
+    struct obx_maint *m = calloc(1, sizeof(*m));
+    if (!m || !(m->conninfo = strdup(cfg->pg_conninfo))) {
+        free(m);
+        return -1;
+    }
+    m->loop = loop;
+    m->statement_timeout_ms = cfg->pg_statement_timeout_ms;
+    m->retention_ms = cfg->on_sent == OBX_ON_SENT_MARK ? cfg->retention_ms : 0;
+    m->retention_interval_ms = cfg->retention_interval_ms;
+    m->retention_batch = cfg->retention_batch;
+    m->stats_spacing_ms = OBX_MAINT_STATS_MS;
+    m->with_stats = with_stats;
+    m->backlog = -1;
+    m->lag = -1;
+    m->work.data = m;
+    atomic_init(&m->stop, false);
+    if (uv_mutex_init(&m->cancel_lock) != 0) {
+        free(m->conninfo);
+        free(m);
+        return -1;
+    }
+    *out = m;
+    return 0;
+}
+
+/* First line of the last libpq error (no conninfo values in it). */
+static void set_error(struct obx_maint *m, const char *what)
+{
+    const char *msg = m->conn ? PQerrorMessage(m->conn) : "out of memory";
+    size_t n = strcspn(msg, "\n");
+    snprintf(m->error, sizeof(m->error), "%s: %.*s", what, (int)n, msg);
+}
+
+static void disconnect(struct obx_maint *m)
+{
+    uv_mutex_lock(&m->cancel_lock);
+    PQfreeCancel(m->cancel);
+    m->cancel = NULL;
+    uv_mutex_unlock(&m->cancel_lock);
+    PQfinish(m->conn);
+    m->conn = NULL;
+}
+
+static bool connect_if_needed(struct obx_maint *m)
+{
+    char timeout[32];
+    if (m->conn && PQstatus(m->conn) == CONNECTION_OK)
+        return true;
+    disconnect(m);
+    /* Ours first: keys in the user's conninfo (dbname, expanded) win. */
+    const char *const keys[] = {"application_name", "connect_timeout", "dbname", NULL};
+    const char *const values[] = {"outboxd-maintenance", "10", m->conninfo, NULL};
+    m->conn = PQconnectdbParams(keys, values, 1);
+    if (!m->conn || PQstatus(m->conn) != CONNECTION_OK) {
+        set_error(m, "cannot connect");
+        disconnect(m);
+        return false;
+    }
+    uv_mutex_lock(&m->cancel_lock);
+    m->cancel = PQgetCancel(m->conn); /* NULL on no memory: close just waits */
+    uv_mutex_unlock(&m->cancel_lock);
+    snprintf(timeout, sizeof(timeout), "%lld", (long long)m->statement_timeout_ms);
+    const char *param[] = {timeout};
+    PGresult *res = PQexecParams(m->conn, "SELECT set_config('statement_timeout', $1, false)", 1,
+                                 NULL, param, NULL, NULL, 0);
+    bool ok = PQresultStatus(res) == PGRES_TUPLES_OK;
+    PQclear(res);
+    if (!ok)
+        set_error(m, "cannot set statement_timeout");
+    return ok;
+}
+
+static void run_stats(struct obx_maint *m)
+{
+    uint64_t t0 = uv_hrtime();
+    PGresult *res = PQexec(m->conn, SQL_BACKLOG);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        set_error(m, "backlog query failed");
+    } else {
+        m->backlog_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+        m->lag_out = strtod(PQgetvalue(res, 0, 1), NULL);
+    }
+    PQclear(res);
+    m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);
+}
+
+static void run_purge(struct obx_maint *m)
+{
+    char cursor[32], batch[16], period[32];
+    snprintf(batch, sizeof(batch), "%d", m->retention_batch);
+    snprintf(period, sizeof(period), "%lld", (long long)m->retention_ms);
+    for (int i = 0; i < OBX_MAINT_BATCHES_PER_JOB && !atomic_load(&m->stop); i++) {
+        snprintf(cursor, sizeof(cursor), "%lld", (long long)m->cursor);
+        const char *params[] = {cursor, batch, period};
+        PGresult *res = PQexecParams(m->conn, SQL_PURGE, 3, NULL, params, NULL, NULL, 0);
+        if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+            set_error(m, "retention purge failed");
+            PQclear(res);
+            return;
+        }
+        m->batches++;
+        m->purged += strtoll(PQgetvalue(res, 0, 1), NULL, 10);
+        bool empty = PQgetisnull(res, 0, 0);
+        if (!empty)
+            m->cursor = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+        bool reached_recent = strtoll(PQgetvalue(res, 0, 2), NULL, 10) > 0;
+        PQclear(res);
+        if (empty || reached_recent) {
+            m->round_done = true;
+            return;
+        }
+    }
+}
+
+/* Worker thread: only the job's fields and m->conn are touched here. */
+static void work_cb(uv_work_t *w)
+{
+    struct obx_maint *m = w->data;
+    if (!connect_if_needed(m))
+        return;
+    if (m->job_stats)
+        run_stats(m);
+    if (m->job_purge && !m->error[0])
+        run_purge(m);
+    if (m->conn && PQstatus(m->conn) != CONNECTION_OK)
+        disconnect(m);
+}
+
+static void free_maint(struct obx_maint *m)
+{
+    disconnect(m);
+    uv_mutex_destroy(&m->cancel_lock);
+    free(m->conninfo);
+    free(m);
+}
+
+static void after_work_cb(uv_work_t *w, int status)
+{
+    struct obx_maint *m = w->data;
+    int64_t now = (int64_t)uv_now(m->loop);
+    m->busy = false;
+    if (m->closing) {
+        free_maint(m);
+        return;
+    }
+    if (status != 0 || m->error[0]) {
+        obx_warn("maintenance: %s", status != 0 ? uv_strerror(status) : m->error);
+        m->stats_due = now + m->stats_spacing_ms;
+        if (m->job_purge)
+            m->purge_due = now + m->retention_interval_ms;
+        return;
+    }
+    if (m->job_stats) {
+        m->backlog = m->backlog_out;
+        m->lag = m->lag_out;
+        int64_t spacing = 20 * m->stats_ms;
+        m->stats_spacing_ms = spacing > OBX_MAINT_STATS_MS ? spacing : OBX_MAINT_STATS_MS;
+        m->stats_due = now + m->stats_spacing_ms;
+    }
+    if (m->job_purge) {
+        obx_stats.rows_purged += (uint64_t)m->purged;
+        m->round_purged += m->purged;
+        if (m->round_done) {
+            if (m->round_purged > 0)
+                obx_info("retention: deleted %lld rows sent more than %llds ago",
+                         (long long)m->round_purged, (long long)(m->retention_ms / 1000));
+            m->round_purged = 0;
+            m->cursor = 0;
+            m->purge_due = now + m->retention_interval_ms;
+        }
+        /* else: the round goes on with the next job, right away */
+    }
+}
+
+void obx_maint_tick(struct obx_maint *m, int64_t now)
+{
+    if (m->busy || m->closing)
+        return;
+    m->job_stats = m->with_stats && now >= m->stats_due;
+    m->job_purge = m->retention_ms > 0 && now >= m->purge_due;
+    if (!m->job_stats && !m->job_purge)
+        return;
+    m->error[0] = '\0';
+    m->purged = m->batches = 0;
+    m->round_done = false;
+    if (uv_queue_work(m->loop, &m->work, work_cb, after_work_cb) == 0)
+        m->busy = true;
+}
+
+int64_t obx_maint_backlog(const struct obx_maint *m)
+{
+    return m->backlog;
+}
+
+double obx_maint_lag_seconds(const struct obx_maint *m)
+{
+    return m->lag;
+}
+
+void obx_maint_close(struct obx_maint *m)
+{
+    if (!m || m->closing)
+        return;
+    m->closing = true;
+    atomic_store(&m->stop, true);
+    if (!m->busy) {
+        free_maint(m);
+        return;
+    }
+    /* Do not let shutdown wait for a long count or purge statement. */
+    char why[256];
+    uv_mutex_lock(&m->cancel_lock);
+    if (m->cancel && !PQcancel(m->cancel, why, sizeof(why)))
+        obx_debug("maintenance: cancel failed: %s", why);
+    uv_mutex_unlock(&m->cancel_lock);
+}

@@ -1,0 +1,249 @@
+/*
+ * metrics: see include/outboxd/metrics.h.
+ */
+#include "outboxd/metrics.h"
+
+#include <libpq-fe.h>
+#include <librdkafka/rdkafka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/time.h>
+#include <unistd.h>
+#include <uv.h>
+
+struct obx_stats obx_stats;
+
+/* From a few ms (linger) to minutes (an outage being caught up). */
+static const double latency_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                        0.5,   1,      2.5,   5,    10,    30,   60,  300};
+static const double batch_bounds[] = {1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000};
+
+void obx_stats_init(void)
+{
+    obx_stats_free();
+    obx_stats.ack_latency.bounds = latency_bounds;
+    obx_stats.ack_latency.n_bounds = sizeof(latency_bounds) / sizeof(latency_bounds[0]);
+    obx_stats.batch_rows.bounds = batch_bounds;
+    obx_stats.batch_rows.n_bounds = sizeof(batch_bounds) / sizeof(batch_bounds[0]);
+}
+
+static void labelled_free(struct obx_labelled *l)
+{
+    for (size_t i = 0; i < l->n; i++)
+        free(l->items[i].label);
+    free(l->items);
+    memset(l, 0, sizeof(*l));
+}
+
+void obx_stats_free(void)
+{
+    labelled_free(&obx_stats.published);
+    labelled_free(&obx_stats.publish_errors);
+    memset(&obx_stats, 0, sizeof(obx_stats));
+}
+
+/* Adds one to the counter of `label`. Without memory for a new label the
+ * event is counted under "_other" (kept as the first item once created). */
+static void labelled_inc(struct obx_labelled *l, const char *label)
+{
+    if (l->last < l->n && strcmp(l->items[l->last].label, label) == 0) {
+        l->items[l->last].value++;
+        return;
+    }
+    for (size_t i = 0; i < l->n; i++) {
+        if (strcmp(l->items[i].label, label) == 0) {
+            l->items[i].value++;
+            l->last = i;
+            return;
+        }
+    }
+    if (l->n >= OBX_LABELS_MAX && strcmp(label, "_other") != 0) {
+        labelled_inc(l, "_other");
+        return;
+    }
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 8;
+        struct obx_label_counter *grown = realloc(l->items, cap * sizeof(*grown));
+        if (!grown)
+            return; /* the event goes uncounted rather than the relay failing */
+        l->items = grown;
+        l->cap = cap;
+    }
+    char *copy = strdup(label);
+    if (!copy)
+        return;
+    l->items[l->n].label = copy;
+    l->items[l->n].value = 1;
+    l->last = l->n++;
+}
+
+void obx_stats_published(const char *topic)
+{
+    labelled_inc(&obx_stats.published, topic);
+}
+
+void obx_stats_publish_error(const char *reason)
+{
+    labelled_inc(&obx_stats.publish_errors, reason);
+}
+
+void obx_histogram_observe(struct obx_histogram *h, double v)
+{
+    size_t i = 0;
+    while (i < h->n_bounds && v > h->bounds[i])
+        i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->count++;
+}
+
+void obx_stats_acked(int64_t created_us)
+{
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    int64_t now_us = (int64_t)tv.tv_sec * 1000000 + tv.tv_usec;
+    double age = (double)(now_us - created_us) / 1e6;
+    /* created_at comes from the database's clock: a skew can make it look
+     * like the future; count that as immediate. */
+    obx_histogram_observe(&obx_stats.ack_latency, age < 0 ? 0 : age);
+}
+
+/* ---- rendering ---- */
+
+static void header(struct obx_buf *out, const char *name, const char *type, const char *help)
+{
+    obx_buf_printf(out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void simple(struct obx_buf *out, const char *name, const char *type, const char *help,
+                   double value)
+{
+    header(out, name, type, help);
+    obx_buf_printf(out, "%s %.17g\n", name, value);
+}
+
+/* A label value with \, " and newline escaped as the text format requires. */
+static void label_value(struct obx_buf *out, const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '\\')
+            obx_buf_puts(out, "\\\\");
+        else if (*s == '"')
+            obx_buf_puts(out, "\\\"");
+        else if (*s == '\n')
+            obx_buf_puts(out, "\\n");
+        else
+            obx_buf_append(out, s, 1);
+    }
+}
+
+static void labelled(struct obx_buf *out, const char *name, const char *label, const char *help,
+                     const struct obx_labelled *l)
+{
+    header(out, name, "counter", help);
+    for (size_t i = 0; i < l->n; i++) {
+        obx_buf_printf(out, "%s{%s=\"", name, label);
+        label_value(out, l->items[i].label);
+        obx_buf_printf(out, "\"} %llu\n", (unsigned long long)l->items[i].value);
+    }
+}
+
+static void histogram(struct obx_buf *out, const char *name, const char *help,
+                      const struct obx_histogram *h)
+{
+    uint64_t cumulative = 0;
+    header(out, name, "histogram", help);
+    for (size_t i = 0; i < h->n_bounds; i++) {
+        cumulative += h->counts[i];
+        obx_buf_printf(out, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[i],
+                       (unsigned long long)cumulative);
+    }
+    cumulative += h->counts[h->n_bounds];
+    obx_buf_printf(out, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cumulative);
+    obx_buf_printf(out, "%s_sum %.17g\n%s_count %llu\n", name, h->sum, name,
+                   (unsigned long long)h->count);
+}
+
+static double resident_bytes(void)
+{
+    /* /proc/self/statm: size resident shared ... in pages. */
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long size = 0, resident = 0;
+    if (!f)
+        return 0;
+    if (fscanf(f, "%lu %lu", &size, &resident) != 2)
+        resident = 0;
+    fclose(f);
+    return (double)resident * (double)sysconf(_SC_PAGESIZE);
+}
+
+static double cpu_seconds(void)
+{
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0)
+        return 0;
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+           (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
+{
+    const struct obx_stats *s = &obx_stats;
+
+    header(out, "outboxd_build_info", "gauge", "Versions of outboxd and the libraries it runs on.");
+    obx_buf_printf(out,
+                   "outboxd_build_info{version=\"%s\",librdkafka=\"%s\",libpq=\"%d\","
+                   "libuv=\"%s\"} 1\n",
+                   OBX_VERSION, rd_kafka_version_str(), PQlibVersion(), uv_version_string());
+    labelled(out, "outboxd_records_published_total", "topic",
+             "Records Kafka acknowledged, by topic.", &s->published);
+    labelled(out, "outboxd_publish_errors_total", "reason",
+             "Produce calls or deliveries that failed, by librdkafka error name.",
+             &s->publish_errors);
+    simple(out, "outboxd_rows_marked_total", "counter",
+           "Rows confirmed in Postgres (marked sent, or deleted) after Kafka acknowledged them.",
+           (double)g->rows_marked);
+    simple(out, "outboxd_rows_dead_lettered_total", "counter",
+           "Rows Kafka refused for good and moved to outbox.dead_letters.",
+           (double)g->rows_dead_lettered);
+    simple(out, "outboxd_rows_recovered_total", "counter",
+           "Rows the start-up recovery pass found already in Kafka and marked.",
+           (double)s->rows_recovered);
+    simple(out, "outboxd_rows_purged_total", "counter", "Sent rows deleted by retention.",
+           (double)s->rows_purged);
+    simple(out, "outboxd_rows_in_flight", "gauge",
+           "Rows handed to Kafka and not yet confirmed in Postgres.", (double)g->in_flight);
+    simple(out, "outboxd_rows_in_flight_limit", "gauge", "relay.max_in_flight.",
+           (double)g->in_flight_limit);
+    simple(out, "outboxd_keys_held_back", "gauge",
+           "Keys whose later rows wait behind a refused row (relay.on_reject = retry).",
+           (double)g->keys_held_back);
+    if (g->backlog_rows >= 0)
+        simple(out, "outboxd_outbox_backlog_rows", "gauge",
+               "Unsent rows in outbox.events (refreshed every few seconds).",
+               (double)g->backlog_rows);
+    if (g->lag_seconds >= 0)
+        simple(out, "outboxd_outbox_lag_seconds", "gauge",
+               "Age of the oldest unsent row (0 when none is waiting).", g->lag_seconds);
+    histogram(out, "outboxd_commit_to_ack_seconds",
+              "From the row's created_at to Kafka's acknowledgement.", &s->ack_latency);
+    histogram(out, "outboxd_fetch_batch_rows", "Rows returned by each fetch.", &s->batch_rows);
+    simple(out, "outboxd_postgres_connected", "gauge",
+           "1 when the relay's Postgres connection is set up and usable.",
+           g->postgres_connected ? 1 : 0);
+    simple(out, "outboxd_postgres_reconnects_total", "counter",
+           "Postgres connection attempts after the first one.", (double)s->pg_reconnects);
+    simple(out, "outboxd_kafka_connected", "gauge",
+           "1 when the last metadata request to Kafka succeeded.", g->kafka_connected ? 1 : 0);
+    simple(out, "outboxd_ready", "gauge", "1 when /readyz answers 200.", g->ready ? 1 : 0);
+    simple(out, "outboxd_draining", "gauge", "1 after SIGTERM/SIGINT, while in-flight rows finish.",
+           g->draining ? 1 : 0);
+    simple(out, "process_cpu_seconds_total", "counter", "User and system CPU time spent.",
+           cpu_seconds());
+    simple(out, "process_resident_memory_bytes", "gauge", "Resident memory size.",
+           resident_bytes());
+    simple(out, "process_start_time_seconds", "gauge", "Start time since the Unix epoch.",
+           g->start_time);
+}

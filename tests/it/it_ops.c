@@ -1,0 +1,209 @@
+/*
+ * Integration tests of running outboxd as a production sidecar: the HTTP
+ * endpoints and metrics, retention, --check --live, TLS to Postgres.
+ *
+ *   it_ops [SCENARIO]   runs one scenario (ctest runs each on its own)
+ */
+#include "harness.h"
+#include "scenario.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+static struct h_env env;
+static char body[1 << 20];
+
+static int teardown_env(void **state)
+{
+    (void)state;
+    h_env_stop(&env);
+    return 0;
+}
+
+/* Polls GET path until it answers `status` with `needle` in the body. */
+static void wait_http(const char *path, int status, const char *needle, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    int got;
+    do {
+        got = h_http_get(&env, path, body, sizeof(body));
+        if (got == status && (!needle || strstr(body, needle)))
+            return;
+        h_sleep_ms(100);
+    } while (h_now_ms() < deadline);
+    fail_msg("GET %s: wanted %d with '%s', last answer %d: %.300s", path, status,
+             needle ? needle : "", got, body);
+}
+
+/* Scrapes /metrics until `series` has `value`. */
+static void wait_metric(const char *series, double value, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    double got;
+    do {
+        assert_int_equal(h_http_get(&env, "/metrics", body, sizeof(body)), 200);
+        got = h_metric(body, series);
+        if (got == value)
+            return;
+        h_sleep_ms(200);
+    } while (h_now_ms() < deadline);
+    fail_msg("metric %s: wanted %g, last %g", series, value, got);
+}
+
+/* Runs promtool's linter on an exposition; fails the test on a complaint. */
+static void promtool_check(const char *exposition)
+{
+    char path[300], cmd[700];
+    snprintf(path, sizeof(path), "%s/metrics.txt", env.dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(exposition, f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd), "promtool check metrics < %s > %s.lint 2>&1", path, path);
+    int rc = system(cmd);
+    if (rc != 0) {
+        snprintf(cmd, sizeof(cmd), "cat %s.lint >&2", path);
+        (void)system(cmd);
+        fail_msg("promtool check metrics failed (%d); is the prometheus package installed?", rc);
+    }
+}
+
+/* A connected socket that sends `head` (maybe nothing) and then idles. */
+static int idle_client(const char *head)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)env.http_port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    struct timeval tv = {.tv_sec = 10}; /* longer than the server's deadline */
+    assert_int_equal(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+    if (head)
+        assert_int_equal(send(fd, head, strlen(head), MSG_NOSIGNAL), (ssize_t)strlen(head));
+    return fd;
+}
+
+/* /livez, /readyz and /metrics through a run with Kafka and Postgres
+ * outages; promtool accepts the metrics; hostile clients do not stall the
+ * relay. */
+static void test_http(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:2", "it.b:1", NULL});
+    h_relay_start(&env, NULL, NULL);
+    wait_http("/livez", 200, "ok", 10000);
+    wait_http("/readyz", 200, "ready", 15000);
+
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 30; i++)
+        h_enqueue(c, i % 3 ? "it.a" : "it.b", "k", "v", 1, NULL);
+    s_wait_drained(&env, 15000);
+    wait_metric("outboxd_rows_marked_total", 30, 5000);
+    assert_int_equal(h_http_get(&env, "/metrics", body, sizeof(body)), 200);
+    assert_true(h_metric(body, "outboxd_records_published_total{topic=\"it.a\"}") == 20);
+    assert_true(h_metric(body, "outboxd_records_published_total{topic=\"it.b\"}") == 10);
+    assert_true(h_metric(body, "outboxd_commit_to_ack_seconds_count") == 30);
+    assert_true(h_metric(body, "outboxd_fetch_batch_rows_count") >= 1);
+    assert_true(h_metric(body, "outboxd_rows_in_flight") == 0);
+    assert_true(h_metric(body, "outboxd_rows_in_flight_limit") == 10000);
+    assert_true(h_metric(body, "outboxd_postgres_connected") == 1);
+    assert_true(h_metric(body, "outboxd_kafka_connected") == 1);
+    assert_true(h_metric(body, "outboxd_ready") == 1);
+    assert_non_null(strstr(body, "outboxd_build_info{version=\"" OBX_VERSION "\""));
+    promtool_check(body);
+
+    /* Kafka down: not ready, rows wait, the backlog and lag show them. */
+    assert_true(h_broker_cmd(&env, "down all"));
+    wait_http("/readyz", 503, "Kafka unreachable", 15000);
+    for (int i = 0; i < 5; i++)
+        h_enqueue(c, "it.a", "k", "waiting", 7, NULL);
+    wait_metric("outboxd_outbox_backlog_rows", 5, 15000);
+    assert_true(h_metric(body, "outboxd_outbox_lag_seconds") > 0);
+    assert_true(h_metric(body, "outboxd_kafka_connected") == 0);
+    wait_http("/livez", 200, "ok", 1000); /* alive all the same */
+    assert_true(h_broker_cmd(&env, "up all"));
+    wait_http("/readyz", 200, "ready", 20000);
+    s_wait_drained(&env, 30000);
+    wait_metric("outboxd_outbox_backlog_rows", 0, 15000);
+
+    /* Postgres down: not ready; the reconnect is counted. */
+    PQfinish(c);
+    h_pg_stop(&env);
+    wait_http("/readyz", 503, "no Postgres connection", 10000);
+    wait_metric("outboxd_postgres_connected", 0, 5000);
+    h_pg_start(&env);
+    wait_http("/readyz", 200, "ready", 20000);
+    assert_int_equal(h_http_get(&env, "/metrics", body, sizeof(body)), 200);
+    assert_true(h_metric(body, "outboxd_postgres_reconnects_total") >= 1);
+
+    /* Bad requests get short answers. */
+    static const char big_head[] = "GET /metrics HTTP/1.1\r\nX-Filler: ";
+    char *huge = malloc(20000);
+    assert_non_null(huge);
+    memset(huge, 'a', 20000);
+    memcpy(huge, big_head, sizeof(big_head) - 1);
+    assert_int_equal(h_http_raw(env.http_port, huge, 20000, body, sizeof(body), 5000), 431);
+    free(huge);
+    static const char junk[] = "HELLO\r\n\r\n";
+    assert_int_equal(h_http_raw(env.http_port, junk, sizeof(junk) - 1, body, sizeof(body), 5000),
+                     400);
+    static const char post[] = "POST /metrics HTTP/1.1\r\n\r\n";
+    assert_int_equal(h_http_raw(env.http_port, post, sizeof(post) - 1, body, sizeof(body), 5000),
+                     405);
+    assert_int_equal(h_http_get(&env, "/nothing", body, sizeof(body)), 404);
+
+    /* Forty idle clients (more than the connection limit) and one that
+     * never finishes its head: rows still flow, and idle connections are
+     * closed after the request deadline. */
+    int idle[40];
+    for (int i = 0; i < 40; i++)
+        idle[i] = idle_client(i == 0 ? "GET /metrics HTTP/1.1\r\n" : NULL);
+    c = h_connect(&env);
+    int64_t t0 = h_now_ms();
+    for (int i = 0; i < 20; i++)
+        h_enqueue(c, "it.a", "k2", "during-siege", 12, NULL);
+    s_wait_drained(&env, 10000);
+    int64_t drained_ms = h_now_ms() - t0;
+    print_message("20 rows drained in %lld ms with 40 idle HTTP clients\n", (long long)drained_ms);
+    assert_true(drained_ms < 4000); /* well before any idle client was dropped */
+    char one;
+    assert_int_equal(recv(idle[0], &one, 1, 0), 0); /* closed by the server (deadline) */
+    for (int i = 0; i < 40; i++)
+        close(idle[i]);
+    wait_http("/livez", 200, "ok", 10000); /* slots free again */
+
+    /* Draining: not ready while in-flight rows wait for Kafka. */
+    assert_true(h_broker_cmd(&env, "down all"));
+    h_enqueue(c, "it.a", "k", "stuck", 5, NULL);
+    h_sleep_ms(1000);
+    kill(env.relay_pid, SIGTERM);
+    wait_http("/readyz", 503, "draining", 5000);
+    assert_true(h_broker_cmd(&env, "up all"));
+    assert_int_equal(h_relay_wait(&env, 30000), 0);
+    PQfinish(c);
+
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", "it.b", NULL}, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_http, teardown_env),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,108 @@
+/*
+ * Unit tests of the metrics registry and its Prometheus text rendering.
+ */
+#include "outboxd/metrics.h"
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+static int setup(void **state)
+{
+    (void)state;
+    obx_stats_init();
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    obx_stats_free();
+    return 0;
+}
+
+static char *render(const struct obx_metrics_gauges *g)
+{
+    struct obx_buf b = {0};
+    obx_metrics_render(&b, g);
+    assert_false(b.oom);
+    return b.data;
+}
+
+static void test_counters_by_label(void **state)
+{
+    (void)state;
+    obx_stats_published("orders");
+    obx_stats_published("orders");
+    obx_stats_published("pay\"ments\\\n");
+    obx_stats_publish_error("MSG_SIZE_TOO_LARGE");
+    struct obx_metrics_gauges g = {.backlog_rows = 7, .lag_seconds = 1.5, .in_flight_limit = 10};
+    char *out = render(&g);
+    assert_non_null(strstr(out, "outboxd_records_published_total{topic=\"orders\"} 2\n"));
+    /* Quotes, backslashes and newlines in a label value are escaped. */
+    assert_non_null(
+        strstr(out, "outboxd_records_published_total{topic=\"pay\\\"ments\\\\\\n\"} 1\n"));
+    assert_non_null(strstr(out, "outboxd_publish_errors_total{reason=\"MSG_SIZE_TOO_LARGE\"} 1\n"));
+    assert_non_null(strstr(out, "# TYPE outboxd_records_published_total counter\n"));
+    assert_non_null(strstr(out, "outboxd_outbox_backlog_rows 7\n"));
+    assert_non_null(strstr(out, "outboxd_outbox_lag_seconds 1.5\n"));
+    assert_non_null(strstr(out, "outboxd_rows_in_flight_limit 10\n"));
+    free(out);
+
+    /* Unknown backlog and lag are left out rather than shown as 0. */
+    g.backlog_rows = -1;
+    g.lag_seconds = -1;
+    out = render(&g);
+    assert_null(strstr(out, "outboxd_outbox_backlog_rows "));
+    assert_null(strstr(out, "outboxd_outbox_lag_seconds "));
+    free(out);
+}
+
+static void test_label_cap(void **state)
+{
+    char name[32];
+    (void)state;
+    for (int i = 0; i < OBX_LABELS_MAX + 10; i++) {
+        snprintf(name, sizeof(name), "t%d", i);
+        obx_stats_published(name);
+    }
+    assert_int_equal(obx_stats.published.n, OBX_LABELS_MAX + 1);
+    struct obx_metrics_gauges g = {.backlog_rows = -1, .lag_seconds = -1};
+    char *out = render(&g);
+    assert_non_null(strstr(out, "outboxd_records_published_total{topic=\"_other\"} 10\n"));
+    free(out);
+}
+
+static void test_histogram(void **state)
+{
+    (void)state;
+    obx_histogram_observe(&obx_stats.batch_rows, 1);    /* le 1 */
+    obx_histogram_observe(&obx_stats.batch_rows, 1000); /* le 1000 */
+    obx_histogram_observe(&obx_stats.batch_rows, 1e9);  /* +Inf only */
+    struct obx_metrics_gauges g = {.backlog_rows = -1, .lag_seconds = -1};
+    char *out = render(&g);
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"1\"} 1\n"));
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"500\"} 1\n"));
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"1000\"} 2\n"));
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"10000\"} 2\n"));
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"+Inf\"} 3\n"));
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_count 3\n"));
+    assert_non_null(strstr(out, "outboxd_fetch_batch_rows_sum 1000001001\n"));
+    free(out);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_counters_by_label, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_label_cap, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_histogram, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
