@@ -62,6 +62,7 @@ struct obx_maint {
     int64_t backlog; /* published on the loop thread */
     double lag;
     int64_t round_purged;
+    int64_t round_batches;
 };
 
 int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats,
@@ -229,11 +230,14 @@ static void after_work_cb(uv_work_t *w, int status)
     if (m->job_purge) {
         obx_stats.rows_purged += (uint64_t)m->purged;
         m->round_purged += m->purged;
+        m->round_batches += m->batches;
         if (m->round_done) {
             if (m->round_purged > 0)
-                obx_info("retention: deleted %lld rows sent more than %llds ago",
-                         (long long)m->round_purged, (long long)(m->retention_ms / 1000));
+                obx_info("retention: deleted %lld rows sent more than %llds ago (%lld batches)",
+                         (long long)m->round_purged, (long long)(m->retention_ms / 1000),
+                         (long long)m->round_batches);
             m->round_purged = 0;
+            m->round_batches = 0;
             m->cursor = 0;
             m->purge_due = now + m->retention_interval_ms;
         }
