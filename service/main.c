@@ -4,6 +4,7 @@
  * One libuv loop owns everything. The relay (pure state machine) issues its
  * commands through `relay_ops` below; pg and kafka callbacks feed it events.
  */
+#include "outboxd/check.h"
 #include "outboxd/config.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/http.h"
@@ -359,6 +360,8 @@ static void usage(FILE *out)
                  "  -c, --config FILE   read settings from FILE (key = value lines)\n"
                  "  -X key=value        set one key (overrides the file and the environment)\n"
                  "      --check         validate the configuration and exit (0 ok, 2 invalid)\n"
+                 "      --live          with --check: also try Postgres and Kafka (schema,\n"
+                 "                      privileges, topics); 1 if a problem was found\n"
                  "  -V, --version       print the version and exit\n"
                  "  -h, --help          print this help and exit\n"
                  "\n"
@@ -413,14 +416,12 @@ static int build_config(const struct app *a, struct obx_config *cfg, char *err, 
 
 /* Parses the command line and loads the configuration. Returns 0, or the
  * exit status. */
-static int load_config(struct app *a, int argc, char **argv, bool *check_only)
+static int load_config(struct app *a, int argc, char **argv, bool *check_only, bool *live)
 {
     static const struct option longopts[] = {
-        {"config", required_argument, NULL, 'c'},
-        {"check", no_argument, NULL, 'k'},
-        {"version", no_argument, NULL, 'V'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
+        {"config", required_argument, NULL, 'c'}, {"check", no_argument, NULL, 'k'},
+        {"live", no_argument, NULL, 'L'},         {"version", no_argument, NULL, 'V'},
+        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0},
     };
     char err[512];
     int opt;
@@ -431,6 +432,7 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
         return EXIT_RUNTIME;
     }
     *check_only = false;
+    *live = false;
     while ((opt = getopt_long(argc, argv, "c:X:Vh", longopts, NULL)) != -1) {
         switch (opt) {
         case 'c':
@@ -441,6 +443,9 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
             break;
         case 'k':
             *check_only = true;
+            break;
+        case 'L':
+            *live = true;
             break;
         case 'V':
             printf("outboxd %s (librdkafka %s, libpq %d, libuv %s)\n", OBX_VERSION,
@@ -456,6 +461,10 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only)
     }
     if (optind < argc) {
         fprintf(stderr, "outboxd: unexpected argument '%s'\nTry 'outboxd --help'.\n", argv[optind]);
+        return EXIT_USAGE;
+    }
+    if (*live && !*check_only) {
+        fprintf(stderr, "outboxd: --live goes with --check\nTry 'outboxd --help'.\n");
         return EXIT_USAGE;
     }
     if (build_config(a, &a->cfg, err, sizeof(err)) != 0) {
@@ -561,7 +570,7 @@ int main(int argc, char **argv)
 {
     struct app a;
     struct sigaction ign;
-    bool check_only;
+    bool check_only, live;
     char err[512];
     int rc;
 
@@ -571,7 +580,7 @@ int main(int argc, char **argv)
     sigaction(SIGPIPE, &ign, NULL);
     srand((unsigned)time(NULL) ^ (unsigned)getpid());
 
-    rc = load_config(&a, argc, argv, &check_only);
+    rc = load_config(&a, argc, argv, &check_only, &live);
     if (rc == EXIT_DONE) {
         free(a.xargs);
         return 0;
@@ -584,6 +593,16 @@ int main(int argc, char **argv)
     if (rc != 0 || check_only) {
         if (rc == 0)
             printf("outboxd: configuration OK\n");
+        if (rc == 0 && live) {
+            int problems = obx_check_live(&a.cfg, stdout);
+            if (problems > 0) {
+                printf("outboxd: live check found %d problem%s\n", problems,
+                       problems == 1 ? "" : "s");
+                rc = EXIT_RUNTIME;
+            } else {
+                printf("outboxd: live check passed\n");
+            }
+        }
         if (a.cfg_loaded)
             obx_config_free(&a.cfg);
         free(a.xargs);

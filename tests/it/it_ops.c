@@ -239,11 +239,93 @@ static void test_retention(void **state)
     PQfinish(c);
 }
 
+/* Runs outboxd --check --live with -X settings; returns the exit status
+ * and the output in `body`. */
+static int check_live(const char *conninfo, const char *bootstrap)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd),
+             "'%s/outboxd' --check --live -X 'postgres.conninfo=%s' "
+             "-X 'kafka.bootstrap.servers=%s' 2>&1",
+             OBX_BINARY_DIR, conninfo, bootstrap);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    size_t n = fread(body, 1, sizeof(body) - 1, p);
+    body[n] = '\0';
+    int status = pclose(p);
+    print_message("%s", body);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static int count_lines(const char *text, const char *needle)
+{
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, needle)) != NULL; p++)
+        n++;
+    return n;
+}
+
+/* --check --live: one actionable line per problem, exit 1; 0 when all is
+ * well. */
+static void test_check_live(void **state)
+{
+    (void)state;
+    char conninfo[700];
+    h_env_start(&env, (const char *const[]){"it.a:1", NULL});
+    PGconn *c = h_connect(&env);
+    h_enqueue(c, "it.a", "k", "v", 1, NULL);
+
+    assert_int_equal(check_live(env.conninfo, env.bootstrap), 0);
+    assert_non_null(strstr(body, "schema version 2"));
+    assert_non_null(strstr(body, "1 topics with unsent rows"));
+    assert_non_null(strstr(body, "live check passed"));
+
+    /* Rows for a topic the cluster does not have. */
+    h_enqueue(c, "it.nowhere", "k", "v", 1, NULL);
+    h_enqueue(c, "it.nowhere", "k", "v", 1, NULL);
+    assert_int_equal(check_live(env.conninfo, env.bootstrap), 1);
+    assert_non_null(strstr(body, "topic it.nowhere does not exist (2 unsent rows wait for it)"));
+    assert_int_equal(count_lines(body, "problem:"), 1);
+    h_sql(c, "DELETE FROM outbox.events WHERE topic = 'it.nowhere'");
+
+    /* A role with less than outboxd_relay has. */
+    h_sql(c, "CREATE ROLE weak LOGIN; GRANT USAGE ON SCHEMA outbox TO weak;"
+             " GRANT SELECT ON outbox.events, outbox.schema_migrations TO weak");
+    snprintf(conninfo, sizeof(conninfo), "%s user=weak", env.conninfo);
+    assert_int_equal(check_live(conninfo, env.bootstrap), 1);
+    assert_non_null(strstr(body, "role weak lacks UPDATE (sent_at) on outbox.events"));
+    assert_non_null(strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.kafka_offsets"));
+    assert_non_null(strstr(body, "GRANT outboxd_relay TO weak"));
+    assert_int_equal(count_lines(body, "problem:"), 4);
+    /* Exactly the grants of sql/ are enough. */
+    h_sql(c, "GRANT outboxd_relay TO weak");
+    assert_int_equal(check_live(conninfo, env.bootstrap), 0);
+
+    /* An outdated schema, then none at all. */
+    h_sql(c, "DELETE FROM outbox.schema_migrations WHERE version = 2");
+    assert_int_equal(check_live(env.conninfo, env.bootstrap), 1);
+    assert_non_null(strstr(body, "outbox schema is at version 1, this outboxd needs 2"));
+    h_sql(c, "CREATE DATABASE bare");
+    snprintf(conninfo, sizeof(conninfo), "%s dbname=bare", env.conninfo);
+    assert_int_equal(check_live(conninfo, env.bootstrap), 1);
+    assert_non_null(strstr(body, "no outbox schema in database bare"));
+
+    /* Nothing reachable; the password is not repeated. */
+    assert_int_equal(
+        check_live("host=127.0.0.1 port=1 user=x password=PgSecret-4711", "127.0.0.1:1"), 1);
+    assert_non_null(strstr(body, "postgres: cannot connect"));
+    assert_non_null(strstr(body, "kafka: no broker answered at 127.0.0.1:1"));
+    assert_null(strstr(body, "PgSecret"));
+    assert_int_equal(count_lines(body, "problem:"), 2);
+    PQfinish(c);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_http, teardown_env),
         cmocka_unit_test_teardown(test_retention, teardown_env),
+        cmocka_unit_test_teardown(test_check_live, teardown_env),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

@@ -1,0 +1,286 @@
+/*
+ * check: see include/outboxd/check.h.
+ */
+#include "outboxd/check.h"
+#include "outboxd/kafka.h"
+#include "outboxd/pg.h"
+
+#include <libpq-fe.h>
+#include <stdarg.h>
+#include <librdkafka/rdkafka.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_TOPICS 256
+
+/* Topics that unsent rows wait for, with their row counts. */
+struct waiting {
+    bool known; /* Postgres answered: topic and n are meaningful */
+    char *topic[MAX_TOPICS];
+    long long rows[MAX_TOPICS];
+    int n;
+};
+
+static void problem(FILE *out, int *problems, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void problem(FILE *out, int *problems, const char *fmt, ...)
+{
+    va_list ap;
+    fputs("outboxd: problem: ", out);
+    va_start(ap, fmt);
+    vfprintf(out, fmt, ap);
+    va_end(ap);
+    fputc('\n', out);
+    (*problems)++;
+}
+
+/* The first line of a libpq error (host names, never the password). */
+static const char *first_line(const char *msg, char *buf, size_t len)
+{
+    size_t n = strcspn(msg, "\n");
+    snprintf(buf, len, "%.*s", (int)(n < len ? n : len - 1), msg);
+    return buf;
+}
+
+/* Each privilege the relay uses, and what it is for. */
+static const struct {
+    const char *sql; /* a boolean expression on current_user */
+    const char *what;
+    const char *why;
+} privileges[] = {
+    {"has_schema_privilege('outbox', 'USAGE')", "USAGE on schema outbox", "to reach the tables"},
+    {"has_table_privilege('outbox.schema_migrations', 'SELECT')",
+     "SELECT on outbox.schema_migrations", "to check the schema version"},
+    {"has_table_privilege('outbox.events', 'SELECT')", "SELECT on outbox.events",
+     "to read unsent rows"},
+    {"has_column_privilege('outbox.events', 'sent_at', 'UPDATE')",
+     "UPDATE (sent_at) on outbox.events", "to mark rows sent"},
+    {"has_table_privilege('outbox.events', 'DELETE')", "DELETE on outbox.events",
+     "for delete mode, dead letters and retention"},
+    {"has_table_privilege('outbox.kafka_offsets', 'SELECT, INSERT, UPDATE')",
+     "SELECT, INSERT, UPDATE on outbox.kafka_offsets", "to record offsets for crash recovery"},
+    {"has_table_privilege('outbox.dead_letters', 'SELECT, INSERT')",
+     "SELECT, INSERT on outbox.dead_letters", "to move refused rows aside"},
+};
+#define N_PRIVILEGES (sizeof(privileges) / sizeof(privileges[0]))
+
+static void check_privileges(PGconn *conn, FILE *out, int *problems)
+{
+    char sql[2048];
+    size_t used = (size_t)snprintf(sql, sizeof(sql), "SELECT current_user");
+    for (size_t i = 0; i < N_PRIVILEGES; i++)
+        used += (size_t)snprintf(sql + used, sizeof(sql) - used, ", %s", privileges[i].sql);
+    PGresult *res = PQexec(conn, sql);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        char line[300];
+        problem(out, problems, "postgres: cannot read the role's privileges: %s",
+                first_line(PQresultErrorMessage(res), line, sizeof(line)));
+        PQclear(res);
+        return;
+    }
+    const char *role = PQgetvalue(res, 0, 0);
+    for (size_t i = 0; i < N_PRIVILEGES; i++) {
+        if (strcmp(PQgetvalue(res, 0, (int)i + 1), "t") == 0)
+            continue;
+        problem(out, problems,
+                "postgres: role %s lacks %s (%s); the minimum is in sql/: GRANT outboxd_relay "
+                "TO %s",
+                role, privileges[i].what, privileges[i].why, role);
+    }
+    PQclear(res);
+}
+
+/* Returns the schema version, or -1 after reporting why there is none. */
+static long check_schema(PGconn *conn, FILE *out, int *problems)
+{
+    char line[300];
+    PGresult *res = PQexec(conn, "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL");
+    bool present = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 &&
+                   strcmp(PQgetvalue(res, 0, 0), "t") == 0;
+    PQclear(res);
+    if (!present) {
+        problem(out, problems,
+                "postgres: no outbox schema in database %s: apply the files in sql/ in order "
+                "(psql -v ON_ERROR_STOP=1 -f sql/001_outbox.sql ...)",
+                PQdb(conn));
+        return -1;
+    }
+    res = PQexec(conn, "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations");
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        problem(out, problems, "postgres: cannot read outbox.schema_migrations: %s",
+                first_line(PQresultErrorMessage(res), line, sizeof(line)));
+        PQclear(res);
+        return -1;
+    }
+    long version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+    if (version < OBX_SCHEMA_VERSION)
+        problem(out, problems,
+                "postgres: outbox schema is at version %ld, this outboxd needs %d: apply the "
+                "later files in sql/",
+                version, OBX_SCHEMA_VERSION);
+    return version;
+}
+
+static void read_waiting(PGconn *conn, struct waiting *w, FILE *out, int *problems)
+{
+    char line[300];
+    PGresult *res = PQexec(conn, "SELECT topic, count(*) FROM outbox.events"
+                                 " WHERE sent_at IS NULL GROUP BY topic ORDER BY 2 DESC");
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        problem(out, problems, "postgres: cannot list the topics of unsent rows: %s",
+                first_line(PQresultErrorMessage(res), line, sizeof(line)));
+        PQclear(res);
+        return;
+    }
+    for (int i = 0; i < PQntuples(res) && w->n < MAX_TOPICS; i++) {
+        char *t = strdup(PQgetvalue(res, i, 0));
+        if (!t)
+            break; /* fewer topics checked; not worth failing the check */
+        w->topic[w->n] = t;
+        w->rows[w->n++] = strtoll(PQgetvalue(res, i, 1), NULL, 10);
+    }
+    w->known = true;
+    PQclear(res);
+}
+
+static void check_postgres(const struct obx_config *cfg, struct waiting *w, FILE *out,
+                           int *problems)
+{
+    char line[300], timeout[16];
+    snprintf(timeout, sizeof(timeout), "%d", OBX_CHECK_TIMEOUT_S);
+    const char *const keys[] = {"application_name", "connect_timeout", "dbname", NULL};
+    const char *const values[] = {"outboxd-check", timeout, cfg->pg_conninfo, NULL};
+    PGconn *conn = PQconnectdbParams(keys, values, 1);
+    if (!conn || PQstatus(conn) != CONNECTION_OK) {
+        problem(out, problems,
+                "postgres: cannot connect: %s (check postgres.conninfo, the server and the "
+                "network)",
+                conn ? first_line(PQerrorMessage(conn), line, sizeof(line)) : "out of memory");
+        PQfinish(conn);
+        return;
+    }
+    int before = *problems;
+    long version = check_schema(conn, out, problems);
+    if (version >= 0) {
+        check_privileges(conn, out, problems);
+        read_waiting(conn, w, out, problems);
+    }
+    if (*problems == before)
+        fprintf(out, "outboxd: ok: postgres %s:%s/%s as %s, schema version %ld\n", PQhost(conn),
+                PQport(conn), PQdb(conn), PQuser(conn), version);
+    PQfinish(conn);
+}
+
+/* Whether the brokers create topics on first use: 1 yes, 0 no, -1 unknown
+ * (the request failed or is not supported, as by the mock cluster). */
+static int broker_auto_create(rd_kafka_t *rk, int32_t broker_id)
+{
+    char id[16];
+    int answer = -1;
+    snprintf(id, sizeof(id), "%d", broker_id);
+    rd_kafka_ConfigResource_t *res = rd_kafka_ConfigResource_new(RD_KAFKA_RESOURCE_BROKER, id);
+    rd_kafka_queue_t *q = rd_kafka_queue_new(rk);
+    rd_kafka_AdminOptions_t *opt = rd_kafka_AdminOptions_new(rk, RD_KAFKA_ADMIN_OP_DESCRIBECONFIGS);
+    if (!res || !q || !opt)
+        goto done;
+    rd_kafka_AdminOptions_set_request_timeout(opt, OBX_CHECK_TIMEOUT_S * 1000, NULL, 0);
+    rd_kafka_DescribeConfigs(rk, &res, 1, opt, q);
+    rd_kafka_event_t *ev = rd_kafka_queue_poll(q, (OBX_CHECK_TIMEOUT_S + 1) * 1000);
+    const rd_kafka_DescribeConfigs_result_t *r =
+        ev ? rd_kafka_event_DescribeConfigs_result(ev) : NULL;
+    if (r && rd_kafka_event_error(ev) == RD_KAFKA_RESP_ERR_NO_ERROR) {
+        size_t n_res, n_cfg;
+        const rd_kafka_ConfigResource_t **rs = rd_kafka_DescribeConfigs_result_resources(r, &n_res);
+        for (size_t i = 0; i < n_res; i++) {
+            const rd_kafka_ConfigEntry_t **e = rd_kafka_ConfigResource_configs(rs[i], &n_cfg);
+            for (size_t j = 0; j < n_cfg; j++)
+                if (strcmp(rd_kafka_ConfigEntry_name(e[j]), "auto.create.topics.enable") == 0)
+                    answer = rd_kafka_ConfigEntry_value(e[j]) &&
+                             strcmp(rd_kafka_ConfigEntry_value(e[j]), "true") == 0;
+        }
+    }
+    if (ev)
+        rd_kafka_event_destroy(ev);
+done:
+    if (opt)
+        rd_kafka_AdminOptions_destroy(opt);
+    if (q)
+        rd_kafka_queue_destroy(q);
+    if (res)
+        rd_kafka_ConfigResource_destroy(res);
+    return answer;
+}
+
+static void check_kafka(const struct obx_config *cfg, const struct waiting *w, FILE *out,
+                        int *problems)
+{
+    rd_kafka_conf_t *conf;
+    char err[512];
+    const char *bootstrap = obx_config_kafka_get(cfg, "bootstrap.servers");
+    if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, sizeof(err)) != 0) {
+        problem(out, problems, "kafka: %s", err);
+        return;
+    }
+    /* log.queue is on and no one serves the queue: librdkafka stays quiet. */
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
+    if (!rk) {
+        rd_kafka_conf_destroy(conf);
+        problem(out, problems, "kafka: cannot create a client: %s", err);
+        return;
+    }
+    const struct rd_kafka_metadata *md = NULL;
+    rd_kafka_resp_err_t e = rd_kafka_metadata(rk, 1, NULL, &md, OBX_CHECK_TIMEOUT_S * 1000);
+    if (e != RD_KAFKA_RESP_ERR_NO_ERROR || !md || md->broker_cnt == 0) {
+        problem(out, problems,
+                "kafka: no broker answered at %s within %ds (%s); check "
+                "kafka.bootstrap.servers, the network and the security settings",
+                bootstrap, OBX_CHECK_TIMEOUT_S,
+                e ? rd_kafka_err2str(e) : "no brokers in the answer");
+        if (md)
+            rd_kafka_metadata_destroy(md);
+        rd_kafka_destroy(rk);
+        return;
+    }
+    int before = *problems, auto_create = -2; /* -2: not asked yet */
+    for (int i = 0; i < w->n; i++) {
+        bool found = false;
+        for (int t = 0; t < md->topic_cnt && !found; t++)
+            found = strcmp(md->topics[t].topic, w->topic[i]) == 0 && md->topics[t].err == 0;
+        if (found)
+            continue;
+        if (auto_create == -2)
+            auto_create = broker_auto_create(rk, md->brokers[0].id);
+        if (auto_create == 1)
+            fprintf(out,
+                    "outboxd: note: topic %s does not exist yet (%lld unsent rows wait for it); "
+                    "the brokers create it on first publish\n",
+                    w->topic[i], w->rows[i]);
+        else
+            problem(out, problems,
+                    "kafka: topic %s does not exist (%lld unsent rows wait for it) and the "
+                    "brokers %s auto-create topics: create it",
+                    w->topic[i], w->rows[i], auto_create == 0 ? "do not" : "may not");
+    }
+    if (*problems == before && w->known)
+        fprintf(out, "outboxd: ok: kafka %d brokers at %s, %d topics with unsent rows\n",
+                md->broker_cnt, bootstrap, w->n);
+    else if (*problems == before)
+        fprintf(out, "outboxd: ok: kafka %d brokers at %s (topics not checked without Postgres)\n",
+                md->broker_cnt, bootstrap);
+    rd_kafka_metadata_destroy(md);
+    rd_kafka_destroy(rk);
+}
+
+int obx_check_live(const struct obx_config *cfg, FILE *out)
+{
+    struct waiting w = {.n = 0};
+    int problems = 0;
+    check_postgres(cfg, &w, out, &problems);
+    check_kafka(cfg, &w, out, &problems);
+    for (int i = 0; i < w.n; i++)
+        free(w.topic[i]);
+    return problems;
+}
