@@ -320,12 +320,100 @@ static void test_check_live(void **state)
     PQfinish(c);
 }
 
+/* TLS to Postgres with sslmode=verify-full against a throwaway CA: the
+ * relay works over TLS only (the server refuses plain TCP), and refuses a
+ * server whose certificate another CA signed or whose name differs. */
+static void test_tls(void **state)
+{
+    (void)state;
+    char cmd[2048], opt_cert[400], opt_key[400], conninfo[800], path[400];
+    h_env_start(&env, (const char *const[]){"it.a:1", NULL});
+    snprintf(cmd, sizeof(cmd),
+             "cd '%s' && exec >tls.log 2>&1 && "
+             "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt"
+             " -subj /CN=outboxd-test-ca -days 2 &&"
+             " openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr"
+             " -subj /CN=localhost &&"
+             " printf 'subjectAltName=DNS:localhost\\n' > san.ext &&"
+             " openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial"
+             " -out server.crt -days 2 -extfile san.ext &&"
+             " openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.crt"
+             " -subj /CN=another-ca -days 2 &&"
+             " chmod 600 server.key && chown postgres server.key server.crt",
+             env.dir);
+    if (system(cmd) != 0)
+        fail_msg("making the test certificates failed; see %s/tls.log", env.dir);
+
+    /* Only TLS over TCP; the harness keeps its Unix socket. */
+    snprintf(path, sizeof(path), "%s/pgdata/pg_hba.conf", env.dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("local all all trust\n"
+          "hostssl all all 127.0.0.1/32 trust\n"
+          "hostssl all all ::1/128 trust\n",
+          f);
+    fclose(f);
+    h_pg_stop(&env);
+    snprintf(opt_cert, sizeof(opt_cert), "ssl_cert_file=%s/server.crt", env.dir);
+    snprintf(opt_key, sizeof(opt_key), "ssl_key_file=%s/server.key", env.dir);
+    env.pg_port = h_free_port();
+    env.pg_opts[0] = "ssl=on";
+    env.pg_opts[1] = opt_cert;
+    env.pg_opts[2] = opt_key;
+    env.pg_opts[3] = "listen_addresses=localhost";
+    h_pg_start(&env);
+
+    snprintf(conninfo, sizeof(conninfo),
+             "postgres.conninfo=host=localhost port=%d user=postgres dbname=postgres "
+             "sslmode=verify-full sslrootcert=%s/ca.crt",
+             env.pg_port, env.dir);
+    h_relay_start(&env, NULL, (const char *const[]){conninfo, NULL});
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 10; i++)
+        h_enqueue(c, "it.a", "k", "over-tls", 8, NULL);
+    s_wait_drained(&env, 20000);
+    /* Both of the relay's connections (relay, maintenance) use TLS; the
+     * maintenance one opens at the first housekeeping tick. */
+    int64_t deadline = h_now_ms() + 5000;
+    while (h_sql_int(c, "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE application_name LIKE 'outboxd%%'") < 2 &&
+           h_now_ms() < deadline)
+        h_sleep_ms(50);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM pg_stat_ssl s"
+                                  " JOIN pg_stat_activity a USING (pid)"
+                                  " WHERE a.application_name LIKE 'outboxd%%' AND s.ssl"),
+                     2);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    /* A certificate from another CA, then a name the certificate does not
+     * carry: no connection, and the log says why. */
+    snprintf(conninfo, sizeof(conninfo),
+             "postgres.conninfo=host=localhost port=%d user=postgres dbname=postgres "
+             "sslmode=verify-full sslrootcert=%s/other.crt",
+             env.pg_port, env.dir);
+    h_relay_start(&env, NULL, (const char *const[]){conninfo, NULL});
+    h_enqueue(c, "it.a", "k", "must-wait", 9, NULL);
+    h_wait_log(&env, "certificate verify failed", 10000);
+    wait_http("/readyz", 503, "no Postgres connection", 5000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    snprintf(conninfo, sizeof(conninfo),
+             "postgres.conninfo=host=127.0.0.1 port=%d user=postgres dbname=postgres "
+             "sslmode=verify-full sslrootcert=%s/ca.crt",
+             env.pg_port, env.dir);
+    h_relay_start(&env, NULL, (const char *const[]){conninfo, NULL});
+    h_wait_log(&env, "does not match host name", 10000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"), 1);
+    PQfinish(c);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_http, teardown_env),
         cmocka_unit_test_teardown(test_retention, teardown_env),
         cmocka_unit_test_teardown(test_check_live, teardown_env),
+        cmocka_unit_test_teardown(test_tls, teardown_env),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
