@@ -24,5 +24,7 @@ COPY --from=build /src/build/outboxd /usr/local/bin/outboxd
 COPY sql /usr/local/share/outboxd/sql
 COPY config/outboxd.conf /usr/local/share/outboxd/outboxd.conf.example
 USER outboxd
+# /livez, /readyz, /metrics (set http.listen = 0.0.0.0:9187 to reach them).
+EXPOSE 9187
 ENTRYPOINT ["/usr/local/bin/outboxd"]
 CMD ["--config", "/etc/outboxd/outboxd.conf"]

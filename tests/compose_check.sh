@@ -15,4 +15,9 @@ env -i PATH="$PATH" OUTBOXD_POSTGRES_CONNINFO="$conninfo" \
 for f in sql/*.sql; do
   grep -q "./$f:/docker-entrypoint-initdb.d/" docker-compose.yml || { echo "compose does not apply $f"; exit 1; }
 done
+# outboxd's health check asks /readyz on the port its configuration serves.
+port=$(awk -F'[: ]+' '/^http.listen/ {print $NF}' config/compose/outboxd.conf)
+health=$(docker-compose -f docker-compose.yml config | awk '/^  outboxd:/ {o=1} o && /healthcheck:/ {h=1} h && /\/readyz/ {print; exit}')
+[[ "$health" == *"/dev/tcp/127.0.0.1/$port"* && "$health" == *"GET /readyz"* ]] ||
+  { echo "compose: outboxd's health check does not ask /readyz on port $port: $health"; exit 1; }
 echo "compose: valid"

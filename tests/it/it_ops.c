@@ -93,6 +93,51 @@ static int idle_client(const char *head)
     return fd;
 }
 
+/* Runs docker-compose.yml's health check command of the outboxd service
+ * (bash, /dev/tcp) against port `port`; returns its exit status. */
+static int compose_healthcheck(int port)
+{
+    char yml[16384], cmd[1024], portstr[16];
+    FILE *f = fopen(OBX_SOURCE_DIR "/docker-compose.yml", "r");
+    assert_non_null(f);
+    size_t n = fread(yml, 1, sizeof(yml) - 1, f);
+    fclose(f);
+    yml[n] = '\0';
+    const char *probe = strstr(yml, "/dev/tcp/127.0.0.1/9187");
+    assert_non_null(probe);
+    const char *start = probe;
+    while (start > yml && strncmp(start, "\"-c\", \"", 7) != 0)
+        start--;
+    assert_true(start > yml);
+    start += 7;
+    const char *end = strstr(start, "\"]");
+    assert_non_null(end);
+    /* YAML double quotes: \\ is one backslash. */
+    size_t o = 0;
+    for (const char *p = start; p < end && o + 8 < sizeof(cmd); p++) {
+        if (p[0] == '\\' && p[1] == '\\')
+            p++;
+        if (strncmp(p, "9187", 4) == 0) {
+            o += (size_t)snprintf(cmd + o, sizeof(cmd) - o, "%d", port);
+            p += 3;
+            continue;
+        }
+        cmd[o++] = *p;
+    }
+    cmd[o] = '\0';
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    assert_non_null(strstr(cmd, portstr));
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execlp("bash", "bash", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 /* /livez, /readyz and /metrics through a run with Kafka and Postgres
  * outages; promtool accepts the metrics; hostile clients do not stall the
  * relay. */
@@ -103,6 +148,7 @@ static void test_http(void **state)
     h_relay_start(&env, NULL, NULL);
     wait_http("/livez", 200, "ok", 10000);
     wait_http("/readyz", 200, "ready", 15000);
+    assert_int_equal(compose_healthcheck(env.http_port), 0);
 
     PGconn *c = h_connect(&env);
     for (int i = 0; i < 30; i++)
@@ -125,6 +171,7 @@ static void test_http(void **state)
     /* Kafka down: not ready, rows wait, the backlog and lag show them. */
     assert_true(h_broker_cmd(&env, "down all"));
     wait_http("/readyz", 503, "Kafka unreachable", 15000);
+    assert_int_not_equal(compose_healthcheck(env.http_port), 0);
     for (int i = 0; i < 5; i++)
         h_enqueue(c, "it.a", "k", "waiting", 7, NULL);
     wait_metric("outboxd_outbox_backlog_rows", 5, 15000);

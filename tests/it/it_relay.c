@@ -558,9 +558,9 @@ static void test_lifecycle(void **state)
     close(fd);
 }
 
-/* Secrets never reach the logs: a Postgres password in the conninfo and a
- * SASL password, at debug level with every librdkafka debug context on, in
- * JSON format (whose lines are checked for shape too). */
+/* Secrets never reach the logs or /metrics: a Postgres password in the
+ * conninfo and a SASL password, at debug level with every librdkafka debug
+ * context on, in JSON format (whose lines are checked for shape too). */
 static void test_secrets_not_logged(void **state)
 {
     (void)state;
@@ -576,6 +576,11 @@ static void test_secrets_not_logged(void **state)
     h_enqueue(c, "it.a", "k", "v", 1, NULL);
     h_sleep_ms(3000); /* SASL against the mock fails: plenty of log lines */
     PQfinish(c);
+    static char metrics[1 << 18];
+    assert_int_equal(h_http_get(&env, "/metrics", metrics, sizeof(metrics)), 200);
+    assert_non_null(strstr(metrics, "outboxd_build_info"));
+    assert_null(strstr(metrics, "PgSecret"));
+    assert_null(strstr(metrics, "SaslSecret"));
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 
     char path[300], line[8192];
