@@ -16,6 +16,7 @@
  * 5. Footprint of the outboxd process.
  */
 #include "outboxd/config.h"
+#include "outboxd/maint.h"
 #include "outboxd/pg.h"
 
 #include <errno.h>
@@ -162,6 +163,39 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
     exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
     PQfinish(c);
     return (double)done / t;
+}
+
+/* Retention: sent rows (2 days old) deleted by the purge statement outboxd
+ * runs, in batches of `batch`, the way a round walks the table. */
+static double purge_rate(const struct opts *o, int batch)
+{
+    PGconn *c = connect_db(o);
+    settle(c);
+    prefill(c, o->rows, 200);
+    exec_ok(c, "UPDATE outbox.events SET sent_at = now() - interval '2 days'");
+    exec_ok(c, "VACUUM ANALYZE outbox.events");
+    char cursor[32] = "0", limit[16], period[] = "86400000";
+    snprintf(limit, sizeof(limit), "%d", batch);
+    long deleted = 0;
+    double t0 = now_s();
+    for (;;) {
+        const char *v[3] = {cursor, limit, period};
+        PGresult *r = PQexecParams(c, obx_maint_sql_purge(), 3, NULL, v, NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("purge", PQresultErrorMessage(r));
+        bool done = PQgetisnull(r, 0, 0) || atol(PQgetvalue(r, 0, 2)) > 0;
+        if (!PQgetisnull(r, 0, 0))
+            snprintf(cursor, sizeof(cursor), "%s", PQgetvalue(r, 0, 0));
+        deleted += atol(PQgetvalue(r, 0, 1));
+        PQclear(r);
+        if (done)
+            break;
+    }
+    double t = now_s() - t0;
+    if (deleted != o->rows)
+        die("purge", "did not delete every row");
+    PQfinish(c);
+    return (double)deleted / t;
 }
 
 /* ---- 2. Kafka-side limit ---- */
@@ -593,6 +627,7 @@ int main(int argc, char **argv)
     double pg_mark = pg_limit(&o, OBX_ON_SENT_MARK, 200);
     double pg_delete = pg_limit(&o, OBX_ON_SENT_DELETE, 200);
     double pg_mark_4k = pg_limit(&o, OBX_ON_SENT_MARK, 4096);
+    double purge = purge_rate(&o, 1000);
     fprintf(stderr, "obx-bench: 3/5 outboxd drain...\n");
     struct drain_result d_mark, d_delete, d_4k, d_alloc;
     drain(&o, OBX_ON_SENT_MARK, o.rows, 200, true, &d_mark, NULL);
@@ -632,6 +667,8 @@ int main(int argc, char **argv)
         pg_mark);
     printf("| 1 | Postgres-side limit, delete | %.0f rows/s |\n", pg_delete);
     printf("| 1 | Postgres-side limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n", pg_mark_4k);
+    printf("| 1 | retention purge of sent rows (mark mode), batches of 1000 | %.0f rows/s |\n",
+           purge);
     printf("| 2 | Kafka-side limit (bare idempotent producer, same records) | %.0f records/s |\n",
            kafka);
     printf("| 2 | Kafka-side limit, 4 KiB payloads | %.0f records/s |\n", kafka_4k);

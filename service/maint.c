@@ -30,6 +30,11 @@ static const char SQL_PURGE[] =
     "        (SELECT count(*) FROM batch"
     "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond')";
 
+const char *obx_maint_sql_purge(void)
+{
+    return SQL_PURGE;
+}
+
 struct obx_maint {
     uv_loop_t *loop;
     uv_work_t work;

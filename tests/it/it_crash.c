@@ -394,6 +394,19 @@ static void test_reject_dead_letter(void **state)
                   (const char *const[]){"relay.on_reject=dead_letter",
                                         "kafka.message.max.bytes=10000", "kafka.batch.size=8000",
                                         "kafka.topic.metadata.propagation.max.ms=1000", NULL});
+    s_wait_drained(&env, 90000);
+    /* G6: visible in the metrics too, by reason. */
+    static char metrics[1 << 18];
+    int64_t deadline = h_now_ms() + 5000;
+    do {
+        assert_int_equal(h_http_get(&env, "/metrics", metrics, sizeof(metrics)), 200);
+    } while (h_metric(metrics, "outboxd_rows_dead_lettered_total") < 2 && h_now_ms() < deadline);
+    assert_true(h_metric(metrics, "outboxd_rows_dead_lettered_total") == 2);
+    assert_true(h_metric(metrics, "outboxd_publish_errors_total{reason=\"MSG_SIZE_TOO_LARGE\"}") >=
+                1);
+    assert_true(
+        h_metric(metrics, "outboxd_publish_errors_total{reason=\"UNKNOWN_TOPIC_OR_PART\"}") >= 1 ||
+        h_metric(metrics, "outboxd_publish_errors_total{reason=\"_UNKNOWN_TOPIC\"}") >= 1);
     assert_int_equal(drain_and_check(), 302);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"), 2);
     assert_int_equal(
