@@ -74,6 +74,9 @@ struct obx_relay {
     struct obx_blocked_key keys[MAX_BLOCKED];
     int64_t key_ids[MAX_BLOCKED];
 
+    struct slot **batch; /* slots of the rows of the fetch being produced */
+    bool discard_fetch;  /* the fetch in flight must be ignored (see on_fetched) */
+
     bool recovered;        /* the start-up recovery pass has succeeded */
     bool want_fetch;       /* rows may be waiting: NOTIFY, poll, full batch */
     int64_t not_before;    /* back-off: no statement before this time */
@@ -146,8 +149,9 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->off_topics = calloc(n, sizeof(*r->off_topics));
     r->off_partitions = calloc(n, sizeof(*r->off_partitions));
     r->off_offsets = calloc(n, sizeof(*r->off_offsets));
+    r->batch = calloc((size_t)s->batch_size, sizeof(*r->batch));
     if (!r->slots || !r->ids || !r->dead_ids || !r->dead_reasons || !r->off_topics ||
-        !r->off_partitions || !r->off_offsets) {
+        !r->off_partitions || !r->off_offsets || !r->batch) {
         obx_relay_free(r);
         return -1;
     }
@@ -178,6 +182,7 @@ void obx_relay_free(struct obx_relay *r)
     free(r->off_topics);
     free(r->off_partitions);
     free(r->off_offsets);
+    free(r->batch);
     free(r);
 }
 
@@ -484,6 +489,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
     /* A mark in flight may or may not have committed: mark those rows again
      * after the reconnect (the statement is idempotent). */
     unmark(r);
+    r->discard_fetch = false; /* the fetch in flight, if any, is gone */
     set_state(r, OBX_RELAY_WAIT_PG, "postgres connection lost");
     kick(r, now);
 }
@@ -504,10 +510,18 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
 
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now)
 {
-    size_t produced = 0;
+    size_t produced = 0, taken = 0;
     if (r->state != OBX_RELAY_FETCHING)
         return;
     set_state(r, OBX_RELAY_IDLE, "fetch done");
+    if (r->discard_fetch) {
+        /* Sent while the batch before it was produced, and that batch did not
+         * all go out: these rows would overtake the ones it left behind. */
+        r->discard_fetch = false;
+        r->want_fetch = true;
+        kick(r, now);
+        return;
+    }
     if (r->draining) { /* fetched before the shutdown began: leave them */
         kick(r, now);
         return;
@@ -517,9 +531,13 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         r->want_fetch = true;
         return;
     }
+    /* Take a slot for every row first, so that the next statement can go to
+     * Postgres now (its exclusions include these rows) and run while we hand
+     * the rows to Kafka: Postgres does not wait for our CPU. */
     for (size_t i = 0; i < n; i++) {
         const struct obx_row *row = &rows[i];
         int64_t topic = topic_index(r, row->topic);
+        r->batch[i] = NULL;
         if (topic < 0) {
             obx_error("relay: out of memory for topic names");
             break;
@@ -532,6 +550,22 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             break;
         }
         s->created_us = row->created_us;
+        r->batch[i] = s;
+        taken = i + 1;
+    }
+    /* A full batch means more rows are likely waiting. */
+    if (n > 0 && n == (size_t)r->set.batch_size)
+        r->want_fetch = true;
+    kick(r, now);
+    for (size_t i = 0; i < taken; i++) {
+        const struct obx_row *row = &rows[i];
+        struct slot *s = r->batch[i];
+        if (!s)
+            continue;
+        if (r->n_blocked > 0 && held_back(r, row, s->topic)) {
+            slot_release(r, s); /* its key was refused earlier in this batch */
+            continue;
+        }
         const char *reason = NULL;
         enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
         if (pr == OBX_PRODUCE_OK) {
@@ -542,9 +576,14 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             continue;
         }
         if (pr == OBX_PRODUCE_BUSY) {
-            /* Keep id order: the rest of the batch waits for the next fetch. */
+            /* Keep id order: the rest of the batch waits for the next fetch,
+             * and a fetch already sent must not run ahead of it. */
             obx_warn("relay: Kafka queue full at row %lld; retrying shortly", (long long)row->id);
-            slot_release(r, s);
+            for (size_t j = i; j < taken; j++)
+                if (r->batch[j])
+                    slot_release(r, r->batch[j]);
+            if (r->state == OBX_RELAY_FETCHING)
+                r->discard_fetch = true;
             r->not_before = now + 100;
             r->want_fetch = true;
             break;
@@ -554,10 +593,6 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     if (produced > 0 && OBX_FAILPOINT(OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced, r->in_use);
-    /* A full batch means more rows are likely waiting: fetch again at once,
-     * overlapping with Kafka's round trips. */
-    if (n > 0 && n == (size_t)r->set.batch_size)
-        r->want_fetch = true;
     kick(r, now);
 }
 
@@ -594,6 +629,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
 {
     if (r->state == OBX_RELAY_FETCHING) {
         obx_warn("relay: fetch failed: %s", reason);
+        r->discard_fetch = false;
         r->want_fetch = true;
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);

@@ -372,6 +372,29 @@ static void test_produce_busy_keeps_order(void **state)
     assert_int_equal(c->f.produced_ids[2], 3);
 }
 
+/* The next fetch goes out before a full batch is produced; if the queue
+ * fills in that batch, its answer is dropped, or its rows would overtake
+ * the ones left behind. */
+static void test_produce_busy_discards_early_fetch(void **state)
+{
+    struct ctx *c = *state;
+    c->f.busy_at = 1;
+    ready(c, 0);
+    fetched(c, 1, 4, 0); /* full batch; row 2 finds the queue full */
+    assert_int_equal(c->f.fetches, 2);
+    assert_int_equal(c->f.produced, 1);
+    assert_true(excluded(c, 2)); /* the early fetch skipped rows 2-4 */
+    fetched(c, 5, 2, 10);        /* its answer: must not run ahead of rows 2-4 */
+    assert_int_equal(c->f.produced, 1);
+    obx_relay_tick(c->r, 1200);
+    assert_int_equal(c->f.fetches, 3);
+    assert_false(excluded(c, 2));
+    fetched(c, 2, 4, 1200);
+    assert_int_equal(c->f.produced, 5);
+    for (int i = 1; i <= 4; i++)
+        assert_int_equal(c->f.produced_ids[i], i + 1);
+}
+
 /* Mark: ids plus the highest acknowledged offset of each partition. */
 static void test_mark_carries_offsets(void **state)
 {
@@ -420,16 +443,24 @@ static void test_reject_retry_holds_key(void **state)
     fetched(c, 1, 4, 0); /* ids 1 (k1), 2 (k2), 3 (k0, refused), 4 (k1) */
     assert_int_equal(c->f.produced, 3);
     assert_int_equal(obx_relay_blocked_keys(c->r), 1);
-    assert_int_equal(c->f.fetches, 2); /* full batch: fetch again */
-    assert_int_equal(c->f.n_blocked, 1);
-    assert_string_equal(c->f.blocked_key, "t/k0");
-    assert_int_equal(c->f.blocked_id, 3);
-    assert_true(excluded(c, 3)); /* not due yet */
+    /* Full batch: the next fetch went out before the rows were produced, so
+     * it knows nothing of the refusal yet ... */
+    assert_int_equal(c->f.fetches, 2);
+    assert_int_equal(c->f.n_blocked, 0);
 
-    /* A later row of k0 in a batch is held back; k1/k2 rows go. */
+    /* ... and a later row of k0 in its answer is held back; k1 rows go. */
     fetched(c, 6, 2, 1); /* 6 (k0) held, 7 (k1) produced */
     assert_int_equal(c->f.produced, 4);
     assert_int_equal(c->f.produced_ids[3], 7);
+
+    /* The refusal asked for another fetch, sent now: it carries the block,
+     * and row 3 is not due yet. */
+    assert_int_equal(c->f.fetches, 3);
+    assert_int_equal(c->f.n_blocked, 1);
+    assert_string_equal(c->f.blocked_key, "t/k0");
+    assert_int_equal(c->f.blocked_id, 3);
+    assert_true(excluded(c, 3));
+    fetched(c, 8, 0, 2);
 
     /* Due after retry_backoff: fetched again, and this time delivered. */
     c->f.reject_id = 0;
@@ -561,6 +592,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_query_failed_backs_off, setup, teardown),
         cmocka_unit_test_setup_teardown(test_delivery_failure_refetches, setup, teardown),
         cmocka_unit_test_setup_teardown(test_produce_busy_keeps_order, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_produce_busy_discards_early_fetch, setup, teardown),
         cmocka_unit_test_setup_teardown(test_mark_carries_offsets, setup, teardown),
         cmocka_unit_test_setup_teardown(test_recovery_retried, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reject_retry_holds_key, setup, teardown),
