@@ -172,7 +172,8 @@ static double purge_rate(const struct opts *o, int batch)
     PGconn *c = connect_db(o);
     settle(c);
     prefill(c, o->rows, 200);
-    exec_ok(c, "UPDATE outbox.events SET sent_at = now() - interval '2 days'");
+    exec_ok(c, "UPDATE outbox.events SET created_at = now() - interval '3 days',"
+               " sent_at = now() - interval '2 days'");
     exec_ok(c, "VACUUM ANALYZE outbox.events");
     char cursor[32] = "0", limit[16], period[] = "86400000";
     snprintf(limit, sizeof(limit), "%d", batch);
@@ -220,7 +221,7 @@ static double kafka_limit(const struct opts *o, size_t payload_len)
                                  {"enable.idempotence", "true"},
                                  {"message.timeout.ms", "0"},
                                  {"partitioner", "murmur2_random"},
-                                 {"linger.ms", "5"}};
+                                 {"linger.ms", "1"}};
     for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
         if (rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err)))
             die("producer conf", err);
@@ -696,7 +697,7 @@ int main(int argc, char **argv)
 
     printf("outboxd benchmark, %s: %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s "
            "mock cluster (3 brokers, TCP_NODELAY), all on this machine; outboxd defaults "
-           "(batch %d, linger.ms 5); %d rows, 200-byte payloads, 3 headers, %d keys, %d "
+           "(batch %d, linger.ms 1); %d rows, 200-byte payloads, 3 headers, %d keys, %d "
            "partitions.\n\n",
            date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str(), BATCH, o.rows,
            KEYS, PARTITIONS);

@@ -116,6 +116,9 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
         {"message.timeout.ms", "0"},
         {"partitioner", "murmur2_random"},
         {"client.id", "outboxd"},
+        /* librdkafka's 5 ms cost 4 ms of p99 at 1,000 events/s; under a
+         * backlog, batches fill from the 1,000-row fetches anyway. */
+        {"linger.ms", "1"},
     };
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
     if (!conf) {
