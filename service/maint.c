@@ -63,6 +63,8 @@ struct obx_maint {
     double lag_out;
     int64_t stats_ms; /* how long the count took */
     char error[256];
+    char last_error[256]; /* last one logged, and when */
+    int64_t last_error_at;
 
     int64_t backlog; /* published on the loop thread */
     double lag;
@@ -219,11 +221,26 @@ static void after_work_cb(uv_work_t *w, int status)
         return;
     }
     if (status != 0 || m->error[0]) {
-        obx_warn("maintenance: %s", status != 0 ? uv_strerror(status) : m->error);
+        const char *why = status != 0 ? uv_strerror(status) : m->error;
+        /* During an outage this fails every few seconds, as the relay's own
+         * connection does: say it once a minute, or when the reason changes. */
+        if (strcmp(why, m->last_error) != 0 || now - m->last_error_at >= 60000) {
+            obx_warn("maintenance: %s", why);
+            snprintf(m->last_error, sizeof(m->last_error), "%s", why);
+            m->last_error_at = now;
+        }
+        if (m->job_stats) { /* unknown rather than stale */
+            m->backlog = -1;
+            m->lag = -1;
+        }
         m->stats_due = now + m->stats_spacing_ms;
         if (m->job_purge)
             m->purge_due = now + m->retention_interval_ms;
         return;
+    }
+    if (m->last_error[0]) {
+        obx_info("maintenance: working again");
+        m->last_error[0] = '\0';
     }
     if (m->job_stats) {
         m->backlog = m->backlog_out;

@@ -7,6 +7,7 @@
 #include "harness.h"
 #include "scenario.h"
 
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/socket.h>
@@ -677,6 +678,32 @@ static void test_cli(void **state)
                      2);
     assert_non_null(strstr(out, "kafka.no.such.property"));
 
+    /* http.listen: a malformed address at --check; a port in use at start. */
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "--config", path, "-X",
+                                                 "http.listen=9187", "--check", NULL}),
+                     2);
+    assert_non_null(strstr(out, "http.listen: '9187' is not HOST:PORT"));
+    assert_int_equal(
+        run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--config", path, "--live", NULL}),
+        2);
+    assert_non_null(strstr(out, "--live goes with --check"));
+    int port = h_free_port();
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int taken = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_int_equal(bind(taken, (struct sockaddr *)&a, sizeof(a)), 0);
+    assert_int_equal(listen(taken, 1), 0);
+    char listen_arg[64];
+    snprintf(listen_arg, sizeof(listen_arg), "http.listen=127.0.0.1:%d", port);
+    assert_int_equal(
+        run_outboxd(out, sizeof(out),
+                    (char *const[]){"outboxd", "--config", path, "-X", listen_arg, NULL}),
+        2);
+    assert_non_null(strstr(out, "cannot listen on 127.0.0.1:"));
+    close(taken);
+
     /* An unknown key in the file: named with its line. */
     FILE *f = fopen(path, "a");
     fputs("relay.batchsize = 10\n", f);
@@ -693,6 +720,7 @@ static void test_cli(void **state)
     assert_int_equal(run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--help", NULL}), 0);
     assert_non_null(strstr(out, "postgres.conninfo"));
     assert_int_equal(run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--bogus", NULL}), 2);
+
     unlink(path);
 }
 
