@@ -228,7 +228,8 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
         simple(out, "outboxd_outbox_lag_seconds", "gauge",
                "Age of the oldest unsent row (0 when none is waiting).", g->lag_seconds);
     histogram(out, "outboxd_commit_to_ack_seconds",
-              "From the row's created_at to Kafka's acknowledgement.", &s->ack_latency);
+              "From the row's created_at (its insert) to Kafka's acknowledgement.",
+              &s->ack_latency);
     histogram(out, "outboxd_fetch_batch_rows", "Rows returned by each fetch.", &s->batch_rows);
     simple(out, "outboxd_postgres_connected", "gauge",
            "1 when the relay's Postgres connection is set up and usable.",

@@ -26,7 +26,9 @@ CREATE TABLE IF NOT EXISTS outbox.events (
     payload    bytea,                    -- NULL = tombstone
     headers    jsonb NOT NULL DEFAULT '{}'::jsonb
                CHECK (jsonb_typeof(headers) = 'object'),
-    created_at timestamptz NOT NULL DEFAULT now(),
+    -- The insert's own time, not the transaction's start (now()): the
+    -- relay's lag and latency figures measure from here.
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     sent_at    timestamptz               -- NULL until Kafka acknowledged the record
 );
 
