@@ -328,9 +328,9 @@ static void on_signal(uv_signal_t *s, int signum)
     obx_relay_shutdown(a->relay, (int64_t)uv_now(&a->loop));
 }
 
-static void on_teardown(uv_timer_t *t)
+/* Closes the modules that are open (each frees itself through the loop). */
+static void close_parts(struct app *a)
 {
-    struct app *a = t->data;
     obx_pg_close(a->pg);
     a->pg = NULL;
     obx_kafka_close(a->kafka);
@@ -341,6 +341,12 @@ static void on_teardown(uv_timer_t *t)
     a->http = NULL;
     obx_maint_close(a->maint);
     a->maint = NULL;
+}
+
+static void on_teardown(uv_timer_t *t)
+{
+    struct app *a = t->data;
+    close_parts(a);
     uv_close((uv_handle_t *)&a->sigterm, NULL);
     uv_close((uv_handle_t *)&a->sigint, NULL);
     uv_close((uv_handle_t *)&a->sighup, NULL);
@@ -516,33 +522,20 @@ static int start(struct app *a)
     }
     if (obx_pg_new(&a->loop, &a->cfg, &pg_cb, a, &a->pg, err, sizeof(err)) != 0) {
         obx_error("%s", err);
-        obx_kafka_close(a->kafka);
-        a->kafka = NULL;
+        close_parts(a);
         return EXIT_USAGE;
     }
     if (obx_recovery_new(&a->loop, &a->cfg, a->pg, &recovery_cb, a, &a->recovery) != 0 ||
         obx_maint_new(&a->loop, &a->cfg, a->cfg.http_listen[0] != '\0', &a->maint) != 0) {
         obx_error("out of memory");
-        obx_recovery_close(a->recovery);
-        obx_pg_close(a->pg);
-        obx_kafka_close(a->kafka);
-        a->recovery = NULL;
-        a->pg = NULL;
-        a->kafka = NULL;
+        close_parts(a);
         return EXIT_RUNTIME;
     }
     if (a->cfg.http_listen[0] != '\0' && obx_http_new(&a->loop, a->cfg.http_listen, http_handler, a,
                                                       &a->http, err, sizeof(err)) != 0) {
         /* A port in use is a deployment error: say so at once, exit 2. */
         obx_error("%s", err);
-        obx_maint_close(a->maint);
-        obx_recovery_close(a->recovery);
-        obx_pg_close(a->pg);
-        obx_kafka_close(a->kafka);
-        a->maint = NULL;
-        a->recovery = NULL;
-        a->pg = NULL;
-        a->kafka = NULL;
+        close_parts(a);
         return EXIT_USAGE;
     }
     uv_signal_init(&a->loop, &a->sigterm);

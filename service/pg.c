@@ -627,23 +627,7 @@ void obx_pg_close(struct obx_pg *pg)
 
 static void array_put(struct obx_pg_array *a, const char *s, size_t n)
 {
-    if (a->oom)
-        return;
-    if (a->len + n + 1 > a->cap) {
-        size_t cap = a->cap ? a->cap : 256;
-        while (cap < a->len + n + 1)
-            cap *= 2;
-        char *grown = realloc(a->buf, cap);
-        if (!grown) {
-            a->oom = true;
-            return;
-        }
-        a->buf = grown;
-        a->cap = cap;
-    }
-    memcpy(a->buf + a->len, s, n);
-    a->len += n;
-    a->buf[a->len] = '\0';
+    obx_buf_append(&a->text, s, n);
 }
 
 static void array_sep(struct obx_pg_array *a)
@@ -654,9 +638,8 @@ static void array_sep(struct obx_pg_array *a)
 
 void obx_pg_array_reset(struct obx_pg_array *a)
 {
-    a->len = 0;
+    obx_buf_reset(&a->text);
     a->count = 0;
-    a->oom = false;
     array_put(a, "{", 1);
 }
 
@@ -688,13 +671,13 @@ void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len)
 const char *obx_pg_array_finish(struct obx_pg_array *a)
 {
     array_put(a, "}", 1);
-    return a->oom ? NULL : a->buf;
+    return a->text.oom ? NULL : a->text.data;
 }
 
 void obx_pg_array_free(struct obx_pg_array *a)
 {
-    free(a->buf);
-    memset(a, 0, sizeof(*a));
+    obx_buf_free(&a->text);
+    a->count = 0;
 }
 
 /* ---- statements ---- */

@@ -21,6 +21,7 @@
 #include <libpq-fe.h>
 #include <uv.h>
 
+#include "outboxd/buf.h"
 #include "outboxd/config.h"
 #include "outboxd/relay.h"
 
@@ -69,10 +70,8 @@ enum obx_pg_state obx_pg_state(const struct obx_pg *pg);
 /* A growable text buffer holding a Postgres array literal ("{1,2}",
  * "{\"a\",NULL}") for a text-format parameter. */
 struct obx_pg_array {
-    char *buf;
-    size_t len, cap;
+    struct obx_buf text;
     int count;
-    bool oom;
 };
 void obx_pg_array_reset(struct obx_pg_array *a);
 void obx_pg_array_add_int(struct obx_pg_array *a, int64_t v);
