@@ -56,10 +56,11 @@ struct app {
     uv_timer_t teardown; /* closes everything from a fresh loop turn */
     int signals;
     int exit_code;
-    bool ready_notified;
-    int64_t last_tick;  /* loop time of the last housekeeping run */
-    int64_t next_probe; /* loop time of the next Kafka probe */
-    double start_time;  /* Unix seconds */
+    bool ready_notified; /* the first recovery pass succeeded */
+    bool sd_ready_sent;  /* READY=1 went to systemd */
+    int64_t last_tick;   /* loop time of the last housekeeping run */
+    int64_t next_probe;  /* loop time of the next Kafka probe */
+    double start_time;   /* Unix seconds */
     /* The command line, kept to rebuild the configuration on SIGHUP. */
     const char *config_path;
     char **xargs;
@@ -131,12 +132,23 @@ static void pg_lost(void *arg)
 static void sd_notify_state(const char *state);
 static void reload(struct app *a);
 
+/* READY=1 once: when publishing may start, or when standing by behind
+ * another outboxd (a standby that never said READY would be killed by
+ * systemd's start timeout). */
+static void notify_ready(struct app *a)
+{
+    if (a->sd_ready_sent)
+        return;
+    a->sd_ready_sent = true;
+    sd_notify_state("READY=1");
+}
+
 static void recovery_done(bool ok, void *arg)
 {
     struct app *a = arg;
     if (ok && !a->ready_notified) {
         a->ready_notified = true;
-        sd_notify_state("READY=1"); /* publishing may start */
+        notify_ready(a); /* publishing may start */
     }
     obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
 }
@@ -218,6 +230,8 @@ static void on_housekeeping(uv_timer_t *t)
         a->next_probe = now + KAFKA_PROBE_MS;
     }
     obx_maint_tick(a->maint, now);
+    if (obx_pg_standby(a->pg))
+        notify_ready(a);
 }
 
 /* ---- HTTP endpoints ---- */
@@ -228,12 +242,16 @@ static bool pg_connected(const struct app *a)
     return s == OBX_PG_READY || s == OBX_PG_BUSY;
 }
 
-/* Why the relay is not ready, or NULL when it is. */
+/* Why the relay is not ready, or NULL when it is. A standby is ready: it
+ * is doing what it should, and failing the probe would take the pod out of
+ * service, or stall a rolling update whose old pod holds the lock. */
 static const char *not_ready_reason(const struct app *a)
 {
     enum obx_relay_state s = obx_relay_state(a->relay);
     if (a->signals > 0 || s == OBX_RELAY_STOPPED)
         return "draining after SIGTERM/SIGINT";
+    if (obx_pg_standby(a->pg))
+        return obx_kafka_connected(a->kafka) ? NULL : "Kafka unreachable (no metadata)";
     if (!pg_connected(a))
         return "no Postgres connection";
     if (s == OBX_RELAY_WAIT_PG || s == OBX_RELAY_RECOVERING || !a->ready_notified)
@@ -261,6 +279,8 @@ static void http_handler(const char *path, struct obx_buf *body, int *status,
         if (why) {
             *status = 503;
             obx_buf_printf(body, "not ready: %s\n", why);
+        } else if (obx_pg_standby(a->pg)) {
+            obx_buf_puts(body, "ready: standby, another outboxd holds the relay lock\n");
         } else {
             obx_buf_puts(body, "ready\n");
         }
@@ -276,6 +296,7 @@ static void http_handler(const char *path, struct obx_buf *body, int *status,
             .postgres_connected = pg_connected(a),
             .kafka_connected = obx_kafka_connected(a->kafka),
             .ready = not_ready_reason(a) == NULL,
+            .standby = obx_pg_standby(a->pg),
             .draining = a->signals > 0,
             .start_time = a->start_time,
         };

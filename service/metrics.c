@@ -239,6 +239,9 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_kafka_connected", "gauge",
            "1 when the last metadata request to Kafka succeeded.", g->kafka_connected ? 1 : 0);
     simple(out, "outboxd_ready", "gauge", "1 when /readyz answers 200.", g->ready ? 1 : 0);
+    simple(out, "outboxd_standby", "gauge",
+           "1 while another outboxd holds the relay lock of this outbox and this one waits.",
+           g->standby ? 1 : 0);
     simple(out, "outboxd_draining", "gauge", "1 after SIGTERM/SIGINT, while in-flight rows finish.",
            g->draining ? 1 : 0);
     simple(out, "process_cpu_seconds_total", "counter", "User and system CPU time spent.",

@@ -90,6 +90,9 @@ struct obx_pg {
     uv_timer_t timer; /* reconnect back-off, or connect+setup timeout */
     int attempts;     /* failed attempts since the last READY */
     bool started;     /* a first connection was attempted */
+    int setup_step;   /* SETUP: 0 schema check etc., 1 try the relay lock, 2 wait for it */
+    long schema_version;
+    bool standby;     /* waiting for the relay lock another outboxd holds */
     PGresult *result; /* first result of the statement in flight */
     char target[256]; /* "host:port/db as user", for logs; no password */
 
@@ -117,6 +120,11 @@ static void set_state(struct obx_pg *pg, enum obx_pg_state to, const char *why)
         return;
     obx_debug("postgres: %s -> %s (%s)", state_names[pg->state], state_names[to], why);
     pg->state = to;
+}
+
+bool obx_pg_standby(const struct obx_pg *pg)
+{
+    return pg->standby && pg->state == OBX_PG_SETUP;
 }
 
 enum obx_pg_state obx_pg_state(const struct obx_pg *pg)
@@ -260,6 +268,17 @@ static void start_connect(struct obx_pg *pg)
         disconnect(pg, "cannot watch the connection socket");
 }
 
+/* Sends the next setup statement; the connection stays in SETUP. */
+static void send_setup_step(struct obx_pg *pg, const char *sql)
+{
+    if (!PQsendQuery(pg->conn, sql)) {
+        disconnect_with_error(pg, "setup failed");
+        return;
+    }
+    if (watch(pg, UV_READABLE | (PQflush(pg->conn) == 1 ? UV_WRITABLE : 0)) != 0)
+        disconnect(pg, "cannot watch the connection socket");
+}
+
 static void send_setup(struct obx_pg *pg)
 {
     char sql[256];
@@ -268,6 +287,8 @@ static void send_setup(struct obx_pg *pg)
              " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld",
              (long long)pg->statement_timeout_ms);
     describe_target(pg);
+    pg->setup_step = 0;
+    pg->standby = false;
     if (PQsetnonblocking(pg->conn, 1) != 0 || !PQsendQuery(pg->conn, sql)) {
         disconnect_with_error(pg, "setup failed");
         return;
@@ -315,22 +336,50 @@ static void finish_setup(struct obx_pg *pg, PGresult *res)
         disconnect(pg, reason);
         return;
     }
-    long version = 0;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
-        version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
-    if (version < OBX_SCHEMA_VERSION) {
-        snprintf(reason, sizeof(reason),
-                 "outbox schema is at version %ld, this outboxd needs %d: apply %s and later "
-                 "files in sql/",
-                 version, OBX_SCHEMA_VERSION, migrations[version + 1]);
-        disconnect(pg, reason);
+    if (pg->setup_step == 0) {
+        long version = 0;
+        if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
+            version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+        if (version < OBX_SCHEMA_VERSION) {
+            snprintf(reason, sizeof(reason),
+                     "outbox schema is at version %ld, this outboxd needs %d: apply %s and later "
+                     "files in sql/",
+                     version, OBX_SCHEMA_VERSION, migrations[version + 1]);
+            disconnect(pg, reason);
+            return;
+        }
+        pg->schema_version = version;
+        pg->setup_step = 1;
+        send_setup_step(pg, "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
         return;
     }
+    if (pg->setup_step == 1 && !(PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 &&
+                                 strcmp(PQgetvalue(res, 0, 0), "t") == 0)) {
+        /* Another relay is active on this outbox. Wait in Postgres for its
+         * session to end (no statement_timeout on that wait): the takeover
+         * is immediate and nothing polls. */
+        char sql[256];
+        snprintf(sql, sizeof(sql),
+                 "SET statement_timeout = 0; SELECT pg_advisory_lock(" OBX_RELAY_LOCK
+                 "); SET statement_timeout = %lld",
+                 (long long)pg->statement_timeout_ms);
+        obx_warn("postgres: another outboxd is relaying this outbox (it holds the relay lock "
+                 "in %s); standing by until its session ends",
+                 pg->target);
+        uv_timer_stop(&pg->timer); /* the wait may be long: not a connect timeout */
+        pg->setup_step = 2;
+        pg->standby = true;
+        send_setup_step(pg, sql);
+        return;
+    }
+    if (pg->setup_step == 2)
+        obx_info("postgres: relay lock acquired: the other outboxd is gone, taking over");
+    pg->standby = false;
     uv_timer_stop(&pg->timer);
     pg->attempts = 0;
     set_state(pg, OBX_PG_READY, "setup done");
-    obx_info("postgres: connected to %s (schema version %ld, listening on %s)", pg->target, version,
-             OBX_NOTIFY_CHANNEL);
+    obx_info("postgres: connected to %s (schema version %ld, listening on %s)", pg->target,
+             pg->schema_version, OBX_NOTIFY_CHANNEL);
     pg->cb.ready(pg->arg);
 }
 

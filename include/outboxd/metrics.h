@@ -76,6 +76,7 @@ struct obx_metrics_gauges {
     bool postgres_connected;
     bool kafka_connected;
     bool ready;
+    bool standby; /* waiting for the relay lock another outboxd holds */
     bool draining;
     double start_time; /* Unix seconds */
 };

@@ -9,7 +9,8 @@
  * doubling back-off, for ever: outboxd never needs a manual reset.
  *
  * After connecting, setup checks the outbox schema version, LISTENs on the
- * wake-up channel and sets statement_timeout; only then is it READY.
+ * wake-up channel, sets statement_timeout and takes the relay lock (waiting
+ * for it while another outboxd holds it); only then is it READY.
  */
 #ifndef OUTBOXD_PG_H
 #define OUTBOXD_PG_H
@@ -27,6 +28,12 @@
 
 /* The newest migration in sql/ that this binary needs. */
 #define OBX_SCHEMA_VERSION 2
+/* The relay lock: a session-level advisory lock (space 'obxr', key 0) that
+ * only the active relay of a database holds. A second outboxd started on
+ * the same outbox (a rolling update, a mistake) stands by until the first
+ * one's session ends, so two relays never publish the same rows. The space
+ * differs from enqueue()'s per-key locks ('obxd'). */
+#define OBX_RELAY_LOCK "1868724338, 0"
 /* NOTIFY channel used by outbox.enqueue(). */
 #define OBX_NOTIFY_CHANNEL "outboxd"
 
@@ -66,6 +73,8 @@ void obx_pg_start(struct obx_pg *pg);
 void obx_pg_close(struct obx_pg *pg);
 
 enum obx_pg_state obx_pg_state(const struct obx_pg *pg);
+/* Connected, but waiting for the relay lock another outboxd holds. */
+bool obx_pg_standby(const struct obx_pg *pg);
 
 /* A growable text buffer holding a Postgres array literal ("{1,2}",
  * "{\"a\",NULL}") for a text-format parameter. */

@@ -8,6 +8,8 @@
 #include "scenario.h"
 
 #include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -454,6 +456,73 @@ static void test_tls(void **state)
     PQfinish(c);
 }
 
+/* GET path from relay `e` (which may be a copy of env for a second relay). */
+static int get_from(struct h_env *e, const char *path)
+{
+    return h_http_get(e, path, body, sizeof(body));
+}
+
+static void wait_drained_exactly_once(void)
+{
+    s_wait_drained(&env, 30000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", "it.b", "it.c", NULL}, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+}
+
+/* Two relays on one outbox (a rolling update): the second stands by on the
+ * relay lock, ready but publishing nothing, and takes over when the first
+ * drains away or is killed; rows go out exactly once throughout. */
+static void test_standby(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:3", "it.b:3", "it.c:3", NULL});
+    h_relay_start(&env, NULL, NULL);
+    wait_http("/readyz", 200, "ready", 15000);
+    struct h_env second = env;
+    second.http_port = h_free_port();
+    h_relay_start(&second, NULL, NULL);
+    h_wait_log(&env, "standing by until its session ends", 10000);
+
+    atomic_int stop = 0;
+    struct s_writer w = {.env = &env, .w = 0, .rows_per_tx = 2, .pace_ms = 5, .stop = &stop};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, s_writer_main, &w), 0);
+    h_sleep_ms(1500);
+    /* The standby is ready (a failing probe would stall a rolling update)
+     * and has published nothing. */
+    assert_int_equal(get_from(&second, "/readyz"), 200);
+    assert_non_null(strstr(body, "standby"));
+    assert_int_equal(get_from(&second, "/metrics"), 200);
+    assert_true(h_metric(body, "outboxd_standby") == 1);
+    assert_true(h_metric(body, "outboxd_rows_marked_total") == 0);
+    assert_int_equal(get_from(&env, "/metrics"), 200);
+    assert_true(h_metric(body, "outboxd_standby") == 0);
+
+    /* The active one drains away (SIGTERM): the standby takes over. */
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    h_wait_log(&env, "relay lock acquired", 10000);
+    h_sleep_ms(1500);
+    assert_int_equal(get_from(&second, "/metrics"), 200);
+    assert_true(h_metric(body, "outboxd_standby") == 0);
+    assert_true(h_metric(body, "outboxd_rows_marked_total") > 0);
+
+    /* A new relay stands by behind it; kill -9 the active one. */
+    h_relay_start(&env, NULL, NULL);
+    wait_http("/readyz", 200, "standby", 15000);
+    h_sleep_ms(1000);
+    kill(second.relay_pid, SIGKILL);
+    assert_int_equal(h_relay_wait(&second, 10000), 128 + SIGKILL);
+    wait_http("/readyz", 200, "ready\n", 15000);
+    h_sleep_ms(1000);
+    atomic_store(&stop, 1);
+    pthread_join(t, NULL);
+    assert_true(w.written > 100);
+    wait_drained_exactly_once();
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -461,6 +530,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_retention, teardown_env),
         cmocka_unit_test_teardown(test_check_live, teardown_env),
         cmocka_unit_test_teardown(test_tls, teardown_env),
+        cmocka_unit_test_teardown(test_standby, teardown_env),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
