@@ -18,6 +18,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -289,6 +290,29 @@ void h_wait_log(struct h_env *e, const char *needle, int timeout_ms)
         h_sleep_ms(50);
     if (!h_relay_log_contains(e, needle))
         fail_msg("no '%s' in the relay log within %d ms", needle, timeout_ms);
+}
+
+int h_notify_socket(struct h_env *e, const char *name, char *var, size_t var_len)
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof(addr.sun_path), "%.80s/%.20s", e->dir, name);
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0)
+        fail_msg("notify socket %s: %s", addr.sun_path, strerror(errno));
+    snprintf(var, var_len, "NOTIFY_SOCKET=%s", addr.sun_path);
+    return fd;
+}
+
+bool h_recv_notify(int fd, char *buf, size_t len, int timeout_ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, timeout_ms) != 1)
+        return false;
+    ssize_t n = recv(fd, buf, len - 1, 0);
+    if (n < 0)
+        return false;
+    buf[n] = '\0';
+    return true;
 }
 
 int h_free_port(void)

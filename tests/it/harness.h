@@ -111,6 +111,12 @@ const struct h_header *h_record_header(const struct h_record *r, const char *nam
 size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
                                 bool allow_duplicates);
 
+/* A datagram socket DIR/name for sd_notify messages; writes
+ * "NOTIFY_SOCKET=path" into var (for relay_env). Returns the fd. */
+int h_notify_socket(struct h_env *e, const char *name, char *var, size_t var_len);
+/* Receives one sd_notify message within timeout_ms; false if none came. */
+bool h_recv_notify(int fd, char *buf, size_t len, int timeout_ms);
+
 /* A TCP port that was free a moment ago on 127.0.0.1. */
 int h_free_port(void);
 

@@ -482,8 +482,15 @@ static void test_standby(void **state)
     wait_http("/readyz", 200, "ready", 15000);
     struct h_env second = env;
     second.http_port = h_free_port();
+    char var[160], msg[64];
+    int notify_fd = h_notify_socket(&env, "standby.sock", var, sizeof(var));
+    second.relay_env[0] = var;
     h_relay_start(&second, NULL, NULL);
     h_wait_log(&env, "standing by until its session ends", 10000);
+    /* A standby tells systemd it started (or the start timeout kills it). */
+    assert_true(h_recv_notify(notify_fd, msg, sizeof(msg), 5000));
+    assert_string_equal(msg, "READY=1");
+    close(notify_fd);
 
     atomic_int stop = 0;
     struct s_writer w = {.env = &env, .w = 0, .rows_per_tx = 2, .pace_ms = 5, .stop = &stop};

@@ -476,18 +476,6 @@ static void test_start_before_dependencies(void **state)
 }
 
 /* Receives one datagram within timeout_ms into buf; false on timeout. */
-static bool recv_notify(int fd, char *buf, size_t len, int timeout_ms)
-{
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    if (poll(&p, 1, timeout_ms) != 1)
-        return false;
-    ssize_t n = recv(fd, buf, len - 1, 0);
-    if (n < 0)
-        return false;
-    buf[n] = '\0';
-    return true;
-}
-
 static void append_config(const char *line)
 {
     char path[300];
@@ -505,17 +493,12 @@ static void test_lifecycle(void **state)
 {
     (void)state;
     h_env_start(&env, (const char *const[]){"it.a:2", NULL});
-    char sock[100], var[128], msg[256];
-    snprintf(sock, sizeof(sock), "%.80s/notify.sock", env.dir);
-    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", sock);
-    assert_int_equal(bind(fd, (struct sockaddr *)&addr, sizeof(addr)), 0);
-    snprintf(var, sizeof(var), "NOTIFY_SOCKET=%s", sock);
+    char var[160], msg[256];
+    int fd = h_notify_socket(&env, "notify.sock", var, sizeof(var));
     env.relay_env[0] = var;
 
     h_relay_start(&env, NULL, NULL);
-    assert_true(recv_notify(fd, msg, sizeof(msg), 15000));
+    assert_true(h_recv_notify(fd, msg, sizeof(msg), 15000));
     assert_string_equal(msg, "READY=1");
 
     /* SIGHUP: a new log level applies without a restart. */
@@ -536,7 +519,7 @@ static void test_lifecycle(void **state)
     s_wait_drained(&env, 10000);
 
     assert_int_equal(kill(env.relay_pid, SIGTERM), 0);
-    assert_true(recv_notify(fd, msg, sizeof(msg), 5000));
+    assert_true(h_recv_notify(fd, msg, sizeof(msg), 5000));
     assert_string_equal(msg, "STOPPING=1");
     assert_int_equal(h_relay_wait(&env, 30000), 0);
 
@@ -544,7 +527,7 @@ static void test_lifecycle(void **state)
      * does not wait for the 20 s shutdown timeout. */
     assert_true(h_broker_cmd(&env, "down all"));
     h_relay_start(&env, NULL, NULL);
-    assert_true(recv_notify(fd, msg, sizeof(msg), 15000)); /* READY=1 */
+    assert_true(h_recv_notify(fd, msg, sizeof(msg), 15000)); /* READY=1 */
     h_enqueue(c, "it.a", "k", "stuck", 5, NULL);
     h_sleep_ms(1500);
     kill(env.relay_pid, SIGTERM);
