@@ -281,10 +281,16 @@ static void send_setup_step(struct obx_pg *pg, const char *sql)
 
 static void send_setup(struct obx_pg *pg)
 {
-    char sql[256];
+    char sql[512];
+    /* Server-side keepalives too: if this client vanishes without closing
+     * (a network partition), its backend, and the relay lock it holds, go
+     * away within about a minute instead of the OS's two hours, so no relay
+     * stands by behind a dead session for long. */
     snprintf(sql, sizeof(sql),
              "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations;"
-             " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld",
+             " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld;"
+             " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
+             " SET tcp_keepalives_count = 3",
              (long long)pg->statement_timeout_ms);
     describe_target(pg);
     pg->setup_step = 0;
