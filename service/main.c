@@ -56,11 +56,10 @@ struct app {
     uv_timer_t teardown; /* closes everything from a fresh loop turn */
     int signals;
     int exit_code;
-    bool ready_notified; /* the first recovery pass succeeded */
-    bool sd_ready_sent;  /* READY=1 went to systemd */
-    int64_t last_tick;   /* loop time of the last housekeeping run */
-    int64_t next_probe;  /* loop time of the next Kafka probe */
-    double start_time;   /* Unix seconds */
+    bool sd_ready_sent; /* READY=1 went to systemd */
+    int64_t last_tick;  /* loop time of the last housekeeping run */
+    int64_t next_probe; /* loop time of the next Kafka probe */
+    double start_time;  /* Unix seconds */
     /* The command line, kept to rebuild the configuration on SIGHUP. */
     const char *config_path;
     char **xargs;
@@ -146,10 +145,8 @@ static void notify_ready(struct app *a)
 static void recovery_done(bool ok, void *arg)
 {
     struct app *a = arg;
-    if (ok && !a->ready_notified) {
-        a->ready_notified = true;
+    if (ok)
         notify_ready(a); /* publishing may start */
-    }
     obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
 }
 
@@ -250,11 +247,9 @@ static const char *not_ready_reason(const struct app *a)
     enum obx_relay_state s = obx_relay_state(a->relay);
     if (a->signals > 0 || s == OBX_RELAY_STOPPED)
         return "draining after SIGTERM/SIGINT";
-    if (obx_pg_standby(a->pg))
-        return obx_kafka_connected(a->kafka) ? NULL : "Kafka unreachable (no metadata)";
-    if (!pg_connected(a))
+    if (!obx_pg_standby(a->pg) && !pg_connected(a))
         return "no Postgres connection";
-    if (s == OBX_RELAY_WAIT_PG || s == OBX_RELAY_RECOVERING || !a->ready_notified)
+    if (!obx_pg_standby(a->pg) && !obx_relay_recovered(a->relay))
         return "recovery pass not finished";
     if (!obx_kafka_connected(a->kafka))
         return "Kafka unreachable (no metadata)";

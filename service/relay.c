@@ -724,6 +724,11 @@ enum obx_relay_state obx_relay_state(const struct obx_relay *r)
     return r->state;
 }
 
+bool obx_relay_recovered(const struct obx_relay *r)
+{
+    return r->recovered;
+}
+
 size_t obx_relay_in_flight(const struct obx_relay *r)
 {
     return r->in_use;

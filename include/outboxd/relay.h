@@ -150,6 +150,8 @@ void obx_relay_fatal(struct obx_relay *r, const char *reason, int64_t now);
 
 enum obx_relay_state obx_relay_state(const struct obx_relay *r);
 const char *obx_relay_state_name(enum obx_relay_state s);
+/* The start-up recovery pass has succeeded (publishing may happen). */
+bool obx_relay_recovered(const struct obx_relay *r);
 /* Rows handed to Kafka and not yet marked. */
 size_t obx_relay_in_flight(const struct obx_relay *r);
 /* Rows acknowledged and marked since start. */
