@@ -63,6 +63,9 @@ static const struct key_def keys[] = {
      "fallback poll when no NOTIFY arrives (NOTIFY is only an optimisation)"},
     {"relay.retry_backoff", KEY_DURATION, OFF(retry_backoff_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
      "pause before fetching again after a failed fetch or a failed delivery"},
+    {"relay.stall_timeout", KEY_DURATION, OFF(stall_timeout_ms), "60s", 0, MS_PER_HOUR, NULL, 0,
+     "active, with its dependencies reachable, but no row marked and no empty fetch for this "
+     "long: log what it waits for and fail /livez (0 = never)"},
     {"shutdown.timeout", KEY_DURATION, OFF(shutdown_timeout_ms), "30s", 0, MS_PER_HOUR, NULL, 0,
      "on SIGTERM/SIGINT, how long to wait for in-flight deliveries before exiting"},
     {"retention.period", KEY_DURATION, OFF(retention_ms), "7d", 0, 3650 * 24 * MS_PER_HOUR, NULL, 0,

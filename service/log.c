@@ -5,6 +5,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -52,20 +53,39 @@ static void append_json_escaped(char *buf, size_t cap, size_t *len, const char *
     }
 }
 
-void obx_log_write(enum obx_log_level level, const char *fmt, ...)
+/* Copies s into out (cap bytes) with control characters as \xHH, so that
+ * text a log line quotes (a topic, a key, a server message) can never start
+ * a forged line of its own. */
+static void escape_controls(char *out, size_t cap, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t o = 0;
+    for (; *s && o + 5 < cap; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c < 0x20 || c == 0x7f) {
+            out[o++] = '\\';
+            out[o++] = 'x';
+            out[o++] = hex[c >> 4];
+            out[o++] = hex[c & 15];
+        } else {
+            out[o++] = (char)c;
+        }
+    }
+    out[o] = '\0';
+}
+
+static void log_vwrite(enum obx_log_level level, const char *fmt, va_list ap)
 {
     char msg[2048];
-    char line[4096];
+    char safe[4096];
+    char line[4096 + 64];
     char ts[40];
     struct timespec now;
     struct tm tm;
-    va_list ap;
     size_t len;
     int n;
 
-    va_start(ap, fmt);
     n = vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
     if (n < 0)
         return;
     /* Strip trailing newlines: libpq error messages end with one. */
@@ -84,7 +104,8 @@ void obx_log_write(enum obx_log_level level, const char *fmt, ...)
         append_json_escaped(line, sizeof(line), &len, msg);
         len += (size_t)snprintf(line + len, sizeof(line) - len, "\"}\n");
     } else {
-        n = snprintf(line, sizeof(line), "%s %-5s %s\n", ts, obx_log_level_name(level), msg);
+        escape_controls(safe, sizeof(safe), msg);
+        n = snprintf(line, sizeof(line), "%s %-5s %s\n", ts, obx_log_level_name(level), safe);
         len = n < (int)sizeof(line) ? (size_t)n : sizeof(line) - 1;
         line[len - 1] = '\n';
     }
@@ -93,4 +114,25 @@ void obx_log_write(enum obx_log_level level, const char *fmt, ...)
     /* One write per line; a short write to stderr is not worth retrying. */
     ssize_t w = write(STDERR_FILENO, line, len);
     (void)w;
+}
+
+void obx_log_write(enum obx_log_level level, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    log_vwrite(level, fmt, ap);
+    va_end(ap);
+}
+
+void obx_bug(const char *file, int line, const char *fmt, ...)
+{
+    char what[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    obx_log_write(OBX_LOG_ERROR, "cannot happen: %s (%s:%d)", what, file, line);
+#ifdef OBX_ABORT_ON_BUG
+    abort();
+#endif
 }

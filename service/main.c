@@ -38,6 +38,8 @@
 #define HOUSEKEEPING_MS 100
 /* Kafka reachability (for /readyz and metrics) is asked this often. */
 #define KAFKA_PROBE_MS 5000
+/* After teardown, how long worker threads may keep the loop alive. */
+#define LAST_EXIT_MS 300
 /* /livez fails when housekeeping has not run for this long. */
 #define LIVENESS_STALL_MS 10000
 
@@ -50,16 +52,17 @@ struct app {
     struct obx_relay *relay;
     struct obx_http *http;   /* NULL when http.listen is empty */
     struct obx_maint *maint; /* backlog figures and retention */
-    struct obx_row *rows;    /* batch_size rows, reused by every fetch */
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
-    uv_timer_t teardown; /* closes everything from a fresh loop turn */
+    uv_timer_t teardown;  /* closes everything from a fresh loop turn */
+    uv_timer_t last_exit; /* unreferenced: fires only if a worker thread keeps the loop */
     int signals;
     int exit_code;
-    bool sd_ready_sent; /* READY=1 went to systemd */
-    int64_t last_tick;  /* loop time of the last housekeeping run */
-    int64_t next_probe; /* loop time of the next Kafka probe */
-    double start_time;  /* Unix seconds */
+    bool sd_ready_sent;     /* READY=1 went to systemd */
+    int64_t last_tick;      /* loop time of the last housekeeping run */
+    int64_t next_probe;     /* loop time of the next Kafka probe */
+    uint64_t recovery_seen; /* obx_recovery_progress() at the last housekeeping */
+    double start_time;      /* Unix seconds */
     /* The command line, kept to rebuild the configuration on SIGHUP. */
     const char *config_path;
     char **xargs;
@@ -69,16 +72,37 @@ struct app {
 
 /* ---- relay commands ---- */
 
+static void fetched(void *arg, const struct obx_row *rows, size_t n, const char *error)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    if (error)
+        obx_relay_on_query_failed(a->relay, error, now);
+    else
+        obx_relay_on_fetched(a->relay, rows, n, now);
+}
+
+static void marked(void *arg, const PGresult *res, const char *error)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    (void)res;
+    if (error)
+        obx_relay_on_query_failed(a->relay, error, now);
+    else
+        obx_relay_on_marked(a->relay, now);
+}
+
 static int op_fetch(void *io, const struct obx_fetch *f)
 {
     struct app *a = io;
-    return obx_pg_send_fetch(a->pg, f);
+    return obx_pg_send_fetch(a->pg, f, fetched, a);
 }
 
 static int op_mark(void *io, const struct obx_mark *m)
 {
     struct app *a = io;
-    return obx_pg_send_mark(a->pg, m);
+    return obx_pg_send_mark(a->pg, m, marked, a);
 }
 
 static enum obx_produce_result op_produce(void *io, const struct obx_row *row, void *opaque,
@@ -156,46 +180,6 @@ static void pg_notify(void *arg)
     obx_relay_wakeup(a->relay, (int64_t)uv_now(&a->loop));
 }
 
-static void pg_result(const PGresult *res, const char *error, void *arg)
-{
-    struct app *a = arg;
-    int64_t now = (int64_t)uv_now(&a->loop);
-    char err[256];
-
-    switch (obx_relay_state(a->relay)) {
-    case OBX_RELAY_RECOVERING:
-        obx_recovery_on_result(a->recovery, res, error);
-        return;
-    case OBX_RELAY_FETCHING: {
-        if (error) {
-            obx_relay_on_query_failed(a->relay, error, now);
-            return;
-        }
-        int n = PQntuples(res);
-        if (n > a->cfg.batch_size)
-            n = a->cfg.batch_size;
-        obx_histogram_observe(&obx_stats.batch_rows, n);
-        for (int i = 0; i < n; i++) {
-            if (obx_row_from_result(res, i, &a->rows[i], err, sizeof(err)) != 0) {
-                obx_relay_on_query_failed(a->relay, err, now);
-                return;
-            }
-        }
-        obx_relay_on_fetched(a->relay, a->rows, (size_t)n, now);
-        return;
-    }
-    case OBX_RELAY_MARKING:
-        if (error)
-            obx_relay_on_query_failed(a->relay, error, now);
-        else
-            obx_relay_on_marked(a->relay, now);
-        return;
-    default:
-        obx_error("postgres: unexpected result while the relay is %s",
-                  obx_relay_state_name(obx_relay_state(a->relay)));
-    }
-}
-
 /* ---- kafka events ---- */
 
 static void kafka_delivery(void *opaque, enum obx_delivery outcome, int32_t partition,
@@ -215,6 +199,8 @@ static void kafka_fatal(const char *reason, void *arg)
 
 /* ---- loop plumbing ---- */
 
+static bool pg_connected(const struct app *a);
+
 static void on_housekeeping(uv_timer_t *t)
 {
     struct app *a = t->data;
@@ -229,14 +215,19 @@ static void on_housekeeping(uv_timer_t *t)
     obx_maint_tick(a->maint, now);
     if (obx_pg_standby(a->pg))
         notify_ready(a);
+    uint64_t rp = obx_recovery_progress(a->recovery);
+    if (rp != a->recovery_seen) { /* the scan reads: not stalled */
+        a->recovery_seen = rp;
+        obx_relay_note_progress(a->relay, now);
+    }
+    obx_relay_check_stall(a->relay, pg_connected(a) && obx_kafka_connected(a->kafka), now);
 }
 
 /* ---- HTTP endpoints ---- */
 
 static bool pg_connected(const struct app *a)
 {
-    enum obx_pg_state s = obx_pg_state(a->pg);
-    return s == OBX_PG_READY || s == OBX_PG_BUSY;
+    return obx_pg_usable(a->pg);
 }
 
 /* Why the relay is not ready, or NULL when it is. A standby is ready: it
@@ -256,6 +247,15 @@ static const char *not_ready_reason(const struct app *a)
     return NULL;
 }
 
+/* Unix seconds of a loop (monotonic) time. */
+static double unix_time_of(const struct app *a, int64_t loop_ms)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    double wall = (double)now.tv_sec + (double)now.tv_nsec / 1e9;
+    return wall - (double)((int64_t)uv_now(&a->loop) - loop_ms) / 1000.0;
+}
+
 static void http_handler(const char *path, struct obx_buf *body, int *status,
                          const char **content_type, void *arg)
 {
@@ -263,9 +263,15 @@ static void http_handler(const char *path, struct obx_buf *body, int *status,
     if (strcmp(path, "/livez") == 0) {
         /* Answering proves the loop turns; a starved timer would not. */
         int64_t stalled = (int64_t)uv_now(&a->loop) - a->last_tick;
+        char why[160];
+        int64_t no_progress = obx_relay_stalled(a->relay, why, sizeof(why));
         if (stalled > LIVENESS_STALL_MS) {
             *status = 503;
             obx_buf_printf(body, "housekeeping has not run for %lldms\n", (long long)stalled);
+        } else if (no_progress > 0) {
+            *status = 503;
+            obx_buf_printf(body, "no progress for %llds: %s\n", (long long)(no_progress / 1000),
+                           why);
         } else {
             obx_buf_puts(body, "ok\n");
         }
@@ -294,6 +300,8 @@ static void http_handler(const char *path, struct obx_buf *body, int *status,
             .standby = obx_pg_standby(a->pg),
             .draining = a->signals > 0,
             .start_time = a->start_time,
+            .last_progress = unix_time_of(a, obx_relay_last_progress(a->relay)),
+            .stalled = obx_relay_stalled(a->relay, NULL, 0) > 0,
         };
         *content_type = "text/plain; version=0.0.4; charset=utf-8";
         obx_metrics_render(body, &g);
@@ -359,9 +367,21 @@ static void close_parts(struct app *a)
     a->maint = NULL;
 }
 
+/* The loop outlived the teardown: a worker thread (the recovery scan, the
+ * maintenance connection) is still inside a blocking Kafka or Postgres call.
+ * Nothing of ours is left to flush, and the shutdown deadline is binding. */
+static void on_last_exit(uv_timer_t *t)
+{
+    struct app *a = t->data;
+    obx_warn("a worker thread is still waiting on Kafka or Postgres; exiting without it");
+    _exit(a->exit_code);
+}
+
 static void on_teardown(uv_timer_t *t)
 {
     struct app *a = t->data;
+    uv_timer_start(&a->last_exit, on_last_exit, LAST_EXIT_MS, 0);
+    uv_unref((uv_handle_t *)&a->last_exit);
     close_parts(a);
     uv_close((uv_handle_t *)&a->sigterm, NULL);
     uv_close((uv_handle_t *)&a->sigint, NULL);
@@ -519,16 +539,15 @@ static void reload(struct app *a)
 static int start(struct app *a)
 {
     static const struct obx_pg_callbacks pg_cb = {
-        .ready = pg_ready, .lost = pg_lost, .result = pg_result, .notify = pg_notify};
+        .ready = pg_ready, .lost = pg_lost, .notify = pg_notify};
     static const struct obx_kafka_callbacks kafka_cb = {.delivery = kafka_delivery,
                                                         .fatal = kafka_fatal};
     static const struct obx_recovery_callbacks recovery_cb = {.done = recovery_done};
     struct obx_relay_settings rs;
     char err[512];
 
-    a->rows = calloc((size_t)a->cfg.batch_size, sizeof(*a->rows));
     obx_relay_settings_from_config(&rs, &a->cfg);
-    if (!a->rows || obx_relay_new(&rs, &relay_ops, a, &a->relay) != 0) {
+    if (obx_relay_new(&rs, &relay_ops, a, &a->relay) != 0) {
         obx_error("out of memory allocating %d in-flight slots", a->cfg.max_in_flight);
         return EXIT_RUNTIME;
     }
@@ -563,7 +582,8 @@ static int start(struct app *a)
     uv_signal_start(&a->sighup, on_signal, SIGHUP);
     uv_timer_init(&a->loop, &a->housekeeping);
     uv_timer_init(&a->loop, &a->teardown);
-    a->housekeeping.data = a->teardown.data = a;
+    uv_timer_init(&a->loop, &a->last_exit);
+    a->housekeeping.data = a->teardown.data = a->last_exit.data = a;
     uv_timer_start(&a->housekeeping, on_housekeeping, HOUSEKEEPING_MS, HOUSEKEEPING_MS);
     a->last_tick = (int64_t)uv_now(&a->loop);
     obx_kafka_probe(a->kafka);
@@ -638,13 +658,15 @@ int main(int argc, char **argv)
         obx_info("outboxd stopped (exit %d, %llu rows marked)", rc,
                  (unsigned long long)obx_relay_marked_total(a.relay));
     }
-    /* Run close callbacks of anything closed on an error path. */
+    /* The last-resort timer, and close callbacks of anything closed on an
+     * error path. */
+    if (a.last_exit.loop && !uv_is_closing((uv_handle_t *)&a.last_exit))
+        uv_close((uv_handle_t *)&a.last_exit, NULL);
     uv_run(&a.loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&a.loop) != 0)
         obx_warn("event loop closed with handles still open");
     obx_relay_free(a.relay);
     obx_stats_free();
-    free(a.rows);
     obx_config_free(&a.cfg);
     free(a.xargs);
     return rc;

@@ -242,6 +242,14 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_standby", "gauge",
            "1 while another outboxd holds the relay lock of this outbox and this one waits.",
            g->standby ? 1 : 0);
+    simple(out, "outboxd_last_progress_timestamp_seconds", "gauge",
+           "When the relay last made progress (a row marked, an empty fetch with nothing in "
+           "flight, the relay lock acquired, recovery reading or done).",
+           g->last_progress);
+    simple(out, "outboxd_stalled", "gauge",
+           "1 while no progress was made for relay.stall_timeout with Postgres and Kafka "
+           "reachable (/livez fails).",
+           g->stalled ? 1 : 0);
     simple(out, "outboxd_draining", "gauge", "1 after SIGTERM/SIGINT, while in-flight rows finish.",
            g->draining ? 1 : 0);
     simple(out, "process_cpu_seconds_total", "counter", "User and system CPU time spent.",

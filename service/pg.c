@@ -69,11 +69,27 @@ static const char *const migrations[] = {
 };
 
 /* A uv_poll_t on the libpq socket. Heap-allocated because PQconnectPoll may
- * switch sockets and a closing handle must outlive its replacement. */
+ * switch sockets and a closing handle must outlive its replacement.
+ * `events` mirrors what libuv is watching: 0 once libuv stopped the handle. */
 struct pg_watch {
     uv_poll_t handle;
     int fd;
     int events;
+};
+
+/* The request in flight (BUSY). A transaction runs in steps:
+ * BEGIN -> body -> [failpoint] -> COMMIT, or ROLLBACK after a failed body. */
+struct pg_request {
+    obx_pg_done_fn done; /* one of done and rows_done is set */
+    obx_pg_rows_fn rows_done;
+    void *arg;
+    enum { TX_NONE, TX_BEGIN, TX_BODY, TX_COMMIT, TX_ROLLBACK } tx;
+    const char *sql; /* the transaction's body */
+    int nparams;
+    const char *const *values;
+    int failpoint;    /* reached between the body and COMMIT; -1 = none */
+    PGresult *result; /* the body's result, reported after COMMIT */
+    char error[512];  /* why the transaction failed (reported after ROLLBACK) */
 };
 
 struct obx_pg {
@@ -87,44 +103,68 @@ struct obx_pg {
     enum obx_pg_state state;
     PGconn *conn;
     struct pg_watch *watch;
-    uv_timer_t timer; /* reconnect back-off, or connect+setup timeout */
-    int attempts;     /* failed attempts since the last READY */
-    bool started;     /* a first connection was attempted */
-    int setup_step;   /* SETUP: 0 schema check etc., 1 try the relay lock, 2 wait for it */
+    uv_timer_t timer;    /* reconnect back-off, connect+setup timeout, standby lock poll */
+    uv_timer_t deferred; /* fires `lost` on a later loop turn */
+    int open_handles;    /* timer and deferred until both are closed */
+    bool lost_pending;   /* `lost` is due */
+    int attempts;        /* failed attempts since the last READY */
+    bool started;        /* a first connection was attempted */
+    bool standby_logged; /* this session said it stands by */
     long schema_version;
-    bool standby;     /* waiting for the relay lock another outboxd holds */
     PGresult *result; /* first result of the statement in flight */
     char target[256]; /* "host:port/db as user", for logs; no password */
+    struct pg_request req;
 
-    /* A statement wrapped in BEGIN ... COMMIT runs in steps. */
-    enum { TX_NONE, TX_BEGIN, TX_BODY, TX_COMMIT, TX_ROLLBACK } tx;
-    const char *tx_sql;
-    int tx_nparams;
-    const char *const *tx_values;
-    int tx_failpoint;    /* reached between the body and COMMIT; -1 = none */
-    PGresult *tx_result; /* the body's result, reported after COMMIT */
-    char tx_error[512];  /* why the transaction failed (reported after ROLLBACK) */
-
+    struct obx_row *rows; /* batch_size rows, decoded from each fetch */
+    int max_rows;
     struct obx_pg_array params[6]; /* reused parameter buffers */
     const char *param_values[6];   /* must outlive a wrapped transaction's BEGIN */
     char limit_text[16];
     char mark_sql[2048];
 };
 
-static const char *const state_names[] = {"disconnected", "connecting", "setup",
-                                          "ready",        "busy",       "closed"};
+static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
+                                          "standby",      "ready",      "busy",  "closed"};
 
-static void set_state(struct obx_pg *pg, enum obx_pg_state to, const char *why)
+const char *obx_pg_state_name(enum obx_pg_state s)
 {
-    if (pg->state == to)
+    return (unsigned)s < sizeof(state_names) / sizeof(state_names[0]) ? state_names[s] : "?";
+}
+
+/* Which moves are possible: allowed[from] is a bit set of destinations. */
+#define BIT(s) (1u << (s))
+static const unsigned allowed[] = {
+    [OBX_PG_DISCONNECTED] = BIT(OBX_PG_CONNECTING) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_CONNECTING] = BIT(OBX_PG_SETUP) | BIT(OBX_PG_DISCONNECTED) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_SETUP] = BIT(OBX_PG_LOCKING) | BIT(OBX_PG_DISCONNECTED) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_LOCKING] =
+        BIT(OBX_PG_READY) | BIT(OBX_PG_STANDBY) | BIT(OBX_PG_DISCONNECTED) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_STANDBY] = BIT(OBX_PG_LOCKING) | BIT(OBX_PG_DISCONNECTED) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_READY] = BIT(OBX_PG_BUSY) | BIT(OBX_PG_DISCONNECTED) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_BUSY] = BIT(OBX_PG_READY) | BIT(OBX_PG_DISCONNECTED) | BIT(OBX_PG_CLOSED),
+    [OBX_PG_CLOSED] = 0,
+};
+
+/* The one place the state changes. */
+static void change_state(struct obx_pg *pg, enum obx_pg_state to, const char *why)
+{
+    if (!(allowed[pg->state] & BIT(to))) {
+        OBX_BUG("postgres: refused state change %s -> %s (%s)", state_names[pg->state],
+                state_names[to], why);
         return;
+    }
     obx_debug("postgres: %s -> %s (%s)", state_names[pg->state], state_names[to], why);
     pg->state = to;
 }
 
 bool obx_pg_standby(const struct obx_pg *pg)
 {
-    return pg->standby && pg->state == OBX_PG_SETUP;
+    return pg->state == OBX_PG_STANDBY || (pg->state == OBX_PG_LOCKING && pg->standby_logged);
+}
+
+bool obx_pg_usable(const struct obx_pg *pg)
+{
+    return pg->state == OBX_PG_READY || pg->state == OBX_PG_BUSY;
 }
 
 enum obx_pg_state obx_pg_state(const struct obx_pg *pg)
@@ -147,8 +187,7 @@ static void unwatch(struct obx_pg *pg)
 
 static void on_poll(uv_poll_t *h, int status, int events);
 
-/* Watches the libpq socket for `events`, re-creating the watcher if libpq
- * switched sockets. Returns 0 or -1. */
+/* Watches the libpq socket for `events`. Returns 0 or -1. */
 static int watch(struct obx_pg *pg, int events)
 {
     int fd = PQsocket(pg->conn);
@@ -177,6 +216,16 @@ static int watch(struct obx_pg *pg, int events)
     return 0;
 }
 
+/* Watches for an answer, and for writability while libpq holds unsent
+ * bytes. Returns 0 or -1. */
+static int watch_idle_or_busy(struct obx_pg *pg)
+{
+    int f = PQflush(pg->conn);
+    if (f < 0)
+        return -1;
+    return watch(pg, UV_READABLE | (f == 1 ? UV_WRITABLE : 0));
+}
+
 static void on_timer(uv_timer_t *t);
 
 static void schedule_reconnect(struct obx_pg *pg)
@@ -192,31 +241,49 @@ static void schedule_reconnect(struct obx_pg *pg)
     obx_info("postgres: reconnecting in %lldms (attempt %d)", (long long)delay, pg->attempts + 1);
 }
 
-/* Drops the connection with a reason, and schedules a reconnect. */
+static void on_deferred(uv_timer_t *t)
+{
+    struct obx_pg *pg = t->data;
+    if (pg->lost_pending && pg->state != OBX_PG_CLOSED) {
+        pg->lost_pending = false;
+        pg->cb.lost(pg->arg);
+    }
+}
+
+static void drop_request(struct obx_pg *pg)
+{
+    PQclear(pg->result);
+    pg->result = NULL;
+    PQclear(pg->req.result);
+    memset(&pg->req, 0, sizeof(pg->req));
+}
+
+/* Drops the connection with a reason, and schedules a reconnect. A request
+ * in flight is dropped; `lost` follows on a later loop turn. */
 static void disconnect(struct obx_pg *pg, const char *reason)
 {
-    bool was_usable = pg->state == OBX_PG_READY || pg->state == OBX_PG_BUSY;
+    bool had_lock = obx_pg_usable(pg);
     if (pg->state == OBX_PG_CLOSED || pg->state == OBX_PG_DISCONNECTED)
         return;
-    if (was_usable)
-        obx_warn("postgres: connection to %s lost: %s", pg->target, reason);
+    if (had_lock || pg->state == OBX_PG_STANDBY)
+        obx_warn("postgres: connection to %s lost (while %s): %s", pg->target,
+                 state_names[pg->state], reason);
     else
         obx_warn("postgres: cannot connect%s%s: %s", pg->target[0] ? " to " : "", pg->target,
                  reason);
     unwatch(pg);
-    PQclear(pg->result);
-    pg->result = NULL;
-    PQclear(pg->tx_result);
-    pg->tx_result = NULL;
-    pg->tx = TX_NONE;
+    drop_request(pg);
     PQfinish(pg->conn);
     pg->conn = NULL;
     pg->attempts++;
-    set_state(pg, OBX_PG_DISCONNECTED, reason);
+    pg->standby_logged = false;
+    change_state(pg, OBX_PG_DISCONNECTED, reason);
     uv_timer_stop(&pg->timer);
     schedule_reconnect(pg);
-    if (was_usable)
-        pg->cb.lost(pg->arg);
+    if (had_lock) {
+        pg->lost_pending = true;
+        uv_timer_start(&pg->deferred, on_deferred, 0, 0);
+    }
 }
 
 static void disconnect_with_error(struct obx_pg *pg, const char *prefix)
@@ -227,6 +294,9 @@ static void disconnect_with_error(struct obx_pg *pg, const char *prefix)
     size_t len = strlen(reason);
     while (len > 0 && (reason[len - 1] == '\n' || reason[len - 1] == ' '))
         reason[--len] = '\0';
+    for (char *p = reason; *p; p++) /* libpq's messages span lines: keep one log line */
+        if (*p == '\n' || *p == '\t')
+            *p = ' ';
     disconnect(pg, reason);
 }
 
@@ -236,6 +306,18 @@ static void describe_target(struct obx_pg *pg)
     snprintf(pg->target, sizeof(pg->target), "%s:%s/%s as %s", host ? host : "?",
              PQport(pg->conn) ? PQport(pg->conn) : "?", PQdb(pg->conn) ? PQdb(pg->conn) : "?",
              PQuser(pg->conn) ? PQuser(pg->conn) : "?");
+}
+
+/* While connecting, libpq may close its socket and open another for the
+ * next host or retry (multi-host conninfo, target_session_attrs,
+ * sslmode=prefer) after any PQconnectPoll call, and the new socket usually
+ * gets the same fd number: nothing we can compare tells the two apart. So
+ * each step gets a fresh watcher. */
+static void watch_connect_step(struct obx_pg *pg, int events)
+{
+    unwatch(pg);
+    if (watch(pg, events) != 0)
+        disconnect(pg, "cannot watch the connection socket");
 }
 
 static void start_connect(struct obx_pg *pg)
@@ -257,26 +339,25 @@ static void start_connect(struct obx_pg *pg)
         schedule_reconnect(pg);
         return;
     }
-    set_state(pg, OBX_PG_CONNECTING, "connect");
+    change_state(pg, OBX_PG_CONNECTING, "connect");
     if (PQstatus(pg->conn) == CONNECTION_BAD) {
         disconnect_with_error(pg, "connection failed");
         return;
     }
     uv_timer_start(&pg->timer, on_timer, CONNECT_TIMEOUT_MS, 0);
     /* libpq: after PQconnectStart, act as if PQconnectPoll said WRITING. */
-    if (watch(pg, UV_WRITABLE) != 0)
-        disconnect(pg, "cannot watch the connection socket");
+    watch_connect_step(pg, UV_WRITABLE);
 }
 
-/* Sends the next setup statement; the connection stays in SETUP. */
-static void send_setup_step(struct obx_pg *pg, const char *sql)
+/* Sends a setup statement (simple protocol: may hold several). */
+static void send_setup_statement(struct obx_pg *pg, const char *sql)
 {
     if (!PQsendQuery(pg->conn, sql)) {
         disconnect_with_error(pg, "setup failed");
         return;
     }
-    if (watch(pg, UV_READABLE | (PQflush(pg->conn) == 1 ? UV_WRITABLE : 0)) != 0)
-        disconnect(pg, "cannot watch the connection socket");
+    if (watch_idle_or_busy(pg) != 0)
+        disconnect_with_error(pg, "setup failed");
 }
 
 static void send_setup(struct obx_pg *pg)
@@ -293,29 +374,26 @@ static void send_setup(struct obx_pg *pg)
              " SET tcp_keepalives_count = 3",
              (long long)pg->statement_timeout_ms);
     describe_target(pg);
-    pg->setup_step = 0;
-    pg->standby = false;
-    if (PQsetnonblocking(pg->conn, 1) != 0 || !PQsendQuery(pg->conn, sql)) {
+    if (PQsetnonblocking(pg->conn, 1) != 0) {
         disconnect_with_error(pg, "setup failed");
         return;
     }
-    set_state(pg, OBX_PG_SETUP, "connected");
-    if (watch(pg, UV_READABLE | (PQflush(pg->conn) == 1 ? UV_WRITABLE : 0)) != 0)
-        disconnect(pg, "cannot watch the connection socket");
+    change_state(pg, OBX_PG_SETUP, "connected");
+    send_setup_statement(pg, sql);
 }
 
 static void continue_connect(struct obx_pg *pg)
 {
     switch (PQconnectPoll(pg->conn)) {
     case PGRES_POLLING_READING:
-        if (watch(pg, UV_READABLE) != 0)
-            disconnect(pg, "cannot watch the connection socket");
+        watch_connect_step(pg, UV_READABLE);
         break;
     case PGRES_POLLING_WRITING:
-        if (watch(pg, UV_WRITABLE) != 0)
-            disconnect(pg, "cannot watch the connection socket");
+        watch_connect_step(pg, UV_WRITABLE);
         break;
     case PGRES_POLLING_OK:
+        /* The final socket: from here on it never changes. */
+        unwatch(pg);
         send_setup(pg);
         break;
     default:
@@ -324,8 +402,17 @@ static void continue_connect(struct obx_pg *pg)
     }
 }
 
-/* Handles the complete setup result (first error, or the schema version). */
-static void finish_setup(struct obx_pg *pg, PGresult *res)
+/* Tries the relay lock: a statement that returns at once, so no snapshot is
+ * held while another relay is active (a waiting pg_advisory_lock() would pin
+ * the database's xmin horizon for as long as it waits). */
+static void try_lock(struct obx_pg *pg)
+{
+    change_state(pg, OBX_PG_LOCKING, "try the relay lock");
+    send_setup_statement(pg, "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
+}
+
+/* The schema check and SETs answered. */
+static void finish_setup(struct obx_pg *pg, const PGresult *res)
 {
     char reason[512];
     const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
@@ -342,55 +429,62 @@ static void finish_setup(struct obx_pg *pg, PGresult *res)
         disconnect(pg, reason);
         return;
     }
-    if (pg->setup_step == 0) {
-        long version = 0;
-        if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
-            version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
-        if (version < OBX_SCHEMA_VERSION) {
-            snprintf(reason, sizeof(reason),
-                     "outbox schema is at version %ld, this outboxd needs %d: apply %s and later "
-                     "files in sql/",
-                     version, OBX_SCHEMA_VERSION, migrations[version + 1]);
-            disconnect(pg, reason);
-            return;
-        }
-        pg->schema_version = version;
-        pg->setup_step = 1;
-        send_setup_step(pg, "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
+    long version = 0;
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
+        version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+    if (version < OBX_SCHEMA_VERSION) {
+        snprintf(reason, sizeof(reason),
+                 "outbox schema is at version %ld, this outboxd needs %d: apply %s and later "
+                 "files in sql/",
+                 version, OBX_SCHEMA_VERSION, migrations[version < 0 ? 1 : version + 1]);
+        disconnect(pg, reason);
         return;
     }
-    if (pg->setup_step == 1 && !(PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 &&
-                                 strcmp(PQgetvalue(res, 0, 0), "t") == 0)) {
-        /* Another relay is active on this outbox. Wait in Postgres for its
-         * session to end (no statement_timeout on that wait): the takeover
-         * is immediate and nothing polls. */
-        char sql[256];
-        snprintf(sql, sizeof(sql),
-                 "SET statement_timeout = 0; SELECT pg_advisory_lock(" OBX_RELAY_LOCK
-                 "); SET statement_timeout = %lld",
-                 (long long)pg->statement_timeout_ms);
-        obx_warn("postgres: another outboxd is relaying this outbox (it holds the relay lock "
-                 "in %s); standing by until its session ends",
-                 pg->target);
-        uv_timer_stop(&pg->timer); /* the wait may be long: not a connect timeout */
-        pg->setup_step = 2;
-        pg->standby = true;
-        send_setup_step(pg, sql);
+    pg->schema_version = version;
+    try_lock(pg);
+}
+
+/* The answer of pg_try_advisory_lock. */
+static void finish_lock(struct obx_pg *pg, const PGresult *res)
+{
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        char reason[512];
+        snprintf(reason, sizeof(reason), "trying the relay lock failed: %s",
+                 PQresultErrorMessage(res));
+        disconnect(pg, reason);
         return;
     }
-    if (pg->setup_step == 2)
+    if (strcmp(PQgetvalue(res, 0, 0), "t") != 0) {
+        if (!pg->standby_logged)
+            obx_warn("postgres: another outboxd is relaying this outbox (it holds the relay lock "
+                     "in %s); standing by, trying the lock every %dms",
+                     pg->target, OBX_PG_STANDBY_POLL_MS);
+        pg->standby_logged = true;
+        pg->attempts = 0; /* connected and healthy: a later reconnect starts its back-off anew */
+        change_state(pg, OBX_PG_STANDBY, "the relay lock is held elsewhere");
+        uv_timer_start(&pg->timer, on_timer, OBX_PG_STANDBY_POLL_MS, 0);
+        return;
+    }
+    if (pg->standby_logged)
         obx_info("postgres: relay lock acquired: the other outboxd is gone, taking over");
-    pg->standby = false;
+    pg->standby_logged = false;
     uv_timer_stop(&pg->timer);
     pg->attempts = 0;
-    set_state(pg, OBX_PG_READY, "setup done");
+    change_state(pg, OBX_PG_READY, "relay lock acquired");
     obx_info("postgres: connected to %s (schema version %ld, listening on %s)", pg->target,
              pg->schema_version, OBX_NOTIFY_CHANNEL);
+    if (pg->lost_pending) { /* the old session's end comes first */
+        uv_timer_stop(&pg->deferred);
+        pg->lost_pending = false;
+        pg->cb.lost(pg->arg);
+        if (pg->state != OBX_PG_READY)
+            return;
+    }
     pg->cb.ready(pg->arg);
 }
 
-/* Sends a statement on a connection we own (READY, or BUSY inside a
- * wrapped transaction). Returns 0, or -1 after dropping the connection. */
+/* Sends one statement of the request in flight. Returns 0, or -1 after
+ * dropping the connection. */
 static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
                     int result_format)
 {
@@ -402,19 +496,11 @@ static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char 
         disconnect_with_error(pg, "send failed");
         return -1;
     }
-    set_state(pg, OBX_PG_BUSY, "statement sent");
-    int f = PQflush(pg->conn);
-    if (f < 0 || watch(pg, UV_READABLE | (f == 1 ? UV_WRITABLE : 0)) != 0) {
+    if (watch_idle_or_busy(pg) != 0) {
         disconnect_with_error(pg, "write failed");
         return -1;
     }
     return 0;
-}
-
-static void report(struct obx_pg *pg, const PGresult *res, const char *error)
-{
-    set_state(pg, OBX_PG_READY, error ? "statement failed" : "statement done");
-    pg->cb.result(res, error, pg->arg);
 }
 
 static bool result_ok(const PGresult *res)
@@ -429,59 +515,101 @@ static const char *result_error(const PGresult *res)
     return *msg ? msg : "the statement returned no result";
 }
 
-/* Our statement completed with `res` (ours to free). Reports it, or moves a
- * wrapped transaction on: BEGIN -> body -> [failpoint] -> COMMIT, with
- * ROLLBACK after a failed body. */
-static void statement_done(struct obx_pg *pg, PGresult *res)
+/* Decodes a fetch result into pg->rows and reports it. */
+static void report_rows(struct obx_pg *pg, obx_pg_rows_fn done, void *arg, const PGresult *res,
+                        const char *error)
 {
+    char err[256];
+    if (error) {
+        done(arg, NULL, 0, error);
+        return;
+    }
+    int n = PQntuples(res);
+    if (n > pg->max_rows)
+        n = pg->max_rows;
+    obx_histogram_observe(&obx_stats.batch_rows, n);
+    for (int i = 0; i < n; i++) {
+        if (obx_row_from_result(res, i, &pg->rows[i], err, sizeof(err)) != 0) {
+            done(arg, NULL, 0, err);
+            return;
+        }
+    }
+    done(arg, pg->rows, (size_t)n, NULL);
+}
+
+/* The request is complete: READY again, then its callback. */
+static void report(struct obx_pg *pg, const PGresult *res, const char *error)
+{
+    struct pg_request req = pg->req;
+    memset(&pg->req, 0, sizeof(pg->req));
+    change_state(pg, OBX_PG_READY, error ? "request failed" : "request done");
+    if (req.rows_done)
+        report_rows(pg, req.rows_done, req.arg, res, error);
+    else
+        req.done(req.arg, res, error);
+}
+
+/* A statement of the request in flight completed with `res` (ours to free).
+ * Reports the request, or moves a transaction on. */
+static void request_step(struct obx_pg *pg, PGresult *res)
+{
+    struct pg_request *q = &pg->req;
     bool ok = result_ok(res);
-    switch (pg->tx) {
+    switch (q->tx) {
     case TX_NONE:
         report(pg, ok ? res : NULL, ok ? NULL : result_error(res));
         break;
     case TX_BEGIN:
         if (!ok) {
-            pg->tx = TX_NONE;
             report(pg, NULL, result_error(res));
             break;
         }
-        pg->tx = TX_BODY;
-        send_raw(pg, pg->tx_sql, pg->tx_nparams, pg->tx_values, 0);
+        q->tx = TX_BODY;
+        send_raw(pg, q->sql, q->nparams, q->values, 0);
         break;
     case TX_BODY:
-        if (ok && pg->tx_failpoint >= 0 && obx_failpoints_active.armed &&
-            obx_failpoint_reach(&obx_failpoints_active, (enum obx_fp_id)pg->tx_failpoint) != 0) {
-            snprintf(pg->tx_error, sizeof(pg->tx_error), "injected error at failpoint %s",
-                     obx_failpoint_name((enum obx_fp_id)pg->tx_failpoint));
+        if (ok && q->failpoint >= 0 && obx_failpoints_active.armed &&
+            obx_failpoint_reach(&obx_failpoints_active, (enum obx_fp_id)q->failpoint) != 0) {
+            snprintf(q->error, sizeof(q->error), "injected error at failpoint %s",
+                     obx_failpoint_name((enum obx_fp_id)q->failpoint));
             ok = false;
         } else if (!ok) {
-            snprintf(pg->tx_error, sizeof(pg->tx_error), "%s", result_error(res));
+            snprintf(q->error, sizeof(q->error), "%s", result_error(res));
         }
         if (!ok) {
-            pg->tx = TX_ROLLBACK;
+            q->tx = TX_ROLLBACK;
             send_raw(pg, "ROLLBACK", 0, NULL, 0);
             break;
         }
-        pg->tx_result = res;
+        q->result = res;
         res = NULL;
-        pg->tx = TX_COMMIT;
+        q->tx = TX_COMMIT;
         send_raw(pg, "COMMIT", 0, NULL, 0);
         break;
-    case TX_COMMIT:
-        pg->tx = TX_NONE;
+    case TX_COMMIT: {
+        PGresult *body = q->result;
+        q->result = NULL;
         if (ok)
-            report(pg, pg->tx_result, NULL);
+            report(pg, body, NULL);
         else
             report(pg, NULL, result_error(res));
-        PQclear(pg->tx_result);
-        pg->tx_result = NULL;
-        break;
-    case TX_ROLLBACK:
-        pg->tx = TX_NONE;
-        report(pg, NULL, pg->tx_error);
+        PQclear(body);
         break;
     }
+    case TX_ROLLBACK: {
+        char error[sizeof(q->error)];
+        memcpy(error, q->error, sizeof(error));
+        report(pg, NULL, error);
+        break;
+    }
+    }
     PQclear(res);
+}
+
+/* A statement is in flight in these states. */
+static bool awaiting_answer(const struct obx_pg *pg)
+{
+    return pg->state == OBX_PG_SETUP || pg->state == OBX_PG_LOCKING || pg->state == OBX_PG_BUSY;
 }
 
 /* Reads what the server sent: notifications and results. */
@@ -494,7 +622,7 @@ static void consume(struct obx_pg *pg)
         disconnect_with_error(pg, "read failed");
         return;
     }
-    while ((pg->state == OBX_PG_BUSY || pg->state == OBX_PG_SETUP) && !PQisBusy(pg->conn)) {
+    while (awaiting_answer(pg) && !PQisBusy(pg->conn)) {
         PGresult *res = PQgetResult(pg->conn);
         if (res) {
             /* Keep the first result (or the first error); a multi-statement
@@ -520,11 +648,14 @@ static void consume(struct obx_pg *pg)
         if (pg->state == OBX_PG_SETUP) {
             finish_setup(pg, res);
             PQclear(res);
+        } else if (pg->state == OBX_PG_LOCKING) {
+            finish_lock(pg, res);
+            PQclear(res);
         } else {
-            statement_done(pg, res);
+            request_step(pg, res);
         }
-        if (pg->state == OBX_PG_CLOSED || pg->state == OBX_PG_DISCONNECTED)
-            return;
+        if (!pg->conn)
+            return; /* disconnected or closed by what ran */
     }
     if (PQstatus(pg->conn) == CONNECTION_BAD) {
         disconnect_with_error(pg, "server closed the connection");
@@ -536,7 +667,7 @@ static void consume(struct obx_pg *pg)
         notified = true;
         PQfreemem(n);
     }
-    if (notified && (pg->state == OBX_PG_READY || pg->state == OBX_PG_BUSY))
+    if (notified && obx_pg_usable(pg))
         pg->cb.notify(pg->arg);
 }
 
@@ -545,36 +676,53 @@ static void on_poll(uv_poll_t *h, int status, int events)
     struct obx_pg *pg = h->data;
     if (!pg->watch || &pg->watch->handle != h)
         return; /* a replaced watcher */
-    if (status < 0 && status != UV_EBADF) {
-        /* Let libpq find out what is wrong with the socket. */
-        events = UV_READABLE;
+    if (status < 0) {
+        /* POLLERR (e.g. a reset socket): libuv has already stopped this
+         * handle (src/unix/poll.c, uv__poll_io) and reports no events.
+         * Mirror that, and let libpq find out what is wrong. */
+        obx_debug("postgres: socket error (%s) while %s", uv_strerror(status),
+                  state_names[pg->state]);
+        pg->watch->events = 0;
+        events = UV_READABLE | UV_WRITABLE;
     }
     if (pg->state == OBX_PG_CONNECTING) {
         continue_connect(pg);
         return;
     }
     if (events & UV_WRITABLE) {
-        int f = PQflush(pg->conn);
-        if (f < 0) {
+        if (PQflush(pg->conn) < 0) {
             disconnect_with_error(pg, "write failed");
-            return;
-        }
-        if (f == 0 && watch(pg, UV_READABLE) != 0) {
-            disconnect(pg, "cannot watch the connection socket");
             return;
         }
     }
     if (events & UV_READABLE)
         consume(pg);
+    /* Whatever ran, the watcher must match what we wait for now. */
+    if (pg->conn && pg->state != OBX_PG_CONNECTING && watch_idle_or_busy(pg) != 0)
+        disconnect_with_error(pg, "cannot watch the connection socket");
 }
 
 static void on_timer(uv_timer_t *t)
 {
     struct obx_pg *pg = t->data;
-    if (pg->state == OBX_PG_DISCONNECTED)
+    switch (pg->state) {
+    case OBX_PG_DISCONNECTED:
         start_connect(pg);
-    else if (pg->state == OBX_PG_CONNECTING || pg->state == OBX_PG_SETUP)
+        break;
+    case OBX_PG_CONNECTING:
+    case OBX_PG_SETUP:
         disconnect(pg, "timed out connecting");
+        break;
+    case OBX_PG_LOCKING:
+        disconnect(pg, "timed out trying the relay lock");
+        break;
+    case OBX_PG_STANDBY:
+        uv_timer_start(&pg->timer, on_timer, CONNECT_TIMEOUT_MS, 0); /* the try's own bound */
+        try_lock(pg);
+        break;
+    default:
+        break;
+    }
 }
 
 const char *obx_pg_sql_fetch(void)
@@ -640,9 +788,19 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->backoff_min_ms = cfg->pg_backoff_min_ms;
     pg->backoff_max_ms = cfg->pg_backoff_max_ms;
     pg->state = OBX_PG_DISCONNECTED;
+    pg->max_rows = cfg->batch_size;
+    pg->rows = calloc((size_t)cfg->batch_size, sizeof(*pg->rows));
+    if (!pg->rows) {
+        free(pg->conninfo);
+        free(pg);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
     obx_pg_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
     uv_timer_init(loop, &pg->timer);
-    pg->timer.data = pg;
+    uv_timer_init(loop, &pg->deferred);
+    pg->timer.data = pg->deferred.data = pg;
+    pg->open_handles = 2;
     *out = pg;
     return 0;
 }
@@ -656,6 +814,9 @@ void obx_pg_start(struct obx_pg *pg)
 static void on_pg_timer_closed(uv_handle_t *h)
 {
     struct obx_pg *pg = h->data;
+    if (--pg->open_handles > 0)
+        return;
+    free(pg->rows);
     for (size_t i = 0; i < sizeof(pg->params) / sizeof(pg->params[0]); i++)
         obx_pg_array_free(&pg->params[i]);
     free(pg->conninfo);
@@ -666,16 +827,14 @@ void obx_pg_close(struct obx_pg *pg)
 {
     if (!pg || pg->state == OBX_PG_CLOSED)
         return;
-    set_state(pg, OBX_PG_CLOSED, "close");
+    change_state(pg, OBX_PG_CLOSED, "close");
     unwatch(pg);
-    PQclear(pg->result);
-    pg->result = NULL;
-    PQclear(pg->tx_result);
-    pg->tx_result = NULL;
+    drop_request(pg);
     if (pg->conn)
         PQfinish(pg->conn);
     pg->conn = NULL;
     uv_close((uv_handle_t *)&pg->timer, on_pg_timer_closed);
+    uv_close((uv_handle_t *)&pg->deferred, on_pg_timer_closed);
 }
 
 /* ---- array literals for parameters ---- */
@@ -735,31 +894,41 @@ void obx_pg_array_free(struct obx_pg_array *a)
     a->count = 0;
 }
 
-/* ---- statements ---- */
+/* ---- requests ---- */
 
-int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
-                int result_format)
+static int start_request(struct obx_pg *pg, const struct pg_request *req, const char *sql,
+                         int nparams, const char *const *values, int result_format)
 {
     if (pg->state != OBX_PG_READY)
         return -1;
-    pg->tx = TX_NONE;
-    return send_raw(pg, sql, nparams, values, result_format);
+    pg->req = *req;
+    change_state(pg, OBX_PG_BUSY, "request sent");
+    if (send_raw(pg, sql, nparams, values, result_format) != 0)
+        return -1; /* disconnected: the request was dropped, `lost` follows */
+    return 0;
+}
+
+int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                int result_format, obx_pg_done_fn done, void *arg)
+{
+    struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
+    return start_request(pg, &req, sql, nparams, values, result_format);
 }
 
 int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
-                   int failpoint)
+                   int failpoint, obx_pg_done_fn done, void *arg)
 {
-    if (pg->state != OBX_PG_READY)
-        return -1;
-    pg->tx = TX_BEGIN;
-    pg->tx_sql = sql;
-    pg->tx_nparams = nparams;
-    pg->tx_values = values;
-    pg->tx_failpoint = failpoint;
-    return send_raw(pg, "BEGIN", 0, NULL, 0);
+    struct pg_request req = {.done = done,
+                             .arg = arg,
+                             .tx = TX_BEGIN,
+                             .sql = sql,
+                             .nparams = nparams,
+                             .values = values,
+                             .failpoint = failpoint};
+    return start_request(pg, &req, "BEGIN", 0, NULL, 0);
 }
 
-int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f)
+int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
 {
     const char *values[5];
     struct obx_pg_array *a = pg->params;
@@ -783,10 +952,11 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f)
         obx_error("postgres: out of memory building the fetch");
         return -1;
     }
-    return obx_pg_send(pg, SQL_FETCH, 5, values, 1);
+    struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
+    return start_request(pg, &req, SQL_FETCH, 5, values, 1);
 }
 
-int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m)
+int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
 {
     const char **values = pg->param_values;
     struct obx_pg_array *a = pg->params;
@@ -810,5 +980,5 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m)
             return -1;
         }
     }
-    return obx_pg_send_tx(pg, pg->mark_sql, 6, values, OBX_FP_MARK_BEFORE_COMMIT);
+    return obx_pg_send_tx(pg, pg->mark_sql, 6, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
 }

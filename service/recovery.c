@@ -7,6 +7,7 @@
 #include "outboxd/metrics.h"
 #include "outboxd/log.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -102,6 +103,7 @@ struct obx_recovery {
     size_t n_found, cap_found;
     int64_t id_lo, id_hi; /* unsent ids lie in [id_lo, id_hi] */
     uint64_t records_read;
+    atomic_uint_fast64_t progress; /* written by the worker and the loop */
     char error[512];
 
     char sql[2048];
@@ -202,16 +204,24 @@ int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_p
     return 0;
 }
 
+static void on_plan_result(void *arg, const PGresult *res, const char *error);
+static void on_mark_result(void *arg, const PGresult *res, const char *error);
+
 int obx_recovery_start(struct obx_recovery *rec)
 {
     if (rec->step != STEP_IDLE || rec->closing)
         return -1; /* a scan from an abandoned pass is still running */
     clear_pass(rec);
     rec->aborted = false;
-    if (obx_pg_send(rec->pg, SQL_PLAN, 0, NULL, 0) != 0)
+    if (obx_pg_send(rec->pg, SQL_PLAN, 0, NULL, 0, on_plan_result, rec) != 0)
         return -1;
     rec->step = STEP_PLAN;
     return 0;
+}
+
+uint64_t obx_recovery_progress(const struct obx_recovery *rec)
+{
+    return atomic_load(&rec->progress);
 }
 
 static void finish(struct obx_recovery *rec, bool ok)
@@ -304,6 +314,7 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
                  rd_kafka_err2str(e));
         return -1;
     }
+    atomic_fetch_add(&rec->progress, 1);
     if (md->topic_cnt != 1 || md->topics[0].err) {
         /* Unknown topic: nothing can have been published to it. */
         rd_kafka_metadata_destroy(md);
@@ -356,6 +367,7 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
         }
         p->end = high;
         p->done = p->start >= p->end;
+        atomic_fetch_add(&rec->progress, 1);
         if (!p->done) {
             rd_kafka_topic_partition_list_add(assign, rec->topics[p->topic], p->partition)->offset =
                 p->start;
@@ -390,6 +402,7 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
             struct part *p = &rec->parts[pi];
             if (!m->err && m->offset < p->end) {
                 rec->records_read++;
+                atomic_fetch_add(&rec->progress, 1);
                 if (add_found(rec, m, p->topic) != 0) {
                     snprintf(rec->error, sizeof(rec->error), "out of memory");
                     rc = -1;
@@ -475,9 +488,9 @@ static void send_mark(struct obx_recovery *rec)
             return;
         }
     }
-    if (obx_pg_send_tx(rec->pg, rec->sql, NPARAMS, rec->values, OBX_FP_RECOVER_BEFORE_COMMIT) !=
-        0) {
-        finish(rec, false); /* if the connection broke, abort() came first */
+    if (obx_pg_send_tx(rec->pg, rec->sql, NPARAMS, rec->values, OBX_FP_RECOVER_BEFORE_COMMIT,
+                       on_mark_result, rec) != 0) {
+        finish(rec, false); /* if the connection broke, `lost` follows */
         return;
     }
     rec->step = STEP_MARK;
@@ -561,28 +574,33 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
     }
 }
 
-void obx_recovery_on_result(struct obx_recovery *rec, const PGresult *res, const char *error)
+static void on_plan_result(void *arg, const PGresult *res, const char *error)
 {
-    if (rec->step == STEP_PLAN) {
-        if (error) {
-            obx_warn("recovery: reading the plan failed: %s", error);
-            finish(rec, false);
-        } else {
-            on_plan(rec, res);
-        }
-    } else if (rec->step == STEP_MARK) {
-        if (error) {
-            obx_warn("recovery: marking failed: %s", error);
-            finish(rec, false);
-            return;
-        }
-        const char *confirmed = PQgetvalue(res, 0, 0);
-        obx_info("recovery: %s rows were already in Kafka (published by an earlier run) and are "
-                 "now marked, not published again",
-                 confirmed);
-        obx_stats.rows_recovered += strtoull(confirmed, NULL, 10);
-        finish(rec, true);
+    struct obx_recovery *rec = arg;
+    OBX_ASSERT(rec->step == STEP_PLAN, "recovery: plan answered in step %d", (int)rec->step);
+    if (error) {
+        obx_warn("recovery: reading the plan failed: %s", error);
+        finish(rec, false);
+    } else {
+        on_plan(rec, res);
     }
+}
+
+static void on_mark_result(void *arg, const PGresult *res, const char *error)
+{
+    struct obx_recovery *rec = arg;
+    OBX_ASSERT(rec->step == STEP_MARK, "recovery: mark answered in step %d", (int)rec->step);
+    if (error) {
+        obx_warn("recovery: marking failed: %s", error);
+        finish(rec, false);
+        return;
+    }
+    const char *confirmed = PQgetvalue(res, 0, 0);
+    obx_info("recovery: %s rows were already in Kafka (published by an earlier run) and are "
+             "now marked, not published again",
+             confirmed);
+    obx_stats.rows_recovered += strtoull(confirmed, NULL, 10);
+    finish(rec, true);
 }
 
 void obx_recovery_abort(struct obx_recovery *rec)

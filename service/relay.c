@@ -6,6 +6,7 @@
 #include "outboxd/log.h"
 #include "outboxd/metrics.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -82,8 +83,15 @@ struct obx_relay {
     int64_t not_before;    /* back-off: no statement before this time */
     int64_t last_fetch_at; /* when the last fetch was sent (poll fallback) */
 
+    int64_t now; /* time of the event being handled */
     bool draining;
-    int64_t drain_deadline;
+    int64_t drain_deadline; /* stop waiting for deliveries; mark what was acknowledged */
+    int64_t hard_deadline;  /* stop, whatever is in flight (shutdown.timeout) */
+
+    int64_t last_progress; /* see obx_relay_last_progress */
+    int64_t state_since;   /* when the state last changed */
+    int64_t stalled_ms;    /* > 0 while a stall is reported */
+    int64_t stall_logged_at;
     int exit_code;
     uint64_t marked_total;
     uint64_t dead_total;
@@ -101,11 +109,11 @@ const char *obx_relay_state_name(enum obx_relay_state s)
 #define BIT(s) (1u << (s))
 static const unsigned allowed[] = {
     [OBX_RELAY_WAIT_PG] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_STOPPED),
-    [OBX_RELAY_RECOVERING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG),
+    [OBX_RELAY_RECOVERING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_IDLE] = BIT(OBX_RELAY_RECOVERING) | BIT(OBX_RELAY_FETCHING) |
                        BIT(OBX_RELAY_MARKING) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
-    [OBX_RELAY_FETCHING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG),
-    [OBX_RELAY_MARKING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG),
+    [OBX_RELAY_FETCHING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
+    [OBX_RELAY_MARKING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_STOPPED] = 0,
 };
 
@@ -113,12 +121,13 @@ static const unsigned allowed[] = {
 static void set_state(struct obx_relay *r, enum obx_relay_state to, const char *why)
 {
     if (!(allowed[r->state] & BIT(to))) {
-        obx_error("relay: refused state change %s -> %s (%s)", state_names[r->state],
-                  state_names[to], why);
+        OBX_BUG("relay: refused state change %s -> %s (%s)", state_names[r->state], state_names[to],
+                why);
         return;
     }
     obx_debug("relay: %s -> %s (%s)", state_names[r->state], state_names[to], why);
     r->state = to;
+    r->state_since = r->now;
 }
 
 void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct obx_config *cfg)
@@ -129,6 +138,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->poll_interval_ms = cfg->poll_interval_ms;
     s->retry_backoff_ms = cfg->retry_backoff_ms;
     s->shutdown_timeout_ms = cfg->shutdown_timeout_ms;
+    s->stall_timeout_ms = cfg->stall_timeout_ms;
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -434,24 +444,35 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
     return true;
 }
 
-/* Decides what the idle connection does next. Called after every event. */
+/* During a drain: whether to stop now. Nothing in flight: at once, in any
+ * state (a fetch or recovery statement still running is simply dropped).
+ * Past the drain deadline: once nothing acknowledged is left to mark, or no
+ * connection can mark it. Past the hard deadline: whatever is in flight (a
+ * hung Postgres must not hold SIGTERM hostage). */
+static bool drain_over(const struct obx_relay *r, int64_t now)
+{
+    if (r->in_use == 0 || now >= r->hard_deadline)
+        return true;
+    if (now < r->drain_deadline)
+        return false;
+    return r->state == OBX_RELAY_WAIT_PG || (r->state == OBX_RELAY_IDLE && r->to_mark == 0);
+}
+
+/* Decides what the relay does next. Called after every event. */
 static void kick(struct obx_relay *r, int64_t now)
 {
-    if (r->state != OBX_RELAY_IDLE && r->state != OBX_RELAY_WAIT_PG)
+    if (r->state == OBX_RELAY_STOPPED)
         return;
-    if (r->draining) {
-        bool deadline_passed = now >= r->drain_deadline;
-        /* Done when nothing is in flight, or at the deadline once nothing
-         * acknowledged is left to mark (or no connection to mark it with). */
-        if (r->in_use == 0 ||
-            (deadline_passed && (r->to_mark == 0 || r->state == OBX_RELAY_WAIT_PG))) {
-            if (r->in_use > 0)
-                obx_warn("relay: stopping with %zu rows unconfirmed (%zu acknowledged but not "
-                         "marked); the next start recovers them from Kafka",
-                         r->in_use, r->to_mark);
-            stop(r, r->exit_code ? "fatal error" : "drained");
-            return;
-        }
+    if (r->draining && drain_over(r, now)) {
+        if (r->in_use > 0)
+            obx_warn("relay: stopping %s with %zu rows unconfirmed (%zu acknowledged but not "
+                     "marked); the next start recovers them from Kafka",
+                     r->state == OBX_RELAY_IDLE || r->state == OBX_RELAY_WAIT_PG
+                         ? "at the shutdown deadline"
+                         : "at the shutdown deadline while Postgres has not answered",
+                     r->in_use, r->to_mark);
+        stop(r, r->exit_code ? "fatal error" : "drained");
+        return;
     }
     if (r->state != OBX_RELAY_IDLE || now < r->not_before)
         return;
@@ -470,13 +491,25 @@ static void kick(struct obx_relay *r, int64_t now)
         start_fetch(r, now);
 }
 
+static void progress(struct obx_relay *r, int64_t now)
+{
+    r->last_progress = now;
+    if (r->stalled_ms > 0) {
+        obx_info("relay: moving again after %llds without progress",
+                 (long long)(r->stalled_ms / 1000));
+        r->stalled_ms = 0;
+    }
+}
+
 /* ---- events ---- */
 
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
 {
+    r->now = now;
     if (r->state != OBX_RELAY_WAIT_PG)
         return;
     set_state(r, OBX_RELAY_IDLE, "postgres ready");
+    progress(r, now); /* the lock was just acquired: the clock starts now */
     r->want_fetch = true;
     r->not_before = 0;
     kick(r, now);
@@ -484,24 +517,30 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
 
 void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
 {
+    r->now = now;
     if (r->state == OBX_RELAY_STOPPED || r->state == OBX_RELAY_WAIT_PG)
         return;
     /* A mark in flight may or may not have committed: mark those rows again
      * after the reconnect (the statement is idempotent). */
     unmark(r);
     r->discard_fetch = false; /* the fetch in flight, if any, is gone */
+    /* The relay lock went with the session: another relay may have
+     * published since. The next acquisition runs the recovery pass again. */
+    r->recovered = false;
     set_state(r, OBX_RELAY_WAIT_PG, "postgres connection lost");
     kick(r, now);
 }
 
 void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
 {
+    r->now = now;
     if (r->state != OBX_RELAY_RECOVERING)
         return;
     set_state(r, OBX_RELAY_IDLE, ok ? "recovery done" : "recovery failed");
     if (ok) {
         r->recovered = true;
         r->want_fetch = true;
+        progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
     }
@@ -511,6 +550,7 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now)
 {
     size_t produced = 0, taken = 0;
+    r->now = now;
     if (r->state != OBX_RELAY_FETCHING)
         return;
     set_state(r, OBX_RELAY_IDLE, "fetch done");
@@ -526,6 +566,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         kick(r, now);
         return;
     }
+    if (n == 0 && r->in_use == 0)
+        progress(r, now); /* caught up: nothing waits */
     if (OBX_FAILPOINT(OBX_FP_FETCH_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         r->want_fetch = true;
@@ -598,6 +640,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
 
 void obx_relay_on_marked(struct obx_relay *r, int64_t now)
 {
+    r->now = now;
     size_t marked = 0, dead = 0;
     if (r->state != OBX_RELAY_MARKING)
         return;
@@ -618,6 +661,7 @@ void obx_relay_on_marked(struct obx_relay *r, int64_t now)
     }
     r->marked_total += marked;
     r->dead_total += dead;
+    progress(r, now);
     obx_debug("relay: marked %zu rows, dead-lettered %zu", marked, dead);
     set_state(r, OBX_RELAY_IDLE, "mark done");
     if (dead > 0)
@@ -627,6 +671,7 @@ void obx_relay_on_marked(struct obx_relay *r, int64_t now)
 
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now)
 {
+    r->now = now;
     if (r->state == OBX_RELAY_FETCHING) {
         obx_warn("relay: fetch failed: %s", reason);
         r->discard_fetch = false;
@@ -647,6 +692,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
                            const char *reason, int64_t now)
 {
     struct slot *s = opaque;
+    r->now = now;
     if (!s || s->state != SLOT_PRODUCED) {
         obx_error("relay: delivery report for an unknown or finished row");
         return;
@@ -680,12 +726,14 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
 
 void obx_relay_wakeup(struct obx_relay *r, int64_t now)
 {
+    r->now = now;
     r->want_fetch = true;
     kick(r, now);
 }
 
 void obx_relay_tick(struct obx_relay *r, int64_t now)
 {
+    r->now = now;
     if (r->state == OBX_RELAY_STOPPED)
         return;
     if (now - r->last_fetch_at >= r->set.poll_interval_ms)
@@ -698,10 +746,14 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
 
 void obx_relay_shutdown(struct obx_relay *r, int64_t now)
 {
+    r->now = now;
     if (r->draining || r->state == OBX_RELAY_STOPPED)
         return;
     r->draining = true;
-    r->drain_deadline = now + r->set.shutdown_timeout_ms;
+    /* The last quarter (at most a second) is kept for the final mark. */
+    int64_t reserve = r->set.shutdown_timeout_ms / 4 < 1000 ? r->set.shutdown_timeout_ms / 4 : 1000;
+    r->hard_deadline = now + r->set.shutdown_timeout_ms;
+    r->drain_deadline = r->hard_deadline - reserve;
     obx_info("relay: shutting down: %zu rows in flight, waiting up to %lldms", r->in_use,
              (long long)r->set.shutdown_timeout_ms);
     kick(r, now);
@@ -709,14 +761,83 @@ void obx_relay_shutdown(struct obx_relay *r, int64_t now)
 
 void obx_relay_fatal(struct obx_relay *r, const char *reason, int64_t now)
 {
+    r->now = now;
     if (r->state == OBX_RELAY_STOPPED)
         return;
     obx_error("relay: stopping after a fatal error: %s", reason);
     r->exit_code = 1;
+    if (!r->draining)
+        r->hard_deadline = now + r->set.shutdown_timeout_ms;
     r->draining = true;
     r->drain_deadline = now;
     r->not_before = 0;
     kick(r, now);
+}
+
+void obx_relay_note_progress(struct obx_relay *r, int64_t now)
+{
+    progress(r, now);
+}
+
+/* What the relay is waiting for, for the stall report. */
+static void describe_wait(const struct obx_relay *r, int64_t now, char *why, size_t len)
+{
+    long long in_state = (long long)((now - r->state_since) / 1000);
+    size_t produced = r->in_use - r->to_mark;
+    switch (r->state) {
+    case OBX_RELAY_FETCHING:
+    case OBX_RELAY_MARKING:
+        snprintf(why, len, "waiting %llds for Postgres to answer the %s", in_state,
+                 r->state == OBX_RELAY_FETCHING ? "fetch" : "mark");
+        break;
+    case OBX_RELAY_RECOVERING:
+        snprintf(why, len, "the recovery pass has shown no progress for %llds", in_state);
+        break;
+    default:
+        if (produced > 0)
+            snprintf(why, len, "waiting for Kafka's delivery reports of %zu rows", produced);
+        else
+            snprintf(why, len, "%s for %llds with %zu rows in flight", state_names[r->state],
+                     in_state, r->in_use);
+        break;
+    }
+}
+
+void obx_relay_check_stall(struct obx_relay *r, bool deps_ok, int64_t now)
+{
+    r->now = now;
+    int64_t idle = now - r->last_progress;
+    bool stalled = r->set.stall_timeout_ms > 0 && deps_ok && !r->draining &&
+                   r->state != OBX_RELAY_WAIT_PG && r->state != OBX_RELAY_STOPPED &&
+                   idle >= r->set.stall_timeout_ms;
+    if (!stalled) {
+        if (!deps_ok || r->state == OBX_RELAY_WAIT_PG)
+            r->last_progress = now; /* waiting for a dependency is not a stall */
+        r->stalled_ms = 0;
+        return;
+    }
+    bool first = r->stalled_ms == 0;
+    r->stalled_ms = idle;
+    if (first || now - r->stall_logged_at >= r->set.stall_timeout_ms) {
+        char why[160];
+        describe_wait(r, now, why, sizeof(why));
+        obx_error("relay: no progress for %llds: %s; /livez fails until it moves (restarting "
+                  "outboxd is safe)",
+                  (long long)(idle / 1000), why);
+        r->stall_logged_at = now;
+    }
+}
+
+int64_t obx_relay_stalled(const struct obx_relay *r, char *why, size_t len)
+{
+    if (r->stalled_ms > 0 && why)
+        describe_wait(r, r->now, why, len);
+    return r->stalled_ms;
+}
+
+int64_t obx_relay_last_progress(const struct obx_relay *r)
+{
+    return r->last_progress;
 }
 
 enum obx_relay_state obx_relay_state(const struct obx_relay *r)

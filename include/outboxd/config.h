@@ -47,6 +47,7 @@ struct obx_config {
     int64_t poll_interval_ms;
     int64_t retry_backoff_ms;
     int64_t shutdown_timeout_ms;
+    int64_t stall_timeout_ms; /* 0 = no stall detection */
 
     int64_t retention_ms; /* 0 = keep sent rows */
     int64_t retention_interval_ms;

@@ -44,4 +44,17 @@ void obx_log_write(enum obx_log_level level, const char *fmt, ...)
 #define obx_info(...)  obx_log(OBX_LOG_INFO, __VA_ARGS__)
 #define obx_debug(...) obx_log(OBX_LOG_DEBUG, __VA_ARGS__)
 
+/* A state that cannot happen (a bug in outboxd): logged at error level as
+ * "cannot happen: ...", which fails every integration test, and abort()s
+ * in builds with OBX_ABORT_ON_BUG (Debug and sanitizer builds), so the
+ * test that reached it stops right there with a core and a stack. */
+void obx_bug(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define OBX_BUG(...) obx_bug(__FILE__, __LINE__, __VA_ARGS__)
+#define OBX_ASSERT(cond, ...)                                                                      \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            obx_bug(__FILE__, __LINE__, __VA_ARGS__);                                              \
+    } while (0)
+
 #endif

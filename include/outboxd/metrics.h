@@ -78,7 +78,9 @@ struct obx_metrics_gauges {
     bool ready;
     bool standby; /* waiting for the relay lock another outboxd holds */
     bool draining;
-    double start_time; /* Unix seconds */
+    double start_time;    /* Unix seconds */
+    double last_progress; /* Unix seconds of the relay's last progress */
+    bool stalled;         /* /livez fails: no progress while dependencies are reachable */
 };
 
 /* Appends the exposition (text format 0.0.4) to `out`. */

@@ -9,8 +9,13 @@
  * doubling back-off, for ever: outboxd never needs a manual reset.
  *
  * After connecting, setup checks the outbox schema version, LISTENs on the
- * wake-up channel, sets statement_timeout and takes the relay lock (waiting
- * for it while another outboxd holds it); only then is it READY.
+ * wake-up channel, sets statement_timeout and tries the relay lock. While
+ * another outboxd holds it, the connection stands by idle (no statement, so
+ * no snapshot pins the xmin horizon) and tries again every
+ * OBX_PG_STANDBY_POLL_MS; once it holds the lock it is READY.
+ *
+ * Requests carry their own completion callback; nothing is ever called back
+ * from inside an obx_pg_* call.
  */
 #ifndef OUTBOXD_PG_H
 #define OUTBOXD_PG_H
@@ -24,6 +29,7 @@
 
 #include "outboxd/buf.h"
 #include "outboxd/config.h"
+#include "outboxd/record.h"
 #include "outboxd/relay.h"
 
 /* The newest migration in sql/ that this binary needs. */
@@ -37,29 +43,44 @@
 /* NOTIFY channel used by outbox.enqueue(). */
 #define OBX_NOTIFY_CHANNEL "outboxd"
 
+/* The connection's state machine. One function changes it (pg.c
+ * change_state), logs old -> new and refuses impossible moves. */
 enum obx_pg_state {
     OBX_PG_DISCONNECTED = 0, /* no connection; reconnect timer armed */
     OBX_PG_CONNECTING,       /* PQconnectPoll in progress */
-    OBX_PG_SETUP,            /* schema check, LISTEN, SET in flight */
-    OBX_PG_READY,            /* usable and idle */
-    OBX_PG_BUSY,             /* one statement of the relay in flight */
+    OBX_PG_SETUP,            /* schema check, LISTEN, SETs in flight */
+    OBX_PG_LOCKING,          /* pg_try_advisory_lock(relay lock) in flight */
+    OBX_PG_STANDBY,          /* another outboxd holds the lock: idle (no snapshot), the
+                              * lock is tried again every OBX_PG_STANDBY_POLL_MS */
+    OBX_PG_READY,            /* holds the relay lock; idle */
+    OBX_PG_BUSY,             /* one request in flight */
     OBX_PG_CLOSED,           /* obx_pg_close() was called */
 };
 
+/* How often a standby tries the relay lock: bounds the takeover time. */
+#define OBX_PG_STANDBY_POLL_MS 250
+
 struct obx_pg_callbacks {
-    /* Connection set up and idle. */
+    /* Connection set up, relay lock held, idle. Fires again after every
+     * reconnect (each is a new acquisition of the lock). */
     void (*ready)(void *arg);
-    /* A READY or BUSY connection was lost; a statement in flight has no
-     * result. A reconnect is already scheduled. */
+    /* A connection that had fired `ready` is gone: any request in flight is
+     * dropped without its callback, and the relay lock is lost. Fires on a
+     * later loop turn than the event that broke the connection, never from
+     * inside an obx_pg_* call. A reconnect is already scheduled. */
     void (*lost)(void *arg);
-    /* The statement in flight finished: `res` on success (freed when the
-     * callback returns), or `error` (one line from Postgres or from us) with
-     * res NULL. The connection is READY again before the call, so the
-     * callback may send the next statement. */
-    void (*result)(const PGresult *res, const char *error, void *arg);
     /* A NOTIFY arrived on the wake-up channel. */
     void (*notify)(void *arg);
 };
+
+/* Completion of one request: `res` on success (valid during the call), or
+ * `error` (one line from Postgres or from us) with res NULL. The connection
+ * is READY again before the call, so the callback may send the next
+ * request. */
+typedef void (*obx_pg_done_fn)(void *arg, const PGresult *res, const char *error);
+/* Completion of a fetch: the rows decoded (borrowed; valid during the call),
+ * or `error` with rows NULL. */
+typedef void (*obx_pg_rows_fn)(void *arg, const struct obx_row *rows, size_t n, const char *error);
 
 struct obx_pg;
 
@@ -73,8 +94,11 @@ void obx_pg_start(struct obx_pg *pg);
 void obx_pg_close(struct obx_pg *pg);
 
 enum obx_pg_state obx_pg_state(const struct obx_pg *pg);
-/* Connected, but waiting for the relay lock another outboxd holds. */
+const char *obx_pg_state_name(enum obx_pg_state s);
+/* Connected, but another outboxd holds the relay lock. */
 bool obx_pg_standby(const struct obx_pg *pg);
+/* READY or BUSY: holds the relay lock on a live session (as far as we know). */
+bool obx_pg_usable(const struct obx_pg *pg);
 
 /* A growable text buffer holding a Postgres array literal ("{1,2}",
  * "{\"a\",NULL}") for a text-format parameter. */
@@ -90,25 +114,30 @@ void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len);
 const char *obx_pg_array_finish(struct obx_pg_array *a);
 void obx_pg_array_free(struct obx_pg_array *a);
 
-/* Sends one statement (text parameters). Only when READY. Returns 0, or -1
- * if nothing was sent; if the connection broke, it is dropped and `lost`
- * has fired before this returns. */
+/* Requests. Each is sent only when READY; it returns 0 when sent, and then
+ * its callback fires exactly once unless the connection is lost first (see
+ * `lost`). It returns -1 when nothing was sent: the callback never fires
+ * (libuv's rule), and if the connection broke, `lost` follows on a later
+ * loop turn. */
+
+/* One statement (text parameters; result_format 1 = binary). */
 int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
-                int result_format);
-/* Sends one statement inside BEGIN ... COMMIT; the result reported is the
+                int result_format, obx_pg_done_fn done, void *arg) OBX_WARN_UNUSED;
+/* One statement inside BEGIN ... COMMIT; the result reported is the
  * statement's, after COMMIT succeeded. Failpoint `failpoint` (an enum
  * obx_fp_id, or -1) is reached between the statement and COMMIT. `values`
- * must stay valid until the result callback. */
+ * must stay valid until the callback. */
 int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
-                   int failpoint);
+                   int failpoint, obx_pg_done_fn done, void *arg) OBX_WARN_UNUSED;
 
-/* The fetch: unsent rows in id order as `f` says. Binary results, columns as
- * in record.h. */
-int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f);
+/* The fetch: unsent rows in id order as `f` says, decoded into rows. */
+int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done,
+                      void *arg) OBX_WARN_UNUSED;
 /* The mark transaction: confirm m->ids (set sent_at, or delete in delete
  * mode), store each partition's last offset, move dead rows to
  * outbox.dead_letters. */
-int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m);
+int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done,
+                     void *arg) OBX_WARN_UNUSED;
 
 /* The statements outboxd runs, for benchmarks that must measure exactly
  * them. Fetch parameters: $1 excluded ids, $2 limit, $3..$5 held-back keys

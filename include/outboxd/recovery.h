@@ -52,9 +52,9 @@ int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_p
  * statement could not be sent). */
 int obx_recovery_start(struct obx_recovery *rec);
 
-/* The result of a statement the recovery sent (main.c routes it here while
- * the relay is RECOVERING). */
-void obx_recovery_on_result(struct obx_recovery *rec, const PGresult *res, const char *error);
+/* A counter that grows while a pass moves (records read, statements
+ * answered): the stall check reads it from the loop thread. */
+uint64_t obx_recovery_progress(const struct obx_recovery *rec);
 
 /* The connection was lost: the pass is abandoned without calling `done`. */
 void obx_recovery_abort(struct obx_recovery *rec);

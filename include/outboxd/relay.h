@@ -115,6 +115,7 @@ struct obx_relay_settings {
     int64_t poll_interval_ms;
     int64_t retry_backoff_ms;
     int64_t shutdown_timeout_ms;
+    int64_t stall_timeout_ms; /* 0 = never report a stall */
 };
 
 struct obx_relay;
@@ -147,6 +148,21 @@ void obx_relay_shutdown(struct obx_relay *r, int64_t now);
 /* Kafka cannot go on (fatal producer error): mark what was acknowledged and
  * stop with exit code 1. */
 void obx_relay_fatal(struct obx_relay *r, const char *reason, int64_t now);
+
+/* Something moved outside the relay's own view (the recovery scan read
+ * records): counts as progress for the stall check. */
+void obx_relay_note_progress(struct obx_relay *r, int64_t now);
+/* The stall check, from housekeeping. `deps_ok`: Postgres and Kafka look
+ * reachable (a relay waiting for a dependency that is down is not stalled:
+ * restarting it would not help). Logs when a stall begins, every
+ * stall_timeout while it lasts, and when it ends. */
+void obx_relay_check_stall(struct obx_relay *r, bool deps_ok, int64_t now);
+/* Milliseconds without progress if stalled (as last checked), else 0; why
+ * into buf. */
+int64_t obx_relay_stalled(const struct obx_relay *r, char *why, size_t len);
+/* Monotonic time of the last progress: a row marked, an empty fetch with
+ * nothing in flight, the lock acquired, recovery done or reading. */
+int64_t obx_relay_last_progress(const struct obx_relay *r);
 
 enum obx_relay_state obx_relay_state(const struct obx_relay *r);
 const char *obx_relay_state_name(enum obx_relay_state s);

@@ -120,6 +120,8 @@ static void write_file(const char *path, const char *text)
     fclose(f);
 }
 
+static void h_pg_restart_stop(struct h_env *e, int sig);
+
 void h_pg_start(struct h_env *e)
 {
     char data[300], log[300], sockdir[300];
@@ -146,7 +148,7 @@ void h_pg_start(struct h_env *e)
                       "-p",
                       port,
                       "-c",
-                      "listen_addresses=",
+                      e->pg_tcp ? "listen_addresses=127.0.0.1" : "listen_addresses=",
                       "-c",
                       "fsync=off",
                       "-c",
@@ -161,7 +163,7 @@ void h_pg_start(struct h_env *e)
     pid_t pid = spawn(argv, NULL, pw, SIGINT, log);
     e->pg_pid = pid;
     snprintf(e->conninfo, sizeof(e->conninfo), "host=%s port=%d user=postgres dbname=postgres",
-             e->dir, port_n);
+             e->pg_tcp ? "127.0.0.1" : e->dir, port_n);
     int64_t deadline = h_now_ms() + 30000;
     while (PQping(e->conninfo) != PQPING_OK) {
         if (h_now_ms() > deadline || waitpid(pid, NULL, WNOHANG) == pid)
@@ -172,9 +174,21 @@ void h_pg_start(struct h_env *e)
 
 void h_pg_stop(struct h_env *e)
 {
+    h_pg_restart_stop(e, SIGINT);
+}
+
+void h_pg_restart(struct h_env *e, const char *mode)
+{
+    h_pg_restart_stop(e, strcmp(mode, "immediate") == 0 ? SIGQUIT : SIGINT);
+    h_pg_start(e);
+}
+
+/* Stops the postmaster with `sig`: SIGINT = fast, SIGQUIT = immediate. */
+static void h_pg_restart_stop(struct h_env *e, int sig)
+{
     if (e->pg_pid <= 0)
         return;
-    kill(e->pg_pid, SIGINT);
+    kill(e->pg_pid, sig);
     if (wait_exit(e->pg_pid, 30000) == -1) {
         kill(e->pg_pid, SIGKILL);
         wait_exit(e->pg_pid, 5000);
@@ -269,8 +283,17 @@ bool h_broker_cmd(struct h_env *e, const char *fmt, ...)
 
 void h_env_start(struct h_env *e, const char *const *topics)
 {
+    h_env_start_with(e, topics, 0);
+}
+
+void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags)
+{
     struct passwd *pw = server_user();
     memset(e, 0, sizeof(*e));
+    if (flags & H_PG_TCP) {
+        e->pg_tcp = true;
+        e->pg_port = h_free_port();
+    }
     snprintf(e->dir, sizeof(e->dir), "/tmp/obx-it-XXXXXX");
     if (!mkdtemp(e->dir))
         fail_msg("mkdtemp: %s", strerror(errno));
@@ -397,8 +420,44 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
     return remove(path);
 }
 
+/* Lines no relay may ever log: a bug (OBX_BUG) or an event loop that did
+ * not close. Returns the first one found in any relay log of DIR. */
+static bool find_bug_line(const char *dir, char *found, size_t len)
+{
+    static const char *const needles[] = {"cannot happen: ",
+                                          "event loop closed with handles still open"};
+    struct dirent **list;
+    int n = scandir(dir, &list, NULL, name_cmp);
+    bool hit = false;
+    for (int i = 0; i < n; i++) {
+        const char *name = list[i]->d_name;
+        size_t nl = strlen(name);
+        if (!hit && nl > 4 && strcmp(name + nl - 4, ".log") == 0 &&
+            strcmp(name, "postgres.log") != 0 && strcmp(name, "psql.log") != 0 &&
+            strcmp(name, "broker.log") != 0) {
+            char path[600], line[4096];
+            snprintf(path, sizeof(path), "%s/%s", dir, name);
+            FILE *f = fopen(path, "r");
+            while (f && !hit && fgets(line, sizeof(line), f))
+                for (size_t k = 0; k < sizeof(needles) / sizeof(needles[0]); k++)
+                    if (strstr(line, needles[k])) {
+                        snprintf(found, len, "%s: %s", name, line);
+                        hit = true;
+                    }
+            if (f)
+                fclose(f);
+        }
+        free(list[i]);
+    }
+    if (n > 0)
+        free(list);
+    return hit;
+}
+
 void h_env_stop(struct h_env *e)
 {
+    char bug[4700];
+    bool buggy = false;
     if (e->relay_pid > 0) {
         kill(e->relay_pid, SIGKILL);
         wait_exit(e->relay_pid, 10000);
@@ -418,13 +477,17 @@ void h_env_stop(struct h_env *e)
         fclose(e->broker_out);
     e->broker_in = e->broker_out = NULL;
     h_pg_stop(e);
+    if (e->dir[0])
+        buggy = find_bug_line(e->dir, bug, sizeof(bug));
     if (e->dir[0]) {
-        if (getenv("OBX_IT_KEEP"))
+        if (getenv("OBX_IT_KEEP") || buggy)
             fprintf(stderr, "keeping %s\n", e->dir);
         else
             nftw(e->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
         e->dir[0] = '\0';
     }
+    if (buggy)
+        fail_msg("a relay logged what must never happen: %s", bug);
 }
 
 void h_relay_start(struct h_env *e, const char *failpoints, const char *const *xargs)
@@ -435,8 +498,9 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
     char fpvar[512];
     int argc = 0, envc = 0;
 
-    snprintf(conf, sizeof(conf), "%s/outboxd.conf", e->dir);
-    snprintf(log, sizeof(log), "%s/relay.log", e->dir);
+    const char *name = e->relay_name[0] ? e->relay_name : "relay";
+    snprintf(conf, sizeof(conf), "%s/%s.conf", e->dir, name);
+    h_relay_log_path(e, log, sizeof(log));
     snprintf(text, sizeof(text),
              "# written by the integration test harness\n"
              "postgres.conninfo = %s\n"
@@ -497,11 +561,17 @@ int h_relay_stop(struct h_env *e, int sig, int timeout_ms)
     return h_relay_wait(e, timeout_ms);
 }
 
+const char *h_relay_log_path(const struct h_env *e, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/%s.log", e->dir, e->relay_name[0] ? e->relay_name : "relay");
+    return buf;
+}
+
 bool h_relay_log_contains(struct h_env *e, const char *needle)
 {
     char path[300], line[4096];
     bool found = false;
-    snprintf(path, sizeof(path), "%s/relay.log", e->dir);
+    h_relay_log_path(e, path, sizeof(path));
     FILE *f = fopen(path, "r");
     if (!f)
         return false;
@@ -515,7 +585,7 @@ long h_relay_log_sum(struct h_env *e, const char *prefix)
 {
     char path[300], line[4096];
     long sum = 0;
-    snprintf(path, sizeof(path), "%s/relay.log", e->dir);
+    h_relay_log_path(e, path, sizeof(path));
     FILE *f = fopen(path, "r");
     if (!f)
         return 0;

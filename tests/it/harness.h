@@ -30,7 +30,14 @@ struct h_env {
     int pg_port;              /* 0 = 5432; the Unix socket's name follows it */
     const char *pg_opts[8];   /* extra "name=value" server settings, NULL-ended */
     int http_port;            /* free port picked by h_env_start for http.listen */
+    bool pg_tcp;              /* Postgres listens on 127.0.0.1:pg_port; conninfo uses TCP */
+    /* The relay's files are DIR/<relay_name>.log and .conf ("relay" when
+     * empty): give each relay of a test its own name, so logs never mix. */
+    char relay_name[32];
 };
+
+/* h_env_start_with flags. */
+#define H_PG_TCP 1 /* Postgres on TCP (127.0.0.1, a free port), as most deployments */
 
 struct h_header {
     char *name;
@@ -59,11 +66,16 @@ struct h_records {
 /* Starts Postgres (schema applied) and the broker with `topics`
  * ("name:partitions" strings, NULL-terminated). Fails the test on error. */
 void h_env_start(struct h_env *e, const char *const *topics);
+void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags);
 /* Stops everything that runs and removes the directory. Safe to call twice. */
 void h_env_stop(struct h_env *e);
 
 void h_pg_start(struct h_env *e);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
+/* Stops the server with `mode` ("fast" or "immediate") and starts it again. */
+void h_pg_restart(struct h_env *e, const char *mode);
+/* Path of the relay's log (DIR/<relay_name>.log) into buf. */
+const char *h_relay_log_path(const struct h_env *e, char *buf, size_t len);
 
 /* Sends a control command to the broker; returns true on "ok". */
 bool h_broker_cmd(struct h_env *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -482,11 +482,12 @@ static void test_standby(void **state)
     wait_http("/readyz", 200, "ready", 15000);
     struct h_env second = env;
     second.http_port = h_free_port();
+    snprintf(second.relay_name, sizeof(second.relay_name), "second"); /* its own log */
     char var[160], msg[64];
     int notify_fd = h_notify_socket(&env, "standby.sock", var, sizeof(var));
     second.relay_env[0] = var;
     h_relay_start(&second, NULL, NULL);
-    h_wait_log(&env, "standing by until its session ends", 10000);
+    h_wait_log(&second, "standing by, trying the lock every", 10000);
     /* A standby tells systemd it started (or the start timeout kills it). */
     assert_true(h_recv_notify(notify_fd, msg, sizeof(msg), 5000));
     assert_string_equal(msg, "READY=1");
@@ -509,7 +510,7 @@ static void test_standby(void **state)
 
     /* The active one drains away (SIGTERM): the standby takes over. */
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    h_wait_log(&env, "relay lock acquired", 10000);
+    h_wait_log(&second, "relay lock acquired", 10000);
     h_sleep_ms(1500);
     assert_int_equal(get_from(&second, "/metrics"), 200);
     assert_true(h_metric(body, "outboxd_standby") == 0);

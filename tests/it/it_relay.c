@@ -479,7 +479,7 @@ static void test_start_before_dependencies(void **state)
 static void append_config(const char *line)
 {
     char path[300];
-    snprintf(path, sizeof(path), "%s/outboxd.conf", env.dir);
+    snprintf(path, sizeof(path), "%s/relay.conf", env.dir);
     FILE *f = fopen(path, "a");
     assert_non_null(f);
     fputs(line, f);

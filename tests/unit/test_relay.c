@@ -141,6 +141,7 @@ static struct obx_relay_settings settings = {
     .poll_interval_ms = 1000,
     .retry_backoff_ms = 500,
     .shutdown_timeout_ms = 3000,
+    .stall_timeout_ms = 10000,
 };
 
 static int setup(void **state)
@@ -311,8 +312,29 @@ static void test_pg_lost_remarks_first(void **state)
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING); /* mark before fetching */
     assert_int_equal(c->f.fetches, fetches);
     assert_int_equal(c->f.n_marked, 2);
+    /* A new session is a new acquisition of the relay lock: another relay
+     * may have published meanwhile, so the recovery pass runs again before
+     * anything is fetched. */
     obx_relay_on_marked(c->r, 4);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    assert_int_equal(c->f.recovers, 2);
+    assert_int_equal(c->f.fetches, fetches);
+    obx_relay_on_recovered(c->r, true, 5);
     assert_int_equal(c->f.fetches, fetches + 1);
+}
+
+/* Every acquisition of the lock runs the recovery pass, the second one in
+ * the same process too (issue 10.1). */
+static void test_every_acquisition_recovers(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    assert_int_equal(c->f.recovers, 1);
+    obx_relay_on_pg_lost(c->r, 10);
+    obx_relay_on_pg_ready(c->r, 20);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    assert_int_equal(c->f.recovers, 2);
+    assert_false(obx_relay_recovered(c->r));
 }
 
 static void test_query_failed_backs_off(void **state)
@@ -534,12 +556,67 @@ static void test_shutdown_deadline(void **state)
     obx_relay_shutdown(c->r, 100);
     ack(c, 0, true, 200);
     obx_relay_on_marked(c->r, 201);
-    obx_relay_tick(c->r, 3000);
+    /* 3 s timeout: deliveries are awaited until 2350 (the last quarter,
+     * at most 1 s, is kept for the final mark). */
+    obx_relay_tick(c->r, 2300);
     assert_int_equal(c->f.stopped, 0);
-    obx_relay_tick(c->r, 3100); /* row 2 never acknowledged: give up */
+    obx_relay_tick(c->r, 2400); /* row 2 never acknowledged: give up */
     assert_int_equal(c->f.stopped, 1);
     assert_int_equal(c->f.exit_code, 0);
     assert_int_equal(obx_relay_marked_total(c->r), 1);
+}
+
+/* A statement Postgres never answers does not hold SIGTERM past the
+ * timeout: at the hard deadline the relay stops while MARKING. */
+static void test_shutdown_hard_deadline_while_marking(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched(c, 1, 2, 0);
+    ack(c, 0, true, 10);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    obx_relay_shutdown(c->r, 100);
+    obx_relay_tick(c->r, 3000);
+    assert_int_equal(c->f.stopped, 0);
+    obx_relay_tick(c->r, 3100);
+    assert_int_equal(c->f.stopped, 1);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_STOPPED);
+}
+
+/* Nothing in flight: SIGTERM stops at once, even during the recovery pass
+ * or a fetch. */
+static void test_shutdown_idle_is_immediate(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_on_pg_ready(c->r, 0);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    obx_relay_shutdown(c->r, 5);
+    assert_int_equal(c->f.stopped, 1);
+}
+
+/* No progress for stall_timeout with dependencies up: stalled, with the
+ * reason; waiting for a dependency that is down is not a stall; progress
+ * clears it. */
+static void test_stall(void **state)
+{
+    struct ctx *c = *state;
+    char why[160];
+    ready(c, 0);
+    fetched(c, 1, 2, 0); /* two rows in flight, never acknowledged */
+    obx_relay_check_stall(c->r, true, 5000);
+    assert_int_equal(obx_relay_stalled(c->r, why, sizeof(why)), 0); /* timeout 10 s */
+    obx_relay_check_stall(c->r, false, 30000); /* Kafka unreachable: not a stall */
+    assert_int_equal(obx_relay_stalled(c->r, why, sizeof(why)), 0);
+    obx_relay_check_stall(c->r, true, 35000);
+    assert_int_equal(obx_relay_stalled(c->r, why, sizeof(why)), 0);
+    obx_relay_check_stall(c->r, true, 41000);
+    assert_true(obx_relay_stalled(c->r, why, sizeof(why)) >= 10000);
+    assert_non_null(strstr(why, "delivery reports of 2 rows"));
+    ack(c, 0, true, 42000);
+    obx_relay_on_marked(c->r, 42001);
+    obx_relay_check_stall(c->r, true, 42002);
+    assert_int_equal(obx_relay_stalled(c->r, why, sizeof(why)), 0);
+    assert_int_equal(obx_relay_last_progress(c->r), 42001);
 }
 
 static void test_fetch_in_flight_at_shutdown_is_not_produced(void **state)
@@ -599,6 +676,10 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reject_dead_letter, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_drains, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_deadline, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_shutdown_hard_deadline_while_marking, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_shutdown_idle_is_immediate, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stall, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_every_acquisition_recovers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fetch_in_flight_at_shutdown_is_not_produced, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_fatal_marks_acked_then_stops, setup, teardown),

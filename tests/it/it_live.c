@@ -1,0 +1,380 @@
+/*
+ * Liveness (G5): a relay that loses its Postgres session in any state
+ * notices, reconnects and says so; a relay that makes no progress fails its
+ * liveness probe; SIGTERM ends the process within shutdown.timeout whatever
+ * it waits for; a standby holds no snapshot. Postgres listens on TCP here, as
+ * in most deployments: a reset TCP socket is what the Unix socket of the
+ * other suites never shows.
+ *
+ *   it_live [SCENARIO]
+ */
+#include "harness.h"
+#include "scenario.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+static struct h_env env;
+static char body[1 << 16];
+
+static int teardown_env(void **state)
+{
+    (void)state;
+    h_env_stop(&env);
+    return 0;
+}
+
+#define TOPICS_SPEC ((const char *const[]){"it.a:3", "it.b:3", "it.c:1", NULL})
+
+/* One writer committing a row every pace_ms until stopped. */
+struct writer {
+    atomic_int stop;
+    struct s_writer w;
+    pthread_t t;
+};
+
+static void writer_start(struct writer *wr, int pace_ms)
+{
+    atomic_store(&wr->stop, 0);
+    wr->w = (struct s_writer){
+        .env = &env, .w = 0, .rows_per_tx = 1, .stop = &wr->stop, .pace_ms = pace_ms};
+    assert_int_equal(pthread_create(&wr->t, NULL, s_writer_main, &wr->w), 0);
+}
+
+static int writer_stop(struct writer *wr)
+{
+    atomic_store(&wr->stop, 1);
+    pthread_join(wr->t, NULL);
+    return wr->w.written;
+}
+
+/* -X postgres.conninfo naming the relay's sessions `app`, so a test can find
+ * the backends of one relay among several. */
+static const char *conninfo_as(struct h_env *e, const char *app, char *buf, size_t len)
+{
+    snprintf(buf, len, "postgres.conninfo=%s application_name=%s", e->conninfo, app);
+    return buf;
+}
+
+/* Terminates every backend of application `app`; returns how many. */
+static int terminate(const char *app)
+{
+    PGconn *c = h_connect(&env);
+    int n = (int)h_sql_int(c,
+                           "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                           " WHERE application_name = '%s'",
+                           app);
+    PQfinish(c);
+    return n;
+}
+
+static int64_t unsent(void)
+{
+    PGconn *c = h_connect(&env);
+    int64_t n = h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL");
+    PQfinish(c);
+    return n;
+}
+
+/* Fails unless every committed row is sent within timeout_ms. */
+static void expect_caught_up(const char *after, int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    int64_t left;
+    while ((left = unsent()) > 0 && h_now_ms() < deadline)
+        h_sleep_ms(50);
+    /* A writer may have committed a row this very moment: give it one poll. */
+    if (left > 0) {
+        h_sleep_ms(1000);
+        left = unsent();
+    }
+    if (left > 0)
+        fail_msg("%lld rows still unsent %d ms after %s (the relay stalled; see %s)",
+                 (long long)left, timeout_ms, after, env.dir);
+}
+
+static int get_status(struct h_env *e, const char *path)
+{
+    return h_http_get(e, path, body, sizeof(body));
+}
+
+static void wait_http(struct h_env *e, const char *path, int status, const char *needle,
+                      int timeout_ms)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    int got = 0;
+    while (h_now_ms() < deadline) {
+        got = get_status(e, path);
+        if (got == status && (!needle || strstr(body, needle)))
+            return;
+        h_sleep_ms(100);
+    }
+    fail_msg("%s: wanted %d with '%s', last got %d: %s", path, status, needle ? needle : "", got,
+             body);
+}
+
+static void check_exactly_once(void)
+{
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+}
+
+/* Issue 9.1: the relay frozen (SIGSTOP) while its backend is terminated;
+ * when it goes on, its first statement meets a reset socket (POLLERR). It
+ * must notice, reconnect and relay again, every time. */
+static void test_stop_terminate_continue(void **state)
+{
+    (void)state;
+    char ci[700];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_relay_start(&env, NULL, (const char *const[]){conninfo_as(&env, "zz", ci, sizeof(ci)), NULL});
+    wait_http(&env, "/readyz", 200, "ready", 15000);
+    struct writer wr;
+    writer_start(&wr, 50);
+    for (int round = 0; round < 4; round++) {
+        h_sleep_ms(300 + 170 * round); /* a different phase of the poll cycle each round */
+        kill(env.relay_pid, SIGSTOP);
+        assert_true(terminate("zz") >= 1);
+        h_sleep_ms(2000);
+        kill(env.relay_pid, SIGCONT);
+        expect_caught_up("SIGCONT", 5000);
+    }
+    assert_true(writer_stop(&wr) > 0);
+    expect_caught_up("the writer stopped", 5000);
+    assert_true(h_relay_log_contains(&env, "connection to"));
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    check_exactly_once();
+}
+
+/* Issue 9.1: the same against a standby: it must stand by again, and take
+ * over within a second when the active relay dies. */
+static void test_standby_stop_terminate_continue(void **state)
+{
+    (void)state;
+    char ci_a[700], ci_b[700];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){conninfo_as(&env, "aa", ci_a, sizeof(ci_a)), NULL});
+    wait_http(&env, "/readyz", 200, "ready\n", 15000);
+    struct h_env b = env;
+    snprintf(b.relay_name, sizeof(b.relay_name), "standby");
+    b.http_port = h_free_port();
+    h_relay_start(&b, NULL, (const char *const[]){conninfo_as(&b, "bb", ci_b, sizeof(ci_b)), NULL});
+    wait_http(&b, "/readyz", 200, "standby", 15000);
+    struct writer wr;
+    writer_start(&wr, 50);
+    for (int round = 0; round < 3; round++) {
+        h_sleep_ms(200 + 230 * round);
+        kill(b.relay_pid, SIGSTOP);
+        assert_true(terminate("bb") >= 1);
+        h_sleep_ms(1500);
+        kill(b.relay_pid, SIGCONT);
+        h_sleep_ms(1500);
+        /* Back on the lock's queue: a new session of bb, waiting. */
+        PGconn *c = h_connect(&env);
+        int64_t sessions = h_sql_int(c, "SELECT count(*) FROM pg_stat_activity"
+                                        " WHERE application_name = 'bb'");
+        PQfinish(c);
+        if (sessions < 1)
+            fail_msg("round %d: the standby has %lld sessions after its own was terminated", round,
+                     (long long)sessions);
+        wait_http(&b, "/readyz", 200, "standby", 5000);
+    }
+    /* The active relay dies: the standby takes over within a second. */
+    kill(env.relay_pid, SIGKILL);
+    assert_int_equal(h_relay_wait(&env, 10000), 128 + SIGKILL);
+    int64_t killed = h_now_ms();
+    wait_http(&b, "/readyz", 200, "ready\n", 10000);
+    h_wait_log(&b, "taking over", 5000);
+    int64_t took = h_now_ms() - killed;
+    if (took > 3000) /* the probe loop itself polls every 100 ms */
+        fail_msg("takeover took %lld ms", (long long)took);
+    assert_true(writer_stop(&wr) > 0);
+    expect_caught_up("the takeover", 10000);
+    assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
+    check_exactly_once();
+}
+
+/* Issue 9.1: Postgres restarted (fast, then immediate) over TCP while rows
+ * flow, several times: the relay comes back every time. */
+static void test_pg_restarts(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_relay_start(&env, NULL, NULL);
+    wait_http(&env, "/readyz", 200, "ready", 15000);
+    struct writer wr;
+    writer_start(&wr, 5);
+    const char *modes[] = {"fast", "immediate", "fast", "immediate"};
+    for (int i = 0; i < 4; i++) {
+        h_sleep_ms(400 + 150 * i);
+        h_pg_restart(&env, modes[i]);
+        h_sleep_ms(1500);
+        int64_t before = s_sent_count(&env);
+        s_wait_sent(&env, before + 20, 10000); /* relaying again */
+    }
+    assert_true(writer_stop(&wr) > 0);
+    expect_caught_up("the last restart", 10000);
+    /* An immediate shutdown may lose a mark's commit: rows acknowledged by
+     * Kafka are then recognised by the recovery pass, not sent twice. */
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    check_exactly_once();
+}
+
+/* Issue 9.2: a multi-host conninfo whose first host is dead. */
+static void test_multi_host(void **state)
+{
+    (void)state;
+    char ci[700];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    snprintf(ci, sizeof(ci),
+             "postgres.conninfo=host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres"
+             " connect_timeout=2",
+             h_free_port(), env.pg_port);
+    s_prefill(&env, "it.a", 500);
+    h_relay_start(&env, NULL, (const char *const[]){ci, NULL});
+    expect_caught_up("start", 15000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_false(h_relay_log_contains(&env, "timed out connecting"));
+}
+
+/* "tuples: R removed, K remain, N are dead but not yet removable" */
+static void on_notice(void *arg, const PGresult *res)
+{
+    long *not_removable = arg;
+    const char *msg = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
+    const char *p = msg ? strstr(msg, " are dead but not yet removable") : NULL;
+    if (!p)
+        return;
+    while (p > msg && p[-1] >= '0' && p[-1] <= '9')
+        p--;
+    *not_removable = strtol(p, NULL, 10);
+}
+
+/* Runs VACUUM VERBOSE on outbox.events; returns the dead row versions it
+ * could not remove (-1 if it did not say). */
+static long vacuum_not_removable(PGconn *c)
+{
+    long n = -1;
+    PQnoticeReceiver old = PQsetNoticeReceiver(c, on_notice, &n);
+    PGresult *r = PQexec(c, "VACUUM (VERBOSE) outbox.events");
+    assert_int_equal(PQresultStatus(r), PGRES_COMMAND_OK);
+    PQclear(r);
+    PQsetNoticeReceiver(c, old, NULL); /* libpq's default ignores its argument */
+    return n;
+}
+
+/* Issue 9.3: a standby holds no snapshot: its backend_xmin is NULL and
+ * VACUUM removes the dead rows the active relay's marks leave. */
+static void test_standby_no_snapshot(void **state)
+{
+    (void)state;
+    char ci_b[700];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_relay_start(&env, NULL, NULL);
+    wait_http(&env, "/readyz", 200, "ready\n", 15000);
+    struct h_env b = env;
+    snprintf(b.relay_name, sizeof(b.relay_name), "standby");
+    b.http_port = h_free_port();
+    h_relay_start(&b, NULL, (const char *const[]){conninfo_as(&b, "bb", ci_b, sizeof(ci_b)), NULL});
+    wait_http(&b, "/readyz", 200, "standby", 15000);
+    h_sleep_ms(500);
+
+    s_prefill(&env, "it.a", 2000); /* marked by the active relay: 2,000 dead row versions */
+    expect_caught_up("the prefill", 15000);
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 20; i++) { /* sample the standby's backend over two seconds */
+        int64_t pinned =
+            h_sql_int(c, "SELECT count(*) FROM pg_stat_activity"
+                         " WHERE application_name = 'bb' AND backend_xmin IS NOT NULL");
+        if (pinned != 0)
+            fail_msg("the standby's backend holds a snapshot (backend_xmin set)");
+        h_sleep_ms(100);
+    }
+    long left = vacuum_not_removable(c);
+    if (left != 0)
+        fail_msg("VACUUM left %ld dead row versions not removable while a standby waits", left);
+    PQfinish(c);
+    assert_int_equal(h_relay_stop(&b, SIGTERM, 10000), 0);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
+/* Issue 9, health tied to progress, and 9.6: the relay's backend is frozen
+ * (SIGSTOP) while rows wait. The relay cannot tell a slow statement from a
+ * hung one, but after relay.stall_timeout without progress it says what it
+ * waits for and fails /livez; SIGTERM then ends it within shutdown.timeout. */
+static void test_stall_livez(void **state)
+{
+    (void)state;
+    char ci[700];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){conninfo_as(&env, "zz", ci, sizeof(ci)),
+                                        "relay.stall_timeout=2s", "shutdown.timeout=3s", NULL});
+    wait_http(&env, "/readyz", 200, "ready", 15000);
+    assert_int_equal(get_status(&env, "/metrics"), 200);
+    assert_true(h_metric(body, "outboxd_last_progress_timestamp_seconds") > 1e9);
+    assert_int_equal(get_status(&env, "/livez"), 200);
+
+    PGconn *c = h_connect(&env);
+    int pid = (int)h_sql_int(c, "SELECT pid FROM pg_stat_activity WHERE application_name = 'zz'");
+    assert_true(pid > 0);
+    kill(pid, SIGSTOP);
+    s_prefill(&env, "it.b", 100);
+    wait_http(&env, "/livez", 503, "no progress", 10000);
+    h_wait_log(&env, "no progress for", 1000);
+
+    int64_t t0 = h_now_ms();
+    int rc = h_relay_stop(&env, SIGTERM, 10000);
+    int64_t took = h_now_ms() - t0;
+    kill(pid, SIGCONT);
+    PQfinish(c);
+    assert_int_equal(rc, 0);
+    if (took > 4500)
+        fail_msg("SIGTERM with a hung Postgres took %lld ms (shutdown.timeout 3s)",
+                 (long long)took);
+}
+
+/* Issue 9.6: SIGTERM during a slow recovery scan (every broker answer
+ * delayed) ends the process within shutdown.timeout. */
+static void test_sigterm_during_recovery(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    s_prefill(&env, "it.a", 200);
+    assert_true(h_broker_cmd(&env, "rtt all 2500"));
+    h_relay_start(&env, NULL, (const char *const[]){"shutdown.timeout=2s", NULL});
+    h_wait_log(&env, "postgres: connected to", 10000);
+    h_sleep_ms(1000); /* the recovery scan waits on the broker's slow answers */
+    int64_t t0 = h_now_ms();
+    int rc = h_relay_stop(&env, SIGTERM, 15000);
+    int64_t took = h_now_ms() - t0;
+    assert_true(h_broker_cmd(&env, "rtt all 0"));
+    assert_int_equal(rc, 0);
+    if (took > 3500)
+        fail_msg("SIGTERM during the recovery scan took %lld ms (shutdown.timeout 2s)",
+                 (long long)took);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_stop_terminate_continue, teardown_env),
+        cmocka_unit_test_teardown(test_standby_stop_terminate_continue, teardown_env),
+        cmocka_unit_test_teardown(test_pg_restarts, teardown_env),
+        cmocka_unit_test_teardown(test_multi_host, teardown_env),
+        cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
+        cmocka_unit_test_teardown(test_stall_livez, teardown_env),
+        cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
