@@ -7,8 +7,8 @@
 sandbox_pids=()
 pg_bin=$(pg_config --bindir)
 
-as_server() { # Postgres refuses to run as root
-  if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+as_server() { # Postgres refuses to run as root; its user may not enter the checkout
+  if [ "$(id -u)" -eq 0 ]; then (cd / && runuser -u postgres -- "$@"); else "$@"; fi
 }
 
 # sandbox_start TOPIC:PARTITIONS...

@@ -55,12 +55,14 @@ static struct passwd *server_user(void)
     return pw;
 }
 
-/* In a forked child: drop to the server user, die with the parent. */
+/* In a forked child: drop to the server user, die with the parent. The
+ * server user may not enter the checkout (a clone in root's 0700 home), so
+ * it starts in / and is given only absolute paths in the temp directory. */
 static void child_prepare(struct passwd *pw, int deathsig)
 {
     if (pw) {
         if (setgid(pw->pw_gid) != 0 || initgroups(pw->pw_name, pw->pw_gid) != 0 ||
-            setuid(pw->pw_uid) != 0)
+            setuid(pw->pw_uid) != 0 || chdir("/") != 0)
             _exit(126);
     }
     prctl(PR_SET_PDEATHSIG, deathsig);
@@ -207,7 +209,9 @@ static int is_sql_file(const struct dirent *d)
     return n > 4 && strcmp(d->d_name + n - 4, ".sql") == 0;
 }
 
-/* Applies the sql/ files in file-name order with psql, as the README says. */
+/* Applies the sql/ files in file-name order with psql, as the README says.
+ * psql runs as the test's own user: only the server needs the server user,
+ * and that user cannot read a checkout in a 0700 home directory. */
 static void apply_migrations(struct h_env *e)
 {
     struct dirent **list;
@@ -221,7 +225,7 @@ static void apply_migrations(struct h_env *e)
         snprintf(file, sizeof(file), OBX_SOURCE_DIR "/sql/%s", list[i]->d_name);
         char *const argv[] = {PG_BINDIR "/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d",
                               e->conninfo,       "-f", file, NULL};
-        int rc = run_as_server(argv, log);
+        int rc = wait_exit(spawn(argv, NULL, NULL, SIGKILL, log), 120000);
         if (rc != 0)
             fail_msg("psql -f %s failed (%d), see %s", file, rc, log);
         free(list[i]);
