@@ -124,8 +124,8 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
     long done = 0;
     double t0 = now_s();
     for (;;) {
-        const char *fv[5] = {"{}", limit, "{}", "{}", "{}"};
-        PGresult *r = PQexecParams(c, obx_pg_sql_fetch(), 5, NULL, fv, NULL, NULL, 1);
+        const char *fv[7] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000"};
+        PGresult *r = PQexecParams(c, obx_pg_sql_fetch(), 7, NULL, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int n = PQntuples(r);

@@ -57,6 +57,9 @@ static const struct key_def keys[] = {
      "outbox.dead_letters with the reason)"},
     {"relay.batch_size", KEY_INT, OFF(batch_size), "1000", 1, 100000, NULL, 0,
      "most rows read by one fetch"},
+    {"relay.fetch_max_bytes", KEY_INT, OFF(fetch_max_bytes), "8388608", 1024, 1073741824, NULL, 0,
+     "payload bytes one fetch may bring (the batch ends there, with at least one row); "
+     "a payload above kafka.message.max.bytes is never fetched"},
     {"relay.max_in_flight", KEY_INT, OFF(max_in_flight), "10000", 1, 1000000, NULL, 0,
      "most rows handed to Kafka and not yet marked (back-pressure)"},
     {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
@@ -74,6 +77,10 @@ static const struct key_def keys[] = {
      NULL, 0, "how often a retention round starts"},
     {"retention.batch_size", KEY_INT, OFF(retention_batch), "1000", 1, 100000, NULL, 0,
      "most rows one retention DELETE looks at (each batch is its own short transaction)"},
+    {"recovery.chunk_records", KEY_INT, OFF(recovery_chunk_records), "200000", 100, 10000000, NULL,
+     0,
+     "records the recovery pass reads (or 5 s of reading) before it stores its progress in "
+     "outbox.kafka_offsets"},
     {"http.listen", KEY_STRING, OFF(http_listen), "127.0.0.1:9187", 0, 0, NULL, 0,
      "HOST:PORT serving /livez, /readyz and /metrics (empty = off)"},
     {"log.level", KEY_ENUM, OFF(log_level), "info", 0, 0, level_choices, 0,

@@ -26,6 +26,8 @@ struct obx_kafka {
     bool probe_ok;  /* written by the worker, read in after_work */
     bool connected; /* the last probe's answer */
     int refs;       /* the poll handle and a running probe hold k */
+    int64_t max_message_bytes;
+    char reason[160]; /* the last refusal's reason */
 };
 
 bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
@@ -56,7 +58,13 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
     if (k->closing)
         return;
     if (m->err) {
-        outcome = obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
+        /* librdkafka knows whether the record may have reached the broker
+         * (a request timed out in flight): then it is not "not persisted". */
+        if (rd_kafka_message_status(m) == RD_KAFKA_MSG_STATUS_POSSIBLY_PERSISTED)
+            outcome = OBX_DELIVERY_UNKNOWN;
+        else
+            outcome =
+                obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
         obx_stats_publish_error(rd_kafka_err2name(m->err));
     } else {
         obx_stats_published(rd_kafka_topic_name(m->rkt));
@@ -144,6 +152,49 @@ fail:
     return -1;
 }
 
+size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[384], size_t max)
+{
+    char v[64];
+    size_t len, n = 0;
+    len = sizeof(v);
+    if (n < max && rd_kafka_conf_get(conf, "enable.idempotence", v, &len) == RD_KAFKA_CONF_OK &&
+        strcmp(v, "false") == 0)
+        snprintf(out[n++], sizeof(out[0]),
+                 "kafka.enable.idempotence=false: librdkafka's own retries may then store a "
+                 "record twice or out of order (no-duplicates and per-key order no longer hold)");
+    len = sizeof(v);
+    if (n < max && rd_kafka_conf_get(conf, "message.timeout.ms", v, &len) == RD_KAFKA_CONF_OK &&
+        strcmp(v, "0") != 0)
+        snprintf(out[n++], sizeof(out[0]),
+                 "kafka.message.timeout.ms=%s: a record not acknowledged within %s ms fails and "
+                 "is published again later (after a recovery pass if it may have landed), so "
+                 "records of a key can be reordered around an outage; 0 (our default) retries "
+                 "in order for ever",
+                 v, v);
+    len = sizeof(v);
+    if (n < max && rd_kafka_conf_get(conf, "acks", v, &len) == RD_KAFKA_CONF_OK &&
+        strcmp(v, "-1") != 0 && strcmp(v, "all") != 0)
+        snprintf(out[n++], sizeof(out[0]),
+                 "kafka.acks=%s: a record acknowledged by fewer than all in-sync replicas can "
+                 "be lost with its broker (no-loss no longer holds)",
+                 v);
+    return n;
+}
+
+int64_t obx_kafka_conf_max_message_bytes(const rd_kafka_conf_t *conf)
+{
+    char value[32];
+    size_t len = sizeof(value);
+    if (rd_kafka_conf_get(conf, "message.max.bytes", value, &len) != RD_KAFKA_CONF_OK)
+        return 1000000; /* librdkafka's default */
+    return strtoll(value, NULL, 10);
+}
+
+int64_t obx_kafka_max_message_bytes(const struct obx_kafka *k)
+{
+    return k->max_message_bytes;
+}
+
 /* Serves everything queued; returns how many events were served. The io
  * event fires only when the queue turns non-empty, so leaving ops behind
  * would stall. */
@@ -202,6 +253,7 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
     k->pipe_wr = fds[1];
     k->cb = *cb;
     k->arg = arg;
+    k->max_message_bytes = obx_kafka_conf_max_message_bytes(conf);
     rd_kafka_conf_set_dr_msg_cb(conf, on_delivery);
     rd_kafka_conf_set_error_cb(conf, on_error);
     rd_kafka_conf_set_log_cb(conf, obx_kafka_log_cb);
@@ -256,6 +308,15 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     char err[256];
     rd_kafka_resp_err_t e;
 
+    if (row->oversize) {
+        /* Refused from its stored size, without fetching it (DESIGN G6). */
+        snprintf(k->reason, sizeof(k->reason),
+                 "payload too large: %zu bytes, above kafka.message.max.bytes (%lld)",
+                 row->payload_len, (long long)k->max_message_bytes);
+        obx_stats_publish_error("MSG_SIZE_TOO_LARGE");
+        *reason = k->reason;
+        return OBX_PRODUCE_REJECTED;
+    }
     if (obx_record_headers(row, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
         obx_stats_publish_error("HEADERS_INVALID");
@@ -329,6 +390,22 @@ void obx_kafka_probe(struct obx_kafka *k)
         k->probe_busy = true;
         k->refs++;
     }
+}
+
+void obx_kafka_drop_queued(struct obx_kafka *k)
+{
+    if (k->closing)
+        return;
+    int queued = rd_kafka_outq_len(k->rk);
+    /* Queued, not yet sent: certainly not persisted, so they come back as
+     * RD_KAFKA_RESP_ERR__PURGE_QUEUE reports (retry). Requests already
+     * sent are left to finish: purging those could not unsend them. */
+    rd_kafka_resp_err_t e =
+        rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_NON_BLOCKING);
+    if (e != RD_KAFKA_RESP_ERR_NO_ERROR)
+        obx_warn("kafka: purging the queue failed: %s", rd_kafka_err2str(e));
+    else if (queued > 0)
+        obx_info("kafka: dropped the records not yet sent (up to %d in the queue)", queued);
 }
 
 bool obx_kafka_connected(const struct obx_kafka *k)

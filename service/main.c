@@ -32,6 +32,7 @@
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE   2
 #define EXIT_DONE    -1 /* --help or --version printed: exit 0 */
+#define MAX_WEAKENED 4
 
 /* Housekeeping period: poll fallback, back-offs and deadlines are checked
  * this often. Cheap enough to leave the process idle at ~0% CPU. */
@@ -68,6 +69,9 @@ struct app {
     char **xargs;
     int n_xargs;
     bool cfg_loaded;
+    /* Settings that weaken the guarantees: warned about at --check and start. */
+    char weakened[MAX_WEAKENED][384];
+    size_t n_weakened;
 };
 
 /* ---- relay commands ---- */
@@ -150,6 +154,7 @@ static void pg_lost(void *arg)
     if (obx_relay_state(a->relay) == OBX_RELAY_RECOVERING)
         obx_recovery_abort(a->recovery);
     obx_relay_on_pg_lost(a->relay, (int64_t)uv_now(&a->loop));
+    obx_kafka_drop_queued(a->kafka); /* the relay lock is gone: hand nothing more to Kafka */
 }
 
 static void sd_notify_state(const char *state);
@@ -212,7 +217,8 @@ static void on_housekeeping(uv_timer_t *t)
         obx_kafka_probe(a->kafka);
         a->next_probe = now + KAFKA_PROBE_MS;
     }
-    obx_maint_tick(a->maint, now);
+    if (pg_connected(a)) /* backlog and retention: the active relay's job, not a standby's */
+        obx_maint_tick(a->maint, now);
     if (obx_pg_standby(a->pg))
         notify_ready(a);
     uint64_t rp = obx_recovery_progress(a->recovery);
@@ -302,6 +308,9 @@ static void http_handler(const char *path, struct obx_buf *body, int *status,
             .start_time = a->start_time,
             .last_progress = unix_time_of(a, obx_relay_last_progress(a->relay)),
             .stalled = obx_relay_stalled(a->relay, NULL, 0) > 0,
+            .recovering = obx_recovery_running(a->recovery),
+            .recovery_records_read = obx_recovery_records_read(a->recovery),
+            .recovery_partitions_left = obx_recovery_partitions_left(a->recovery),
         };
         *content_type = "text/plain; version=0.0.4; charset=utf-8";
         obx_metrics_render(body, &g);
@@ -422,7 +431,7 @@ static const char *real_getenv(const char *name)
 /* Loads and validates the configuration. Returns 0, or EXIT_USAGE. */
 /* Builds a configuration from the sources the command line named: file,
  * environment, -X. The same sequence serves start-up and SIGHUP. */
-static int build_config(const struct app *a, struct obx_config *cfg, char *err, size_t errlen)
+static int build_config(struct app *a, struct obx_config *cfg, char *err, size_t errlen)
 {
     if (obx_config_init(cfg) != 0) {
         snprintf(err, errlen, "out of memory");
@@ -446,10 +455,12 @@ static int build_config(const struct app *a, struct obx_config *cfg, char *err, 
         rc = -1;
     if (rc == 0) {
         rd_kafka_conf_t *conf;
-        if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, errlen) != 0)
+        if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, errlen) != 0) {
             rc = -1;
-        else
+        } else {
+            a->n_weakened = obx_kafka_weakened_guarantees(conf, a->weakened, MAX_WEAKENED);
             rd_kafka_conf_destroy(conf);
+        }
     }
     if (rc != 0)
         obx_config_free(cfg);
@@ -546,14 +557,16 @@ static int start(struct app *a)
     struct obx_relay_settings rs;
     char err[512];
 
-    obx_relay_settings_from_config(&rs, &a->cfg);
-    if (obx_relay_new(&rs, &relay_ops, a, &a->relay) != 0) {
-        obx_error("out of memory allocating %d in-flight slots", a->cfg.max_in_flight);
-        return EXIT_RUNTIME;
-    }
     if (obx_kafka_new(&a->loop, &a->cfg, &kafka_cb, a, &a->kafka, err, sizeof(err)) != 0) {
         obx_error("%s", err);
         return EXIT_USAGE;
+    }
+    obx_relay_settings_from_config(&rs, &a->cfg);
+    rs.max_payload = obx_kafka_max_message_bytes(a->kafka);
+    if (obx_relay_new(&rs, &relay_ops, a, &a->relay) != 0) {
+        obx_error("out of memory allocating %d in-flight slots", a->cfg.max_in_flight);
+        close_parts(a);
+        return EXIT_RUNTIME;
     }
     if (obx_pg_new(&a->loop, &a->cfg, &pg_cb, a, &a->pg, err, sizeof(err)) != 0) {
         obx_error("%s", err);
@@ -620,6 +633,8 @@ int main(int argc, char **argv)
         rc = EXIT_USAGE;
     }
     if (rc != 0 || check_only) {
+        for (size_t i = 0; rc == 0 && i < a.n_weakened; i++)
+            printf("outboxd: warning: %s\n", a.weakened[i]);
         if (rc == 0)
             printf("outboxd: configuration OK\n");
         if (rc == 0 && live) {
@@ -644,6 +659,8 @@ int main(int argc, char **argv)
     a.start_time = (double)started.tv_sec + (double)started.tv_nsec / 1e9;
     if (obx_failpoints_active.armed)
         obx_warn("failpoints armed: %s", getenv("OUTBOXD_FAILPOINTS"));
+    for (size_t i = 0; i < a.n_weakened; i++)
+        obx_warn("%s", a.weakened[i]);
 
     if (uv_loop_init(&a.loop) != 0) {
         obx_error("cannot initialise the event loop");

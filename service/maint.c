@@ -126,7 +126,7 @@ static bool connect_if_needed(struct obx_maint *m)
     disconnect(m);
     /* Ours first: keys in the user's conninfo (dbname, expanded) win. */
     const char *const keys[] = {"application_name", "connect_timeout", "dbname", NULL};
-    const char *const values[] = {"outboxd-maintenance", "10", m->conninfo, NULL};
+    const char *const values[] = {"outboxd", "10", m->conninfo, NULL};
     m->conn = PQconnectdbParams(keys, values, 1);
     if (!m->conn || PQstatus(m->conn) != CONNECTION_OK) {
         set_error(m, "cannot connect");
@@ -138,8 +138,15 @@ static bool connect_if_needed(struct obx_maint *m)
     uv_mutex_unlock(&m->cancel_lock);
     snprintf(timeout, sizeof(timeout), "%lld", (long long)m->statement_timeout_ms);
     const char *param[] = {timeout};
-    PGresult *res = PQexecParams(m->conn, "SELECT set_config('statement_timeout', $1, false)", 1,
-                                 NULL, param, NULL, NULL, 0);
+    /* "<application_name>-maintenance": the relay's own session keeps the
+     * name the operator chose, and this one is told apart from it (say,
+     * by whoever terminates backends by name). */
+    PGresult *res = PQexecParams(
+        m->conn,
+        "SELECT set_config('statement_timeout', $1, false),"
+        " set_config('application_name',"
+        "            left(current_setting('application_name'), 50) || '-maintenance', false)",
+        1, NULL, param, NULL, NULL, 0);
     bool ok = PQresultStatus(res) == PGRES_TUPLES_OK;
     PQclear(res);
     if (!ok)

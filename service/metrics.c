@@ -250,6 +250,14 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
            "1 while no progress was made for relay.stall_timeout with Postgres and Kafka "
            "reachable (/livez fails).",
            g->stalled ? 1 : 0);
+    simple(out, "outboxd_recovering", "gauge",
+           "1 while a recovery pass reads Kafka before publishing.", g->recovering ? 1 : 0);
+    simple(out, "outboxd_recovery_records_read", "gauge",
+           "Records the running (or the last) recovery pass has read.",
+           (double)g->recovery_records_read);
+    simple(out, "outboxd_recovery_partitions_left", "gauge",
+           "Partitions the running recovery pass has still to read.",
+           (double)g->recovery_partitions_left);
     simple(out, "outboxd_draining", "gauge", "1 after SIGTERM/SIGINT, while in-flight rows finish.",
            g->draining ? 1 : 0);
     simple(out, "process_cpu_seconds_total", "counter", "User and system CPU time spent.",

@@ -17,23 +17,36 @@
  * Postgres splits the headers object into two text[] (keys, values; string
  * values verbatim, other JSON values as JSON text), so C never parses JSON.
  * Rows of transactions that commit late (lower ids) are found by the next
- * fetch: nothing is skipped because a higher id was seen first. */
+ * fetch: nothing is skipped because a higher id was seen first.
+ *
+ * Memory is bounded by bytes as well as rows: a payload larger than $7
+ * (the producer's message.max.bytes) is not fetched at all, only its
+ * octet_length (which reads the TOAST pointer, not the value), and the
+ * batch ends once its payloads reach $6 bytes (at least one row). */
 static const char SQL_FETCH[] =
-    "SELECT e.id, e.topic, e.key, e.payload, h.keys, h.vals, e.created_at"
-    " FROM outbox.events e"
-    " LEFT JOIN LATERAL ("
-    "   SELECT array_agg(j.k ORDER BY j.k COLLATE \"C\") AS keys,"
-    "          array_agg(CASE jsonb_typeof(j.v) WHEN 'string' THEN j.v #>> '{}'"
-    "                    ELSE j.v::text END ORDER BY j.k COLLATE \"C\") AS vals"
-    "   FROM jsonb_each(CASE jsonb_typeof(e.headers) WHEN 'object' THEN e.headers END)"
-    "        AS j(k, v)) h ON true"
-    " WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
+    "SELECT b.id, b.topic, b.key, b.payload, b.keys, b.vals, b.created_at, b.payload_len"
+    " FROM (SELECT e.id, e.topic, e.key,"
+    "         CASE WHEN octet_length(e.payload) <= $7::int THEN e.payload END AS payload,"
+    "         h.keys, h.vals, e.created_at, octet_length(e.payload) AS payload_len,"
+    "         sum(CASE WHEN octet_length(e.payload) <= $7::int THEN octet_length(e.payload)"
+    "             ELSE 0 END) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto,"
+    "         row_number() OVER (ORDER BY e.id) AS n"
+    "  FROM outbox.events e"
+    "  LEFT JOIN LATERAL ("
+    "    SELECT array_agg(j.k ORDER BY j.k COLLATE \"C\") AS keys,"
+    "           array_agg(CASE jsonb_typeof(j.v) WHEN 'string' THEN j.v #>> '{}'"
+    "                     ELSE j.v::text END ORDER BY j.k COLLATE \"C\") AS vals"
+    "    FROM jsonb_each(CASE jsonb_typeof(e.headers) WHEN 'object' THEN e.headers END)"
+    "         AS j(k, v)) h ON true"
+    "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
     /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
-    "   AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
-    "        SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"
-    "        WHERE b.topic = e.topic AND b.key = e.key AND e.id > b.id))"
-    " ORDER BY e.id"
-    " LIMIT $2::int";
+    "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
+    "         SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"
+    "         WHERE b.topic = e.topic AND b.key = e.key AND e.id > b.id))"
+    "  ORDER BY e.id"
+    "  LIMIT $2::int) b"
+    " WHERE b.n = 1 OR b.upto <= $6::bigint"
+    " ORDER BY b.id";
 
 /* The mark: acknowledged rows confirmed, each partition's last acknowledged
  * offset stored for crash recovery, refused rows moved to dead_letters; one
@@ -66,7 +79,10 @@ static const char SQL_CONFIRM_DELETE[] = "DELETE FROM outbox.events"
 static const char *const migrations[] = {
     [1] = "sql/001_outbox.sql",
     [2] = "sql/002_recovery.sql",
+    [3] = "sql/003_reserved_header.sql",
 };
+_Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
+               "every schema version up to OBX_SCHEMA_VERSION names its migration file");
 
 /* A uv_poll_t on the libpq socket. Heap-allocated because PQconnectPoll may
  * switch sockets and a closing handle must outlive its replacement.
@@ -120,6 +136,7 @@ struct obx_pg {
     struct obx_pg_array params[6]; /* reused parameter buffers */
     const char *param_values[6];   /* must outlive a wrapped transaction's BEGIN */
     char limit_text[16];
+    char max_bytes_text[24], max_payload_text[24];
     char mark_sql[2048];
 };
 
@@ -320,6 +337,14 @@ static void watch_connect_step(struct obx_pg *pg, int events)
         disconnect(pg, "cannot watch the connection socket");
 }
 
+/* Server notices and warnings (e.g. the FATAL a terminated backend sends)
+ * go through our log, as one escaped line, instead of libpq's raw stderr. */
+static void on_notice(void *arg, const char *message)
+{
+    struct obx_pg *pg = arg;
+    obx_warn("postgres: server says (%s): %s", pg->target[0] ? pg->target : "connecting", message);
+}
+
 static void start_connect(struct obx_pg *pg)
 {
     /* Our defaults come before dbname, so that the user's conninfo (expanded
@@ -339,6 +364,7 @@ static void start_connect(struct obx_pg *pg)
         schedule_reconnect(pg);
         return;
     }
+    PQsetNoticeProcessor(pg->conn, on_notice, pg);
     change_state(pg, OBX_PG_CONNECTING, "connect");
     if (PQstatus(pg->conn) == CONNECTION_BAD) {
         disconnect_with_error(pg, "connection failed");
@@ -930,7 +956,7 @@ int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *
 
 int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
 {
-    const char *values[5];
+    const char *values[7];
     struct obx_pg_array *a = pg->params;
     obx_pg_array_reset(&a[0]);
     for (size_t i = 0; i < f->n_exclude; i++)
@@ -943,6 +969,10 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         obx_pg_array_add_int(&a[3], f->blocked_ids[i]);
     }
     snprintf(pg->limit_text, sizeof(pg->limit_text), "%d", f->limit);
+    snprintf(pg->max_bytes_text, sizeof(pg->max_bytes_text), "%lld", (long long)f->max_bytes);
+    snprintf(pg->max_payload_text, sizeof(pg->max_payload_text), "%lld", (long long)f->max_payload);
+    values[5] = pg->max_bytes_text;
+    values[6] = pg->max_payload_text;
     values[0] = obx_pg_array_finish(&a[0]);
     values[1] = pg->limit_text;
     values[2] = obx_pg_array_finish(&a[1]);
@@ -953,7 +983,7 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         return -1;
     }
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
-    return start_request(pg, &req, SQL_FETCH, 5, values, 1);
+    return start_request(pg, &req, SQL_FETCH, 7, values, 1);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)

@@ -77,6 +77,15 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
     row->payload =
         PQgetisnull(res, i, OBX_COL_PAYLOAD) ? NULL : PQgetvalue(res, i, OBX_COL_PAYLOAD);
     row->payload_len = (size_t)PQgetlength(res, i, OBX_COL_PAYLOAD);
+    /* A payload column NULL beside a length: too large to fetch. */
+    row->oversize = !row->payload && !PQgetisnull(res, i, OBX_COL_PAYLOAD_LEN);
+    if (row->oversize) {
+        if (PQgetlength(res, i, OBX_COL_PAYLOAD_LEN) != 4) {
+            snprintf(err, errlen, "fetch result row %d: payload length is not an int4", i);
+            return -1;
+        }
+        row->payload_len = be32(PQgetvalue(res, i, OBX_COL_PAYLOAD_LEN));
+    }
     if (PQgetisnull(res, i, OBX_COL_HDR_KEYS)) {
         row->hdr_keys = row->hdr_values = NULL;
         row->hdr_keys_len = row->hdr_values_len = 0;

@@ -14,8 +14,13 @@
 #include <librdkafka/rdkafka.h>
 #include <openssl/evp.h>
 
-/* The whole scan (metadata, watermarks, reading) gives up after this. */
-#define SCAN_TIMEOUT_MS    60000
+/* The scan reads in chunks of at most this long (or recovery.chunk_records);
+ * after each, the rows found are marked and every partition's position is
+ * stored in outbox.kafka_offsets, in one transaction. So progress survives a
+ * failed attempt, a lost connection and a restart, and no total time limit
+ * is needed: only a chunk that reads nothing for NO_PROGRESS_MS fails. */
+#define CHUNK_MS           5000
+#define NO_PROGRESS_MS     30000
 #define REQUEST_TIMEOUT_MS 10000
 
 /* Topics with unsent rows, the offsets stored for their partitions, and the
@@ -60,8 +65,8 @@ static const char SQL_RECOVER_DELETE[] = "DELETE FROM outbox.events"
 enum step {
     STEP_IDLE = 0,
     STEP_PLAN, /* plan query in flight */
-    STEP_SCAN, /* worker reading Kafka */
-    STEP_MARK, /* recovery transaction in flight */
+    STEP_SCAN, /* worker reading Kafka (one chunk) */
+    STEP_MARK, /* the chunk's recovery transaction in flight */
 };
 
 /* One partition to read. */
@@ -69,8 +74,11 @@ struct part {
     int topic; /* index into topics */
     int32_t partition;
     int64_t stored;     /* last offset a mark stored; -1 = none */
-    int64_t start, end; /* read [start, end); end = high watermark */
+    int64_t next, end;  /* still to read: [next, end); end = high watermark at the start */
+    int64_t chunk_from; /* `next` when the chunk began: store only what moved */
+    bool resolved;      /* watermarks known */
     bool done;
+    bool gone; /* the topic or partition no longer exists */
 };
 
 /* A record carrying an outbox-id. */
@@ -92,6 +100,7 @@ struct obx_recovery {
     enum step step;
     bool aborted; /* connection lost mid-pass: drop the worker's results */
     bool closing;
+    atomic_bool cancel; /* asks a running chunk to end early */
     uv_work_t work;
 
     /* The plan (loop thread) and the scan results (worker, then loop). */
@@ -101,8 +110,12 @@ struct obx_recovery {
     size_t n_parts;
     struct found *found;
     size_t n_found, cap_found;
-    int64_t id_lo, id_hi; /* unsent ids lie in [id_lo, id_hi] */
-    uint64_t records_read;
+    int64_t id_lo, id_hi;              /* unsent ids lie in [id_lo, id_hi] */
+    bool planned;                      /* metadata and watermarks of every partition known */
+    atomic_uint_fast64_t records_read; /* this pass; written by the worker */
+    size_t parts_left;                 /* as of the last chunk (read on the loop thread) */
+    uint64_t confirmed;                /* rows this pass marked */
+    int64_t last_log;
     atomic_uint_fast64_t progress; /* written by the worker and the loop */
     char error[512];
 
@@ -167,6 +180,16 @@ bool obx_valid_text(const char *s, size_t len)
     return true;
 }
 
+/* Forgets the records found by the chunk just stored. */
+static void clear_found(struct obx_recovery *rec)
+{
+    for (size_t i = 0; i < rec->n_found; i++)
+        free(rec->found[i].key);
+    free(rec->found);
+    rec->found = NULL;
+    rec->n_found = rec->cap_found = 0;
+}
+
 static void clear_pass(struct obx_recovery *rec)
 {
     for (size_t i = 0; i < rec->n_topics; i++)
@@ -177,12 +200,9 @@ static void clear_pass(struct obx_recovery *rec)
     free(rec->parts);
     rec->parts = NULL;
     rec->n_parts = 0;
-    for (size_t i = 0; i < rec->n_found; i++)
-        free(rec->found[i].key);
-    free(rec->found);
-    rec->found = NULL;
-    rec->n_found = rec->cap_found = 0;
-    rec->records_read = 0;
+    clear_found(rec);
+    rec->confirmed = 0; /* records_read and parts_left stay for /metrics until the next pass */
+    rec->planned = false;
     rec->error[0] = '\0';
 }
 
@@ -212,7 +232,10 @@ int obx_recovery_start(struct obx_recovery *rec)
     if (rec->step != STEP_IDLE || rec->closing)
         return -1; /* a scan from an abandoned pass is still running */
     clear_pass(rec);
+    atomic_store(&rec->records_read, 0);
+    rec->parts_left = 0;
     rec->aborted = false;
+    atomic_store(&rec->cancel, false);
     if (obx_pg_send(rec->pg, SQL_PLAN, 0, NULL, 0, on_plan_result, rec) != 0)
         return -1;
     rec->step = STEP_PLAN;
@@ -242,7 +265,8 @@ static int part_index(struct obx_recovery *rec, const char *topic, int32_t parti
     return -1;
 }
 
-/* Parses the outbox-id header; -1 if absent or not a decimal id. */
+/* Parses the FIRST outbox-id header, the relay's own (a user header of the
+ * same name comes after it); -1 if absent or not a decimal id. */
 static int64_t outbox_id(const rd_kafka_message_t *m)
 {
     rd_kafka_headers_t *hdrs;
@@ -250,7 +274,7 @@ static int64_t outbox_id(const rd_kafka_message_t *m)
     size_t len;
     int64_t id = 0;
     if (rd_kafka_message_headers(m, &hdrs) != RD_KAFKA_RESP_ERR_NO_ERROR ||
-        rd_kafka_header_get_last(hdrs, "outbox-id", &val, &len) != RD_KAFKA_RESP_ERR_NO_ERROR ||
+        rd_kafka_header_get(hdrs, 0, "outbox-id", &val, &len) != RD_KAFKA_RESP_ERR_NO_ERROR ||
         !val || len == 0 || len > 19)
         return -1;
     for (size_t i = 0; i < len; i++) {
@@ -298,7 +322,8 @@ static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int 
     return 0;
 }
 
-/* Adds every partition of topic `t` to the plan's read list. */
+/* Adds every partition of topic `t` to the plan's read list, and marks
+ * stored partitions that no longer exist as gone. */
 static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t)
 {
     const struct rd_kafka_metadata *md = NULL;
@@ -315,14 +340,38 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
         return -1;
     }
     atomic_fetch_add(&rec->progress, 1);
-    if (md->topic_cnt != 1 || md->topics[0].err) {
-        /* Unknown topic: nothing can have been published to it. */
+    rd_kafka_resp_err_t terr =
+        md->topic_cnt == 1 ? md->topics[0].err : RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC;
+    if (terr == RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART ||
+        terr == RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC) {
+        /* The topic does not exist: nothing can be in it. Offsets stored
+         * for it (a deleted topic) are left behind, not read. */
+        for (size_t i = 0; i < rec->n_parts; i++)
+            if (rec->parts[i].topic == t)
+                rec->parts[i].gone = rec->parts[i].done = rec->parts[i].resolved = true;
         rd_kafka_metadata_destroy(md);
         return 0;
     }
+    if (terr != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        /* Leader not available, not authorized...: we cannot tell what is
+         * there, so nothing may be published yet. */
+        snprintf(rec->error, sizeof(rec->error), "metadata for %s: %s", rec->topics[t],
+                 rd_kafka_err2str(terr));
+        rd_kafka_metadata_destroy(md);
+        return -1;
+    }
     int rc = 0;
-    for (int p = 0; p < md->topics[0].partition_cnt && rc == 0; p++) {
-        int32_t pid = md->topics[0].partitions[p].id;
+    const struct rd_kafka_metadata_topic *mt = &md->topics[0];
+    for (size_t i = 0; i < rec->n_parts; i++) { /* stored partitions the topic lacks now */
+        struct part *p = &rec->parts[i];
+        bool exists = false;
+        for (int k = 0; p->topic == t && k < mt->partition_cnt; k++)
+            exists = exists || mt->partitions[k].id == p->partition;
+        if (p->topic == t && !exists)
+            p->gone = p->done = p->resolved = true;
+    }
+    for (int k = 0; k < mt->partition_cnt && rc == 0; k++) {
+        int32_t pid = mt->partitions[k].id;
         if (part_index(rec, rec->topics[t], pid) >= 0)
             continue;
         struct part *grown = realloc(rec->parts, (rec->n_parts + 1) * sizeof(*grown));
@@ -338,41 +387,68 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
     return rc;
 }
 
-/* Reads every planned partition from start to end. Runs in the pool. */
-static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
+/* Once per pass: every partition and where to read it from. */
+static int plan_partitions(struct obx_recovery *rec, rd_kafka_t *rk)
 {
-    rd_kafka_topic_partition_list_t *assign = rd_kafka_topic_partition_list_new(16);
-    size_t open_parts = 0;
-    int rc = 0;
-
-    for (size_t t = 0; t < rec->n_topics && rc == 0; t++)
-        rc = plan_topic_partitions(rec, rk, (int)t);
-    for (size_t i = 0; i < rec->n_parts && rc == 0; i++) {
+    for (size_t t = 0; t < rec->n_topics; t++)
+        if (plan_topic_partitions(rec, rk, (int)t) != 0)
+            return -1;
+    for (size_t i = 0; i < rec->n_parts; i++) {
         struct part *p = &rec->parts[i];
         int64_t low, high;
+        if (p->resolved)
+            continue;
         rd_kafka_resp_err_t e = rd_kafka_query_watermark_offsets(
             rk, rec->topics[p->topic], p->partition, &low, &high, REQUEST_TIMEOUT_MS);
         if (e != RD_KAFKA_RESP_ERR_NO_ERROR) {
             snprintf(rec->error, sizeof(rec->error), "offsets of %s [%d]: %s",
                      rec->topics[p->topic], p->partition, rd_kafka_err2str(e));
-            rc = -1;
-            break;
+            return -1;
         }
-        p->start = p->stored >= 0 ? p->stored + 1 : low;
-        if (p->start < low) {
+        atomic_fetch_add(&rec->progress, 1);
+        p->next = p->stored >= 0 ? p->stored + 1 : low;
+        if (p->stored >= high) {
+            /* Offsets went back: the topic was re-created (or truncated).
+             * What we stored says nothing about it now: read it all. */
+            obx_warn("recovery: %s [%d]: stored offset %lld is past its end %lld (topic "
+                     "re-created?); reading it from its start",
+                     rec->topics[p->topic], p->partition, (long long)p->stored, (long long)high);
+            p->next = low;
+            p->stored = -1;
+        }
+        if (p->next < low) {
             obx_warn("recovery: %s [%d]: records %lld..%lld are gone (retention); rows published "
                      "there by a crashed run cannot be recognised",
-                     rec->topics[p->topic], p->partition, (long long)p->start, (long long)low - 1);
-            p->start = low;
+                     rec->topics[p->topic], p->partition, (long long)p->next, (long long)low - 1);
+            p->next = low;
         }
         p->end = high;
-        p->done = p->start >= p->end;
-        atomic_fetch_add(&rec->progress, 1);
-        if (!p->done) {
-            rd_kafka_topic_partition_list_add(assign, rec->topics[p->topic], p->partition)->offset =
-                p->start;
-            open_parts++;
-        }
+        p->done = p->next >= p->end;
+        p->resolved = true;
+    }
+    rec->planned = true;
+    return 0;
+}
+
+/* Reads one chunk: from each unfinished partition's `next` on, for at most
+ * CHUNK_MS or recovery.chunk_records records. Runs in the pool. */
+static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
+{
+    rd_kafka_topic_partition_list_t *assign = rd_kafka_topic_partition_list_new(16);
+    size_t open_parts = 0;
+    uint64_t read = 0;
+    int rc = 0;
+
+    if (!rec->planned && plan_partitions(rec, rk) != 0)
+        rc = -1;
+    for (size_t i = 0; i < rec->n_parts && rc == 0; i++) {
+        struct part *p = &rec->parts[i];
+        p->chunk_from = p->next;
+        if (p->done)
+            continue;
+        rd_kafka_topic_partition_list_add(assign, rec->topics[p->topic], p->partition)->offset =
+            p->next;
+        open_parts++;
     }
     if (rc == 0 && open_parts > 0) {
         rd_kafka_resp_err_t e = rd_kafka_assign(rk, assign);
@@ -381,12 +457,15 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
             rc = -1;
         }
     }
-    uint64_t deadline = uv_hrtime() / 1000000 + SCAN_TIMEOUT_MS;
-    while (rc == 0 && open_parts > 0) {
-        if (uv_hrtime() / 1000000 > deadline) {
+    uint64_t start = uv_hrtime() / 1000000, last_read = start;
+    while (rc == 0 && open_parts > 0 && !atomic_load(&rec->cancel)) {
+        uint64_t now = uv_hrtime() / 1000000;
+        if (now - start >= CHUNK_MS || read >= (uint64_t)rec->cfg->recovery_chunk_records)
+            break; /* the rest in the next chunk, after this one is stored */
+        if (now - last_read > NO_PROGRESS_MS) {
             snprintf(rec->error, sizeof(rec->error),
-                     "reading Kafka took longer than %d ms (%zu partitions unfinished)",
-                     SCAN_TIMEOUT_MS, open_parts);
+                     "reading Kafka made no progress for %d ms (%zu partitions unfinished)",
+                     NO_PROGRESS_MS, open_parts);
             rc = -1;
             break;
         }
@@ -400,15 +479,18 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
                      rd_kafka_message_errstr(m));
         } else if (pi >= 0 && !rec->parts[pi].done) {
             struct part *p = &rec->parts[pi];
+            last_read = now;
             if (!m->err && m->offset < p->end) {
-                rec->records_read++;
+                atomic_fetch_add(&rec->records_read, 1);
+                read++;
                 atomic_fetch_add(&rec->progress, 1);
                 if (add_found(rec, m, p->topic) != 0) {
                     snprintf(rec->error, sizeof(rec->error), "out of memory");
                     rc = -1;
                 }
+                p->next = m->offset + 1;
             }
-            if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF || m->offset + 1 >= p->end) {
+            if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF || p->next >= p->end) {
                 p->done = true;
                 open_parts--;
             }
@@ -416,6 +498,10 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
         rd_kafka_message_destroy(m);
     }
     rd_kafka_topic_partition_list_destroy(assign);
+    if (rc == 0 && atomic_load(&rec->cancel)) {
+        snprintf(rec->error, sizeof(rec->error), "cancelled");
+        rc = -1;
+    }
     return rc;
 }
 
@@ -472,13 +558,16 @@ static void send_mark(struct obx_recovery *rec)
         obx_pg_array_add_text(&a[3], f->tombstone ? NULL : f->digest, 64);
     }
     for (size_t i = 0; i < rec->n_parts; i++) {
-        const struct part *p = &rec->parts[i];
-        if (p->end <= 0 || p->end - 1 <= p->stored)
+        struct part *p = &rec->parts[i];
+        /* Done: everything up to the end seen; otherwise up to `next`. */
+        int64_t upto = p->done ? p->end - 1 : p->next - 1;
+        if (p->gone || upto < 0 || upto <= p->stored)
             continue; /* nothing new there */
         const char *topic = rec->topics[p->topic];
         obx_pg_array_add_text(&a[4], topic, strlen(topic));
         obx_pg_array_add_int(&a[5], p->partition);
-        obx_pg_array_add_int(&a[6], p->end - 1);
+        obx_pg_array_add_int(&a[6], upto);
+        p->stored = upto;
     }
     for (int k = 0; k < NPARAMS; k++) {
         rec->values[k] = obx_pg_array_finish(&a[k]);
@@ -495,6 +584,8 @@ static void send_mark(struct obx_recovery *rec)
     }
     rec->step = STEP_MARK;
 }
+
+static void start_chunk(struct obx_recovery *rec);
 
 static void free_recovery(struct obx_recovery *rec)
 {
@@ -522,13 +613,21 @@ static void scan_done(uv_work_t *w, int status)
         finish(rec, false);
         return;
     }
-    obx_info("recovery: read %llu records in %zu partitions, %zu carry an outbox-id",
-             (unsigned long long)rec->records_read, rec->n_parts, rec->n_found);
     if (OBX_FAILPOINT(OBX_FP_RECOVER_AFTER_SCAN) != 0) {
         finish(rec, false);
         return;
     }
     send_mark(rec);
+}
+
+/* Reads the next chunk in the thread pool. */
+static void start_chunk(struct obx_recovery *rec)
+{
+    rec->step = STEP_SCAN;
+    if (uv_queue_work(rec->loop, &rec->work, scan_work, scan_done) != 0) {
+        obx_error("recovery: cannot start the Kafka scan");
+        finish(rec, false);
+    }
 }
 
 /* The plan arrived: remember topics and stored offsets, start the scan. */
@@ -567,11 +666,7 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
                 .stored = strtoll(PQgetvalue(res, i, 2), NULL, 10),
             };
     }
-    rec->step = STEP_SCAN;
-    if (uv_queue_work(rec->loop, &rec->work, scan_work, scan_done) != 0) {
-        obx_error("recovery: cannot start the Kafka scan");
-        finish(rec, false);
-    }
+    start_chunk(rec);
 }
 
 static void on_plan_result(void *arg, const PGresult *res, const char *error)
@@ -595,18 +690,54 @@ static void on_mark_result(void *arg, const PGresult *res, const char *error)
         finish(rec, false);
         return;
     }
-    const char *confirmed = PQgetvalue(res, 0, 0);
-    obx_info("recovery: %s rows were already in Kafka (published by an earlier run) and are "
-             "now marked, not published again",
-             confirmed);
-    obx_stats.rows_recovered += strtoull(confirmed, NULL, 10);
+    uint64_t confirmed = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+    rec->confirmed += confirmed;
+    obx_stats.rows_recovered += confirmed;
+    size_t left = 0;
+    for (size_t i = 0; i < rec->n_parts; i++)
+        left += !rec->parts[i].done;
+    rec->parts_left = left;
+    if (left > 0) {
+        /* This chunk is stored: the next goes on from there, now or after
+         * a failure or restart. */
+        int64_t now = (int64_t)uv_now(rec->loop);
+        if (now - rec->last_log >= CHUNK_MS) {
+            obx_info("recovery: reading Kafka, %llu records so far, %zu of %zu partitions "
+                     "left",
+                     (unsigned long long)atomic_load(&rec->records_read), left, rec->n_parts);
+            rec->last_log = now;
+        }
+        clear_found(rec);
+        start_chunk(rec);
+        return;
+    }
+    obx_info("recovery: %llu rows were already in Kafka (published by an earlier run) and are "
+             "now marked, not published again (%llu records read in %zu partitions)",
+             (unsigned long long)rec->confirmed,
+             (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
     finish(rec, true);
+}
+
+uint64_t obx_recovery_records_read(const struct obx_recovery *rec)
+{
+    return atomic_load(&rec->records_read);
+}
+
+bool obx_recovery_running(const struct obx_recovery *rec)
+{
+    return rec->step != STEP_IDLE;
+}
+
+size_t obx_recovery_partitions_left(const struct obx_recovery *rec)
+{
+    return rec->parts_left; /* the worker may be changing `parts` right now */
 }
 
 void obx_recovery_abort(struct obx_recovery *rec)
 {
     if (rec->step == STEP_SCAN) {
         rec->aborted = true; /* scan_done drops the results */
+        atomic_store(&rec->cancel, true);
         return;
     }
     rec->step = STEP_IDLE;
@@ -619,6 +750,7 @@ void obx_recovery_close(struct obx_recovery *rec)
         return;
     if (rec->step == STEP_SCAN) {
         rec->closing = true; /* freed by scan_done */
+        atomic_store(&rec->cancel, true);
         return;
     }
     free_recovery(rec);

@@ -139,6 +139,8 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->retry_backoff_ms = cfg->retry_backoff_ms;
     s->shutdown_timeout_ms = cfg->shutdown_timeout_ms;
     s->stall_timeout_ms = cfg->stall_timeout_ms;
+    s->fetch_max_bytes = cfg->fetch_max_bytes;
+    s->max_payload = 1000000; /* librdkafka's default; main.c sets the effective value */
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -418,7 +420,11 @@ static void unmark(struct obx_relay *r)
 
 static bool start_fetch(struct obx_relay *r, int64_t now)
 {
-    struct obx_fetch f = {.exclude = r->ids, .blocked = r->keys, .blocked_ids = r->key_ids};
+    struct obx_fetch f = {.exclude = r->ids,
+                          .blocked = r->keys,
+                          .blocked_ids = r->key_ids,
+                          .max_bytes = r->set.fetch_max_bytes,
+                          .max_payload = r->set.max_payload};
     int free_slots = r->set.max_in_flight - (int)r->in_use;
     f.limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
     if (f.limit <= 0)
@@ -452,6 +458,11 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
 static bool drain_over(const struct obx_relay *r, int64_t now)
 {
     if (r->in_use == 0 || now >= r->hard_deadline)
+        return true;
+    /* Without a session (or the relay lock), acknowledged rows cannot be
+     * marked by us; once no delivery report is outstanding there is
+     * nothing left to wait for: the next holder's recovery pass finds them. */
+    if (r->state == OBX_RELAY_WAIT_PG && r->in_use == r->to_mark)
         return true;
     if (now < r->drain_deadline)
         return false;
@@ -709,14 +720,29 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
             unblock(r, s->id);
         break;
     case OBX_DELIVERY_RETRY:
-        /* Not persisted: the row stays unsent in Postgres and is fetched
-         * again after the back-off. */
-        obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,
-                 reason ? reason : "unknown error");
+    case OBX_DELIVERY_UNKNOWN: {
+        /* Not persisted, or perhaps: the row stays unsent in Postgres and
+         * is fetched again after the back-off; a refused row being retried
+         * is due again then too (not stuck until a restart). */
+        struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, s->id) : NULL;
+        if (b)
+            b->retry_at = now + r->set.retry_backoff_ms;
+        if (outcome == OBX_DELIVERY_UNKNOWN) {
+            /* Publishing it again blindly could duplicate it: the recovery
+             * pass reads Kafka first and marks it if it landed. */
+            obx_warn("relay: row %lld may or may not be in Kafka (%s); the recovery pass checks "
+                     "before it is published again",
+                     (long long)s->id, reason ? reason : "unknown error");
+            r->recovered = false;
+        } else {
+            obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,
+                     reason ? reason : "unknown error");
+        }
         slot_release(r, s);
         r->want_fetch = true;
         r->not_before = now + r->set.retry_backoff_ms;
         break;
+    }
     case OBX_DELIVERY_REJECTED:
         rejected(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;

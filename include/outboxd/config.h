@@ -44,6 +44,7 @@ struct obx_config {
     int on_reject; /* enum obx_on_reject (relay.h) */
     int batch_size;
     int max_in_flight;
+    int fetch_max_bytes;
     int64_t poll_interval_ms;
     int64_t retry_backoff_ms;
     int64_t shutdown_timeout_ms;
@@ -52,6 +53,7 @@ struct obx_config {
     int64_t retention_ms; /* 0 = keep sent rows */
     int64_t retention_interval_ms;
     int retention_batch;
+    int recovery_chunk_records;
 
     char *http_listen; /* owned; "" = no HTTP endpoints */
 

@@ -49,6 +49,16 @@ enum obx_kafka_role {
 int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
                          rd_kafka_conf_t **out, char *err, size_t errlen) OBX_WARN_UNUSED;
 
+/* Settings of a producer configuration that weaken DESIGN's guarantees
+ * (idempotence off, a finite message.timeout.ms, acks below all): one
+ * sentence each into out[0..max). Returns how many. */
+size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[384], size_t max);
+
+/* The effective message.max.bytes of a configuration, and of the producer:
+ * payloads above it are not even fetched. */
+int64_t obx_kafka_conf_max_message_bytes(const rd_kafka_conf_t *conf);
+int64_t obx_kafka_max_message_bytes(const struct obx_kafka *k);
+
 /* Whether a delivery or produce error is final for the record (too large,
  * unknown topic, not authorized...) rather than passing. */
 bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err);
@@ -69,6 +79,10 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
  * sets obx_kafka_connected(). */
 #define OBX_KAFKA_PROBE_TIMEOUT_MS 3000
 void obx_kafka_probe(struct obx_kafka *k);
+/* The relay lost its session (and with it the relay lock): drops what
+ * librdkafka has not sent yet, so that nothing of ours lands after another
+ * relay's recovery scan; each comes back as a "not delivered" report. */
+void obx_kafka_drop_queued(struct obx_kafka *k);
 /* Whether the last probe reached a broker. */
 bool obx_kafka_connected(const struct obx_kafka *k);
 

@@ -78,9 +78,12 @@ struct obx_metrics_gauges {
     bool ready;
     bool standby; /* waiting for the relay lock another outboxd holds */
     bool draining;
-    double start_time;    /* Unix seconds */
-    double last_progress; /* Unix seconds of the relay's last progress */
-    bool stalled;         /* /livez fails: no progress while dependencies are reachable */
+    double start_time;              /* Unix seconds */
+    double last_progress;           /* Unix seconds of the relay's last progress */
+    bool stalled;                   /* /livez fails: no progress while dependencies are reachable */
+    bool recovering;                /* a recovery pass runs */
+    uint64_t recovery_records_read; /* by the running (or last) pass */
+    size_t recovery_partitions_left;
 };
 
 /* Appends the exposition (text format 0.0.4) to `out`. */

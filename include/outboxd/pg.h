@@ -33,7 +33,7 @@
 #include "outboxd/relay.h"
 
 /* The newest migration in sql/ that this binary needs. */
-#define OBX_SCHEMA_VERSION 2
+#define OBX_SCHEMA_VERSION 3
 /* The relay lock: a session-level advisory lock (space 'obxr', key 0) that
  * only the active relay of a database holds. A second outboxd started on
  * the same outbox (a rolling update, a mistake) stands by until the first
@@ -141,7 +141,8 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
 
 /* The statements outboxd runs, for benchmarks that must measure exactly
  * them. Fetch parameters: $1 excluded ids, $2 limit, $3..$5 held-back keys
- * (topics, keys, ids). Mark parameters: $1 ids, $2..$4 offsets (topics,
+ * (topics, keys, ids), $6 most payload bytes, $7 largest payload fetched.
+ * Mark parameters: $1 ids, $2..$4 offsets (topics,
  * partitions, offsets), $5..$6 dead letters (ids, reasons); run inside
  * BEGIN ... COMMIT. */
 const char *obx_pg_sql_fetch(void);

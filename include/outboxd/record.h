@@ -8,6 +8,7 @@
 #ifndef OUTBOXD_RECORD_H
 #define OUTBOXD_RECORD_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -25,6 +26,7 @@ enum {
     OBX_COL_HDR_KEYS,
     OBX_COL_HDR_VALUES,
     OBX_COL_CREATED_AT,
+    OBX_COL_PAYLOAD_LEN, /* octet_length(payload); the payload itself is NULL if too large */
     OBX_COL_COUNT
 };
 
@@ -34,8 +36,9 @@ struct obx_row {
     const char *topic; /* NUL-terminated */
     const char *key;   /* NULL = no key */
     size_t key_len;
-    const void *payload; /* NULL = tombstone */
-    size_t payload_len;
+    const void *payload;  /* NULL = tombstone, or oversize */
+    size_t payload_len;   /* the stored length, also when oversize */
+    bool oversize;        /* larger than the producer's limit: not fetched, cannot be sent */
     const char *hdr_keys; /* binary text[]; NULL = no headers */
     size_t hdr_keys_len;
     const char *hdr_values; /* binary text[], same length as hdr_keys */

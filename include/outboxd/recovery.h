@@ -10,11 +10,18 @@
  *   2. scans each partition from that offset + 1 (or its start, if none is
  *      stored) to its end, collecting every record's outbox-id, key and a
  *      SHA-256 of its value (blocking consumer calls, so in libuv's thread
- *      pool, never on the loop thread);
- *   3. in one transaction, marks each still-unsent row whose id, topic, key
- *      and payload match a record found (so an outbox-id from another outbox
- *      sharing the topic is never taken for ours), and stores every scanned
- *      partition's end offset.
+ *      pool, never on the loop thread), in chunks of a few seconds;
+ *   3. after each chunk, in one transaction, marks each still-unsent row
+ *      whose id, topic, key and payload match a record found (so an
+ *      outbox-id from another outbox sharing the topic is never taken for
+ *      ours), and stores how far each partition was read. Progress is thus
+ *      durable: a failed attempt or a restart goes on from there, and there
+ *      is no total time limit (a chunk that reads nothing for 30 s fails).
+ *
+ * Topic metadata errors other than "unknown topic" fail the pass (it is
+ * retried): not knowing is not absence. A stored partition whose topic no
+ * longer exists is skipped; a stored offset past a partition's end (the
+ * topic was re-created) reads that partition from its start.
  *
  * Limits, stated in the README: records removed by retention before the
  * restart cannot be found (their rows are published again); a partition with
@@ -55,6 +62,11 @@ int obx_recovery_start(struct obx_recovery *rec);
 /* A counter that grows while a pass moves (records read, statements
  * answered): the stall check reads it from the loop thread. */
 uint64_t obx_recovery_progress(const struct obx_recovery *rec);
+
+/* Progress of the pass under way (for /metrics and the log). */
+bool obx_recovery_running(const struct obx_recovery *rec);
+uint64_t obx_recovery_records_read(const struct obx_recovery *rec);
+size_t obx_recovery_partitions_left(const struct obx_recovery *rec);
 
 /* The connection was lost: the pass is abandoned without calling `done`. */
 void obx_recovery_abort(struct obx_recovery *rec);

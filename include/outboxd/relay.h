@@ -52,6 +52,8 @@ enum obx_delivery {
     OBX_DELIVERED = 0,     /* persisted by Kafka */
     OBX_DELIVERY_RETRY,    /* failed for a passing reason: publish again later */
     OBX_DELIVERY_REJECTED, /* refused for good: relay.on_reject applies */
+    OBX_DELIVERY_UNKNOWN,  /* failed, but may be persisted (e.g. timed out in flight): the
+                            * recovery pass looks before the row is published again */
 };
 
 /* A key whose later rows are held back behind a refused row. */
@@ -68,7 +70,9 @@ struct obx_fetch {
     const struct obx_blocked_key *blocked; /* rows of these keys wait ... */
     const int64_t *blocked_ids;            /* ... behind these ids (allowed themselves) */
     size_t n_blocked;
-    int limit;
+    int limit;           /* most rows */
+    int64_t max_bytes;   /* the batch ends once its payloads reach this (at least one row) */
+    int64_t max_payload; /* larger payloads are not fetched: the row comes as oversize */
 };
 
 /* What one mark transaction confirms. Arrays are the relay's. */
@@ -116,6 +120,8 @@ struct obx_relay_settings {
     int64_t retry_backoff_ms;
     int64_t shutdown_timeout_ms;
     int64_t stall_timeout_ms; /* 0 = never report a stall */
+    int64_t fetch_max_bytes;  /* payload bytes one fetch may bring */
+    int64_t max_payload;      /* the producer's message.max.bytes */
 };
 
 struct obx_relay;

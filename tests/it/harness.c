@@ -519,7 +519,10 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
              e->conninfo, e->bootstrap, e->http_port);
     write_file(conf, text);
 
-    argv[argc++] = OBX_BINARY_DIR "/outboxd";
+    /* OBX_RELAY_BINARY: the binary under test, e.g. an older build for a
+     * before/after comparison (the chaos driver); ours by default. */
+    const char *binary = getenv("OBX_RELAY_BINARY");
+    argv[argc++] = (char *)(binary && *binary ? binary : OBX_BINARY_DIR "/outboxd");
     argv[argc++] = "--config";
     argv[argc++] = conf;
     for (int i = 0; xargs && xargs[i] && argc < 60; i++) {
@@ -700,6 +703,7 @@ static void records_add(struct h_records *out, const rd_kafka_message_t *m)
     r->value = m->payload ? dup_bytes(m->payload, m->len) : NULL;
     r->value_len = m->len;
     r->outbox_id = -1;
+    r->timestamp = rd_kafka_message_timestamp(m, NULL);
     rd_kafka_headers_t *hdrs;
     if (rd_kafka_message_headers(m, &hdrs) == RD_KAFKA_RESP_ERR_NO_ERROR) {
         size_t cnt = rd_kafka_header_cnt(hdrs);
@@ -712,7 +716,8 @@ static void records_add(struct h_records *out, const rd_kafka_message_t *m)
             r->headers[i].value = val ? dup_bytes(val, len) : NULL;
             r->headers[i].value_len = len;
             r->nheaders++;
-            if (strcmp(name, "outbox-id") == 0 && val)
+            /* The first outbox-id is the relay's (DESIGN 1.2). */
+            if (strcmp(name, "outbox-id") == 0 && val && r->outbox_id < 0)
                 r->outbox_id = strtoll(r->headers[i].value, NULL, 10);
         }
     }

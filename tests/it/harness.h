@@ -53,7 +53,8 @@ struct h_record {
     size_t key_len;
     char *value; /* NULL = tombstone */
     size_t value_len;
-    int64_t outbox_id; /* from the outbox-id header; -1 if missing */
+    int64_t outbox_id; /* from the (first) outbox-id header; -1 if missing */
+    int64_t timestamp; /* the record's timestamp (producer's create time), ms */
     struct h_header *headers;
     size_t nheaders;
 };

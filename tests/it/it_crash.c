@@ -233,7 +233,7 @@ static void test_terminate_during_fetch(void **state)
     h_sql(lock, "LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE");
     h_sql(lock, "INSERT INTO outbox.events (topic, key, payload)"
                 " SELECT 'it.a', 'k' || (g %% 7), 'x'::bytea FROM generate_series(1, 2000) g");
-    int pid = relay_backend_waiting(c, "SELECT e.id"); /* the next poll's fetch */
+    int pid = relay_backend_waiting(c, "SELECT b.id"); /* the next poll's fetch */
     assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
     h_sql(lock, "COMMIT");
     assert_int_equal(drain_and_check(), 2000);
@@ -424,6 +424,107 @@ static void test_reject_dead_letter(void **state)
     PQfinish(c);
 }
 
+/* The number just before the last "<what>" in the relay log, -1 if none. */
+static long last_number_before(const char *what)
+{
+    char path[300], line[4096];
+    long v = -1;
+    FILE *f = fopen(h_relay_log_path(&env, path, sizeof(path)), "r");
+    while (f && fgets(line, sizeof(line), f)) {
+        char *p = strstr(line, what);
+        if (!p)
+            continue;
+        while (p > line && p[-1] >= '0' && p[-1] <= '9')
+            p--;
+        v = strtol(p, NULL, 10);
+    }
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/* Issue 9.5: the recovery pass stores its progress chunk by chunk, so one
+ * that dies midway goes on from there instead of starting over, and it
+ * shows how far it got in the log and in /metrics. */
+static void test_recovery_resumes(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    s_prefill(&env, "it.a", 6000);
+    /* As if a run had published everything and died before marking any
+     * of it: publish, then forget the marks and the stored offsets. */
+    h_relay_start(&env, NULL, NULL);
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    PGconn *c = h_connect(&env);
+    h_sql(c, "UPDATE outbox.events SET sent_at = NULL");
+    h_sql(c, "TRUNCATE outbox.kafka_offsets");
+    long published = 6000;
+
+    /* The recovery dies after its third chunk: two are stored. */
+    const char *chunks[] = {"recovery.chunk_records=1000", NULL};
+    h_relay_start(&env, "recover.after_scan=crash@3", chunks);
+    assert_int_equal(h_relay_wait(&env, 60000), KILLED);
+    int64_t stored = h_sql_int(c, "SELECT coalesce(sum(last_offset + 1), 0) FROM "
+                                  "outbox.kafka_offsets WHERE topic = 'it.a'");
+    int64_t marked = h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NOT NULL");
+    PQfinish(c);
+    if (stored < 2000 || marked < 2000)
+        fail_msg("after two stored chunks: %lld offsets stored, %lld rows marked",
+                 (long long)stored, (long long)marked);
+    assert_true(h_relay_log_contains(&env, "recovery: reading Kafka, "));
+
+    /* The next pass reads only what is left. */
+    h_relay_start(&env, NULL, chunks);
+    s_wait_drained(&env, 60000);
+    long read = last_number_before(" records read in ");
+    if (read < 0 || read > published - 2000)
+        fail_msg("the last pass read %ld of %ld records: it did not resume", read, published);
+    static char metrics[1 << 18];
+    assert_int_equal(h_http_get(&env, "/metrics", metrics, sizeof(metrics)), 200);
+    assert_true(h_metric(metrics, "outboxd_recovery_records_read") == (double)read);
+    assert_true(h_metric(metrics, "outboxd_recovering") == 0);
+    assert_int_equal(drain_and_check(), 6000);
+    /* Everything published before was recognised, nothing sent twice: the
+     * rows the dead pass stored, and the rest by the last pass. */
+    assert_int_equal(recovered(), published - marked);
+}
+
+/* Issue 10.2: the header name outbox-id is reserved. enqueue (and any
+ * insert) refuses it; a row that has one anyway (written before the rule)
+ * is recognised by recovery through the FIRST outbox-id header, the relay's
+ * own, and is not published twice. */
+static void test_forged_outbox_id_header(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    PGresult *r = PQexec(c, "SELECT outbox.enqueue('it.a', 'k', 'v'::bytea,"
+                            " '{\"outbox-id\": \"1\"}'::jsonb)");
+    assert_int_equal(PQresultStatus(r), PGRES_FATAL_ERROR);
+    assert_non_null(strstr(PQresultErrorMessage(r), "header_outbox_id_is_reserved_for_outboxd"));
+    PQclear(r);
+
+    /* Rows from before the rule: one forges another row's id. */
+    h_sql(c, "ALTER TABLE outbox.events DROP CONSTRAINT header_outbox_id_is_reserved_for_outboxd");
+    int64_t victim = h_enqueue(c, "it.a", "v", "victim", 6, NULL);
+    for (int i = 0; i < 20; i++)
+        h_sql(c,
+              "INSERT INTO outbox.events (topic, key, payload, headers) VALUES ('it.a', 'f%d',"
+              " 'forged'::bytea, jsonb_build_object('outbox-id', '%lld'))",
+              i, (long long)victim);
+    /* Published, then as if never marked. */
+    h_relay_start(&env, NULL, NULL);
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    h_sql(c, "UPDATE outbox.events SET sent_at = NULL");
+    h_sql(c, "TRUNCATE outbox.kafka_offsets");
+    h_relay_start(&env, NULL, NULL);
+    assert_int_equal(drain_and_check(), 21); /* each exactly once */
+    assert_int_equal(recovered(), 21);
+    PQfinish(c);
+}
+
 int main(int argc, char **argv)
 {
 #define T(name) cmocka_unit_test_teardown(name, teardown_env)
@@ -443,6 +544,8 @@ int main(int argc, char **argv)
         T(test_producer_fatal),
         T(test_reject_retry),
         T(test_reject_dead_letter),
+        T(test_recovery_resumes),
+        T(test_forged_outbox_id_header),
     };
 #undef T
     if (argc > 1)

@@ -434,9 +434,10 @@ static void test_schema_missing(void **state)
     deadline = h_now_ms() + 10000;
     while (!h_relay_log_contains(&env, "apply sql/002_recovery.sql") && h_now_ms() < deadline)
         h_sleep_ms(100);
-    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 2: "
+    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 3: "
                                            "apply sql/002_recovery.sql"));
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/002_recovery.sql");
+    apply_sql_file(b, OBX_SOURCE_DIR "/sql/003_reserved_header.sql");
     h_enqueue(b, "it.a", "k", "after-schema", 12, NULL);
     deadline = h_now_ms() + 20000;
     while (h_sql_int(b, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL") > 0 &&
@@ -638,6 +639,19 @@ static void test_cli(void **state)
     assert_non_null(strstr(out, "configuration OK"));
     assert_null(strstr(out, "hunter2secret"));
     assert_null(strstr(out, "saslhunter3"));
+    assert_null(strstr(out, "warning"));
+
+    /* Settings that weaken the guarantees are accepted, with a warning each. */
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "--config", path, "-X",
+                                                 "kafka.enable.idempotence=false", "-X",
+                                                 "kafka.message.timeout.ms=30000", "-X",
+                                                 "kafka.acks=1", "--check", NULL}),
+                     0);
+    assert_non_null(strstr(out, "warning: kafka.enable.idempotence=false: "));
+    assert_non_null(strstr(out, "warning: kafka.message.timeout.ms=30000: "));
+    assert_non_null(strstr(out, "warning: kafka.acks=1: "));
+    assert_non_null(strstr(out, "configuration OK"));
 
     /* A bad value of a secret key is reported without the value. */
     assert_int_equal(

@@ -149,7 +149,8 @@ static void test_row_from_result(void **state)
     (void)state;
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
     PGresAttDesc attrs[OBX_COL_COUNT];
-    static const char *names[] = {"id", "topic", "key", "payload", "keys", "vals", "created_at"};
+    static const char *names[] = {"id",   "topic", "key",        "payload",
+                                  "keys", "vals",  "created_at", "payload_len"};
     memset(attrs, 0, sizeof(attrs));
     for (int i = 0; i < OBX_COL_COUNT; i++) {
         attrs[i].name = (char *)names[i];
@@ -170,6 +171,8 @@ static void test_row_from_result(void **state)
     char created[8] = {(char)0x00, (char)0x02, (char)0xea, (char)0x47,
                        (char)0x0a, (char)0xe8, (char)0x60, (char)0x00};
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_CREATED_AT, created, 8), 1);
+    char len3[4] = {0, 0, 0, 3};
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_PAYLOAD_LEN, len3, 4), 1);
 
     struct obx_row row;
     assert_int_equal(obx_row_from_result(res, 0, &row, err, sizeof(err)), 0);
@@ -180,12 +183,35 @@ static void test_row_from_result(void **state)
     assert_memory_equal(row.payload, payload, 3);
     assert_int_equal(row.hdr_keys_len, klen);
     assert_int_equal(row.created_us, 1767225600000000LL);
+    assert_false(row.oversize);
 
-    /* A NULL payload is a tombstone; an 8-byte id is required. */
-    assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 4), 1);
+    /* A NULL payload and a NULL length: a tombstone. */
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_TOPIC, "t", 1), 1);
-    assert_int_equal(obx_row_from_result(res, 1, &row, err, sizeof(err)), -1);
-    assert_non_null(strstr(err, "row 1"));
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_PAYLOAD, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_PAYLOAD_LEN, NULL, -1), 1);
+    assert_int_equal(obx_row_from_result(res, 1, &row, err, sizeof(err)), 0);
+    assert_null(row.payload);
+    assert_int_equal(row.payload_len, 0);
+    assert_false(row.oversize);
+    assert_null(row.hdr_keys);
+
+    /* A NULL payload beside its length: too large, not fetched. */
+    char len40m[4] = {0x02, 0x62, 0x5a, 0x00}; /* 40,000,000 */
+    assert_int_equal(PQsetvalue(res, 2, OBX_COL_ID, id, 8), 1);
+    assert_int_equal(PQsetvalue(res, 2, OBX_COL_TOPIC, "t", 1), 1);
+    assert_int_equal(PQsetvalue(res, 2, OBX_COL_PAYLOAD, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 2, OBX_COL_PAYLOAD_LEN, len40m, 4), 1);
+    assert_int_equal(obx_row_from_result(res, 2, &row, err, sizeof(err)), 0);
+    assert_true(row.oversize);
+    assert_null(row.payload);
+    assert_int_equal(row.payload_len, 40000000);
+
+    /* An 8-byte id is required. */
+    assert_int_equal(PQsetvalue(res, 3, OBX_COL_ID, id, 4), 1);
+    assert_int_equal(PQsetvalue(res, 3, OBX_COL_TOPIC, "t", 1), 1);
+    assert_int_equal(obx_row_from_result(res, 3, &row, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "row 3"));
     PQclear(res);
 }
 

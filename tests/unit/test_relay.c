@@ -494,6 +494,53 @@ static void test_reject_retry_holds_key(void **state)
     assert_int_equal(obx_relay_blocked_keys(c->r), 0);
 }
 
+/* Issue 10.4: a refused row being retried that then fails for a passing
+ * reason is due again after the back-off, not stuck (and its key with it)
+ * until a restart. */
+static void test_reject_then_transient_failure(void **state)
+{
+    struct ctx *c = *state;
+    c->f.reject_id = 3;
+    ready(c, 0);
+    fetched(c, 3, 1, 0); /* row 3 refused: held */
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    c->f.reject_id = 0;
+    obx_relay_tick(c->r, 600);
+    fetched(c, 3, 1, 600); /* retried: produced */
+    int k = c->f.produced - 1;
+    assert_int_equal(c->f.produced_ids[k], 3);
+    assert_true(excluded(c, 3)); /* in flight: the fetch sent meanwhile leaves it out */
+    ack(c, k, false, 700);       /* a transient failure this time */
+    fetched(c, 8, 0, 701);       /* the fetch in flight answers */
+    int fetches = c->f.fetches;
+    obx_relay_tick(c->r, 1300);
+    assert_int_equal(c->f.fetches, fetches + 1);
+    assert_false(excluded(c, 3));                      /* due again: this fetch may bring it */
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1); /* its key still waits behind it */
+}
+
+/* Issue 10.5: a delivery that may have been persisted (a request timed out
+ * in flight) is not published again blindly: the recovery pass runs before
+ * the next fetch. */
+static void test_possibly_persisted_reruns_recovery(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    assert_int_equal(c->f.recovers, 1);
+    fetched(c, 1, 2, 0);
+    ack(c, 0, true, 1);
+    obx_relay_on_marked(c->r, 2);
+    int fetches = c->f.fetches;
+    ack_as(c, 1, OBX_DELIVERY_UNKNOWN, 3);
+    assert_false(obx_relay_recovered(c->r));
+    obx_relay_tick(c->r, 600); /* after the back-off: recovery first, no fetch */
+    assert_int_equal(c->f.recovers, 2);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    assert_int_equal(c->f.fetches, fetches);
+    obx_relay_on_recovered(c->r, true, 601);
+    assert_int_equal(c->f.fetches, fetches + 1);
+}
+
 /* relay.on_reject = dead_letter: the row goes to dead_letters with the
  * reason, in the next mark; nothing is held back. */
 static void test_reject_dead_letter(void **state)
@@ -674,6 +721,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_recovery_retried, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reject_retry_holds_key, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reject_dead_letter, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reject_then_transient_failure, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_possibly_persisted_reruns_recovery, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_drains, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_hard_deadline_while_marking, setup, teardown),
