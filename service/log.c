@@ -75,6 +75,8 @@ static void escape_controls(char *out, size_t cap, const char *s)
 }
 
 static void log_vwrite(enum obx_log_level level, const char *fmt, va_list ap)
+    __attribute__((format(printf, 2, 0)));
+static void log_vwrite(enum obx_log_level level, const char *fmt, va_list ap)
 {
     char msg[2048];
     char safe[4096];

@@ -30,7 +30,10 @@ int obx_array_iter_init(struct obx_array_iter *it, const char *data, size_t len)
     if (ndim != 1 || len < 20)
         return -1;
     count = (int32_t)be32(data + 12);
-    if (count < 0)
+    /* Every element takes at least its 4-byte length: a count the bytes
+     * cannot hold is malformed (and would make callers size buffers by it;
+     * found by fuzz_headers). */
+    if (count < 0 || (size_t)count > (len - 20) / 4)
         return -1;
     it->p = data + 20;
     it->end = data + len;

@@ -406,6 +406,21 @@ int h_http_get(struct h_env *e, const char *path, char *body, size_t body_len)
     return h_http_raw(e->http_port, req, (size_t)n, body, body_len, 5000);
 }
 
+void h_wait_http(struct h_env *e, const char *path, int status, const char *needle, int timeout_ms,
+                 char *body, size_t body_len)
+{
+    int64_t deadline = h_now_ms() + timeout_ms;
+    int got;
+    do {
+        got = h_http_get(e, path, body, body_len);
+        if (got == status && (!needle || strstr(body, needle)))
+            return;
+        h_sleep_ms(100);
+    } while (h_now_ms() < deadline);
+    fail_msg("GET %s: wanted %d with '%s', last answer %d: %.300s", path, status,
+             needle ? needle : "", got, body);
+}
+
 double h_metric(const char *exposition, const char *series)
 {
     size_t n = strlen(series);
@@ -613,6 +628,8 @@ PGconn *h_connect(struct h_env *e)
     return c;
 }
 
+static PGresult *vexec(PGconn *c, const char *fmt, va_list ap)
+    __attribute__((format(printf, 2, 0)));
 static PGresult *vexec(PGconn *c, const char *fmt, va_list ap)
 {
     char sql[8192];

@@ -140,6 +140,10 @@ int h_http_raw(int port, const char *request, size_t request_len, char *body, si
                int timeout_ms);
 /* GET path from the relay's HTTP endpoints. */
 int h_http_get(struct h_env *e, const char *path, char *body, size_t body_len);
+/* Polls GET path until it answers `status` with `needle` (NULL = any) in
+ * the body, which is left in body; fails the test after timeout_ms. */
+void h_wait_http(struct h_env *e, const char *path, int status, const char *needle, int timeout_ms,
+                 char *body, size_t body_len);
 /* Value of the sample `series` (name with labels, as printed) in a
  * Prometheus text exposition; -1 when absent. */
 double h_metric(const char *exposition, const char *series);

@@ -107,16 +107,7 @@ static int get_status(struct h_env *e, const char *path)
 static void wait_http(struct h_env *e, const char *path, int status, const char *needle,
                       int timeout_ms)
 {
-    int64_t deadline = h_now_ms() + timeout_ms;
-    int got = 0;
-    while (h_now_ms() < deadline) {
-        got = get_status(e, path);
-        if (got == status && (!needle || strstr(body, needle)))
-            return;
-        h_sleep_ms(100);
-    }
-    fail_msg("%s: wanted %d with '%s', last got %d: %s", path, status, needle ? needle : "", got,
-             body);
+    h_wait_http(e, path, status, needle, timeout_ms, body, sizeof(body));
 }
 
 static void check_exactly_once(void)
@@ -125,6 +116,26 @@ static void check_exactly_once(void)
     h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
+}
+
+/* Starts relay A (active) and B (standby) on env, sessions named aa and bb.
+ * A relay whose session was cut reconnects after at least 0.5 s here, so
+ * the standby (which tries every 250 ms) is the one that takes over. */
+static void start_pair(struct h_env *b, char *ci_a, char *ci_b, size_t len)
+{
+    static const char *const slow[] = {"postgres.reconnect_backoff_min=1s",
+                                       "postgres.reconnect_backoff_max=2s"};
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    *b = env;
+    snprintf(b->relay_name, sizeof(b->relay_name), "b");
+    b->http_port = h_free_port();
+    h_relay_start(
+        &env, NULL,
+        (const char *const[]){conninfo_as(&env, "aa", ci_a, len), slow[0], slow[1], NULL});
+    wait_http(&env, "/readyz", 200, "ready\n", 15000);
+    h_relay_start(b, NULL,
+                  (const char *const[]){conninfo_as(b, "bb", ci_b, len), slow[0], slow[1], NULL});
+    wait_http(b, "/readyz", 200, "standby", 15000);
 }
 
 /* Issue 9.1: the relay frozen (SIGSTOP) while its backend is terminated;
@@ -160,15 +171,8 @@ static void test_standby_stop_terminate_continue(void **state)
 {
     (void)state;
     char ci_a[700], ci_b[700];
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    h_relay_start(&env, NULL,
-                  (const char *const[]){conninfo_as(&env, "aa", ci_a, sizeof(ci_a)), NULL});
-    wait_http(&env, "/readyz", 200, "ready\n", 15000);
-    struct h_env b = env;
-    snprintf(b.relay_name, sizeof(b.relay_name), "standby");
-    b.http_port = h_free_port();
-    h_relay_start(&b, NULL, (const char *const[]){conninfo_as(&b, "bb", ci_b, sizeof(ci_b)), NULL});
-    wait_http(&b, "/readyz", 200, "standby", 15000);
+    struct h_env b;
+    start_pair(&b, ci_a, ci_b, sizeof(ci_a));
     struct writer wr;
     writer_start(&wr, 50);
     for (int round = 0; round < 3; round++) {
@@ -277,15 +281,9 @@ static long vacuum_not_removable(PGconn *c)
 static void test_standby_no_snapshot(void **state)
 {
     (void)state;
-    char ci_b[700];
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    h_relay_start(&env, NULL, NULL);
-    wait_http(&env, "/readyz", 200, "ready\n", 15000);
-    struct h_env b = env;
-    snprintf(b.relay_name, sizeof(b.relay_name), "standby");
-    b.http_port = h_free_port();
-    h_relay_start(&b, NULL, (const char *const[]){conninfo_as(&b, "bb", ci_b, sizeof(ci_b)), NULL});
-    wait_http(&b, "/readyz", 200, "standby", 15000);
+    char ci_a[700], ci_b[700];
+    struct h_env b;
+    start_pair(&b, ci_a, ci_b, sizeof(ci_a));
     h_sleep_ms(500);
 
     s_prefill(&env, "it.a", 2000); /* marked by the active relay: 2,000 dead row versions */
@@ -486,26 +484,6 @@ static void wait_log_count(struct h_env *e, const char *needle, long n, int time
             fail_msg("'%s' seen %ld times in %s, wanted %ld", needle, seen, path, n);
         h_sleep_ms(50);
     }
-}
-
-/* Starts relay A (active) and B (standby) on env, sessions named aa and bb.
- * A relay whose session was cut reconnects after at least 0.5 s here, so
- * the standby (which tries every 250 ms) is the one that takes over. */
-static void start_pair(struct h_env *b, char *ci_a, char *ci_b, size_t len)
-{
-    static const char *const slow[] = {"postgres.reconnect_backoff_min=1s",
-                                       "postgres.reconnect_backoff_max=2s"};
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    *b = env;
-    snprintf(b->relay_name, sizeof(b->relay_name), "b");
-    b->http_port = h_free_port();
-    h_relay_start(
-        &env, NULL,
-        (const char *const[]){conninfo_as(&env, "aa", ci_a, len), slow[0], slow[1], NULL});
-    wait_http(&env, "/readyz", 200, "ready\n", 15000);
-    h_relay_start(b, NULL,
-                  (const char *const[]){conninfo_as(b, "bb", ci_b, len), slow[0], slow[1], NULL});
-    wait_http(b, "/readyz", 200, "standby", 15000);
 }
 
 /* Issue 10: two relays under running writers. (b) the active relay's

@@ -34,16 +34,7 @@ static int teardown_env(void **state)
 /* Polls GET path until it answers `status` with `needle` in the body. */
 static void wait_http(const char *path, int status, const char *needle, int timeout_ms)
 {
-    int64_t deadline = h_now_ms() + timeout_ms;
-    int got;
-    do {
-        got = h_http_get(&env, path, body, sizeof(body));
-        if (got == status && (!needle || strstr(body, needle)))
-            return;
-        h_sleep_ms(100);
-    } while (h_now_ms() < deadline);
-    fail_msg("GET %s: wanted %d with '%s', last answer %d: %.300s", path, status,
-             needle ? needle : "", got, body);
+    h_wait_http(&env, path, status, needle, timeout_ms, body, sizeof(body));
 }
 
 /* Scrapes /metrics until `series` has `value`. */

@@ -69,6 +69,12 @@ static void test_array_iter(void **state)
     assert_int_equal(obx_array_iter_init(&it, buf, n - 3), 1);
     assert_int_equal(obx_array_iter_next(&it, &e, &len), -1);
     assert_int_equal(obx_array_iter_init(&it, buf, 10), -1);
+    /* A count the bytes cannot hold (found by fuzz_headers: it made the
+     * header list preallocate 2 GB). */
+    n = make_array(buf, (const char *const[]){"a"}, 1);
+    buf[12] = 0x7f; /* count 2,130,706,433 */
+    assert_int_equal(obx_array_iter_init(&it, buf, n), -1);
+    buf[12] = 0;
     /* Two dimensions are not headers. */
     buf[3] = 2;
     assert_int_equal(obx_array_iter_init(&it, buf, n), -1);
