@@ -580,6 +580,172 @@ static void test_zombie(void **state)
     h_records_free(&recs);
 }
 
+/* Lines of relay e's log saying it lost (or could not open) its session. */
+static long disconnects(struct h_env *e)
+{
+    char path[300], line[4096];
+    long n = 0;
+    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    while (f && fgets(line, sizeof(line), f))
+        n += (strstr(line, "postgres: connection to ") && strstr(line, " lost")) ||
+             strstr(line, "postgres: cannot connect");
+    if (f)
+        fclose(f);
+    return n;
+}
+
+/* Waits until the backend of application `app` waits on a lock while
+ * running a statement starting with `prefix`. */
+static void wait_backend_on_lock(const char *app, const char *prefix)
+{
+    PGconn *c = h_connect(&env);
+    int64_t deadline = h_now_ms() + 20000;
+    while (h_sql_int(c,
+                     "SELECT count(*) FROM pg_stat_activity WHERE application_name = '%s'"
+                     " AND wait_event_type = 'Lock' AND query LIKE '%s%%'",
+                     app, prefix) == 0) {
+        if (h_now_ms() > deadline)
+            fail_msg("%s never waited on a lock in '%s...'", app, prefix);
+        h_sleep_ms(50);
+    }
+    PQfinish(c);
+}
+
+enum cut { CUT_TERMINATE, CUT_PG_FAST, CUT_PG_IMMEDIATE, CUT_COUNT };
+static const char *const cut_names[] = {"backend terminated", "fast restart", "immediate restart"};
+
+/* Ends relay e's session the way `cut` says; it must log the loss (with the
+ * state it was in) within 3 s. */
+static void cut_and_expect_notice(struct h_env *e, const char *app, enum cut cut, const char *state)
+{
+    long before = disconnects(e);
+    if (cut == CUT_TERMINATE)
+        assert_true(terminate(app) >= 1);
+    else
+        h_pg_restart(&env, cut == CUT_PG_FAST ? "fast" : "immediate");
+    int64_t deadline = h_now_ms() + 3000;
+    while (disconnects(e) == before && h_now_ms() < deadline)
+        h_sleep_ms(50);
+    if (disconnects(e) == before)
+        fail_msg("state %s, %s: the relay did not notice within 3 s", state, cut_names[cut]);
+}
+
+/* After a cut that ended both sessions, either relay may hold the lock:
+ * makes A the active one again and B its standby. */
+static void ensure_a_active(struct h_env *b, const char *ci_b)
+{
+    int64_t deadline = h_now_ms() + 15000;
+    for (;;) {
+        if (get_status(&env, "/readyz") == 200 && strstr(body, "ready\n") &&
+            !strstr(body, "standby"))
+            break;
+        if (get_status(b, "/readyz") == 200 && !strstr(body, "standby")) {
+            assert_int_equal(h_relay_stop(b, SIGTERM, 30000), 0);
+            wait_http(&env, "/readyz", 200, "ready\n", 10000);
+            h_relay_start(b, NULL, (const char *const[]){ci_b, NULL});
+            break;
+        }
+        if (h_now_ms() > deadline)
+            fail_msg("no relay became active after the cut");
+        h_sleep_ms(100);
+    }
+    wait_http(b, "/readyz", 200, "standby", 15000);
+}
+
+/* Issue 9, "every state notices": the relay's session ends while it
+ * stands by, recovers, idles, fetches, marks and drains, by each of
+ * backend terminated, Postgres fast restart and immediate restart (the
+ * frozen case is live_stop_terminate_continue). Each time it must say so at
+ * once, and in the end every row is in Kafka exactly once. */
+static void test_lost_in_every_state(void **state)
+{
+    (void)state;
+    char ci_a[700], ci_b[700];
+    struct h_env b;
+    start_pair(&b, ci_a, ci_b, sizeof(ci_a));
+    PGconn *c = h_connect(&env);
+    for (int k = 0; k < CUT_COUNT; k++) {
+        enum cut cut = (enum cut)k;
+
+        /* standby: B */
+        cut_and_expect_notice(&b, "bb", cut, "standby");
+        ensure_a_active(&b, ci_b);
+
+        /* idle: A, nothing to do */
+        cut_and_expect_notice(&env, "aa", cut, "idle");
+        ensure_a_active(&b, ci_b);
+
+        /* fetching: A's fetch waits behind a table lock */
+        PQfinish(c);
+        c = h_connect(&env);
+        h_sql(c, "BEGIN");
+        h_sql(c, "LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE");
+        h_sql(c, "INSERT INTO outbox.events (topic, key, payload) SELECT 'it.a', 'k' || g,"
+                 " 'x'::bytea FROM generate_series(1, 50) g");
+        wait_backend_on_lock("aa", "SELECT b.id");
+        cut_and_expect_notice(&env, "aa", cut, "fetching");
+        PQfinish(c); /* ends the locking transaction: its rows roll back */
+        c = h_connect(&env);
+        ensure_a_active(&b, ci_b);
+        h_sql(c, "INSERT INTO outbox.events (topic, key, payload) SELECT 'it.a', 'k' || g,"
+                 " 'x'::bytea FROM generate_series(1, 50) g");
+        expect_caught_up("the fetching case", 10000);
+
+        /* marking: A's mark waits behind row locks (the rows are in Kafka).
+         * A is frozen while the rows are written and locked, so that it
+         * fetches them only once the locks are held. */
+        kill(env.relay_pid, SIGSTOP);
+        h_sql(c, "INSERT INTO outbox.events (topic, key, payload) SELECT 'it.b', 'm' || g,"
+                 " 'y'::bytea FROM generate_series(1, 50) g");
+        h_sql(c, "BEGIN");
+        h_sql(c, "SELECT id FROM outbox.events WHERE sent_at IS NULL FOR UPDATE");
+        kill(env.relay_pid, SIGCONT);
+        wait_backend_on_lock("aa", "WITH confirmed");
+        cut_and_expect_notice(&env, "aa", cut, "marking");
+        PQfinish(c);
+        c = h_connect(&env);
+        ensure_a_active(&b, ci_b);
+        expect_caught_up("the marking case", 10000);
+
+        /* recovering: A restarted with every broker answer slow */
+        assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+        wait_http(&b, "/readyz", 200, "ready\n", 10000); /* B took over */
+        assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
+        s_prefill(&env, "it.c", 20);
+        assert_true(h_broker_cmd(&env, "rtt all 1500"));
+        h_relay_start(&env, NULL, (const char *const[]){ci_a, NULL});
+        int64_t deadline = h_now_ms() + 10000;
+        bool recovering = false;
+        while (!recovering && h_now_ms() < deadline) {
+            recovering =
+                get_status(&env, "/metrics") == 200 && h_metric(body, "outboxd_recovering") == 1;
+            h_sleep_ms(50);
+        }
+        assert_true(recovering);
+        cut_and_expect_notice(&env, "aa", cut, "recovering");
+        assert_true(h_broker_cmd(&env, "rtt all 0"));
+        expect_caught_up("the recovering case", 15000);
+
+        /* draining: SIGTERM while deliveries wait for brokers that are down */
+        assert_true(h_broker_cmd(&env, "down all"));
+        s_prefill(&env, "it.a", 20);
+        h_sleep_ms(1500); /* fetched and handed to librdkafka */
+        kill(env.relay_pid, SIGTERM);
+        h_wait_log(&env, "relay: shutting down", 5000);
+        cut_and_expect_notice(&env, "aa", cut, "draining");
+        assert_true(h_broker_cmd(&env, "up all"));
+        assert_int_equal(h_relay_wait(&env, 30000), 0);
+        h_relay_start(&env, NULL, (const char *const[]){ci_a, NULL});
+        expect_caught_up("the draining case", 15000);
+        h_relay_start(&b, NULL, (const char *const[]){ci_b, NULL});
+        wait_http(&b, "/readyz", 200, "standby", 15000);
+    }
+    PQfinish(c);
+    assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    check_exactly_once();
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -593,6 +759,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_large_rows, teardown_env),
         cmocka_unit_test_teardown(test_takeovers, teardown_env),
         cmocka_unit_test_teardown(test_zombie, teardown_env),
+        cmocka_unit_test_teardown(test_lost_in_every_state, teardown_env),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
