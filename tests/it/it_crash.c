@@ -525,6 +525,77 @@ static void test_forged_outbox_id_header(void **state)
     PQfinish(c);
 }
 
+/* Published, then as if never marked: every record in Kafka is a row the
+ * recovery pass must recognise. */
+static void forget_marks(PGconn *c)
+{
+    h_sql(c, "UPDATE outbox.events SET sent_at = NULL");
+    h_sql(c, "TRUNCATE outbox.kafka_offsets");
+}
+
+static size_t kafka_records(void)
+{
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    size_t n = recs.n;
+    h_records_free(&recs);
+    return n;
+}
+
+/* Issues 10.6 and 10.7: the recovery pass must not mistake an error for
+ * absence. (a) A topic whose metadata says "leader not available" holds
+ * publishing back until it answers, then its rows are recognised, not sent
+ * again. (b) Offsets stored past a partition's end (a re-created topic)
+ * make it read from the start. (c) An offset stored for a topic that no
+ * longer exists does not stop every other topic. */
+static void test_recovery_topic_troubles(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    s_prefill(&env, "it.a", 300);
+    h_relay_start(&env, NULL, NULL);
+    s_wait_drained(&env, 30000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    /* (a) */
+    forget_marks(c);
+    assert_true(h_broker_cmd(&env, "topic-error it.a LEADER_NOT_AVAILABLE"));
+    h_relay_start(&env, NULL, NULL);
+    h_wait_log(&env, "Leader not available", 15000);
+    h_sleep_ms(1000);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"), 300);
+    assert_true(h_broker_cmd(&env, "topic-error it.a NO_ERROR"));
+    s_wait_drained(&env, 30000);
+    assert_int_equal(kafka_records(), 300); /* recognised, not published again */
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    /* (b) */
+    h_sql(c, "UPDATE outbox.events SET sent_at = NULL");
+    h_sql(c, "UPDATE outbox.kafka_offsets SET last_offset = last_offset + 1000000");
+    h_relay_start(&env, NULL, NULL);
+    s_wait_drained(&env, 30000);
+    assert_true(h_relay_log_contains(&env, "is past its end"));
+    assert_int_equal(kafka_records(), 300);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    /* (c) */
+    assert_true(h_broker_cmd(&env, "topic-error it.gone UNKNOWN_TOPIC_OR_PART"));
+    h_sql(c, "INSERT INTO outbox.kafka_offsets (topic, kafka_partition, last_offset)"
+             " VALUES ('it.gone', 0, 41)");
+    h_enqueue(c, "it.gone", "g", "lost topic", 10, NULL);
+    s_prefill(&env, "it.b", 100);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_reject=dead_letter",
+                                        "kafka.topic.metadata.propagation.max.ms=1000", NULL});
+    s_wait_drained(&env, 30000); /* it.b went out; the it.gone row is a dead letter */
+    assert_int_equal(
+        h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters WHERE topic = 'it.gone'"), 1);
+    assert_int_equal(kafka_records(), 400);
+    assert_int_equal(drain_and_check(), 400);
+    PQfinish(c);
+}
+
 int main(int argc, char **argv)
 {
 #define T(name) cmocka_unit_test_teardown(name, teardown_env)
@@ -546,6 +617,7 @@ int main(int argc, char **argv)
         T(test_reject_dead_letter),
         T(test_recovery_resumes),
         T(test_forged_outbox_id_header),
+        T(test_recovery_topic_troubles),
     };
 #undef T
     if (argc > 1)
