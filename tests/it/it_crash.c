@@ -298,7 +298,9 @@ static void test_kafka_request_errors(void **state)
     h_env_start(&env, TOPICS_SPEC);
     s_prefill(&env, "it.b", 2000);
     writers_start(&ws, 0);
-    h_relay_start(&env, NULL, NULL);
+    /* librdkafka's "msg" debug context logs each failed ProduceRequest: the
+     * proof that the errors were injected and answered. */
+    h_relay_start(&env, NULL, (const char *const[]){"kafka.debug=msg", "log.level=debug", NULL});
     s_wait_sent(&env, 500, 30000);
     for (int round = 0; round < 3; round++) {
         assert_true(h_broker_cmd(&env, "push-errors 0 LEADER_NOT_AVAILABLE REQUEST_TIMED_OUT "
@@ -307,6 +309,8 @@ static void test_kafka_request_errors(void **state)
     }
     writers_stop(&ws);
     drain_and_check();
+    assert_true(h_relay_log_contains(&env, "Leader not available"));
+    assert_true(h_relay_log_contains(&env, "Not leader for partition"));
 }
 
 /* A fatal idempotent-producer error (an out-of-order sequence reported by

@@ -322,8 +322,16 @@ static void test_brokers_down(void **state)
     h_sleep_ms(1000);
     int64_t during = s_sent_count(&env);
     h_sleep_ms(3000);
-    /* Nothing can be acknowledged while every broker is down. */
+    /* Nothing can be acknowledged while every broker is down, and no more
+     * than relay.max_in_flight rows are held (back-pressure): fetching
+     * stopped at the limit. */
     assert_true(s_sent_count(&env) - during <= 0);
+    static char metrics[1 << 18];
+    assert_int_equal(h_http_get(&env, "/metrics", metrics, sizeof(metrics)), 200);
+    double in_flight = h_metric(metrics, "outboxd_rows_in_flight");
+    print_message("brokers down: %.0f rows in flight (limit 2000)\n", in_flight);
+    assert_true(h_metric(metrics, "outboxd_rows_in_flight_limit") == 2000);
+    assert_true(in_flight == 2000); /* 5,000 rows wait: the limit is reached, not passed */
     assert_true(h_broker_cmd(&env, "up all"));
     h_sleep_ms(1000);
     atomic_store(&stop, 1);
