@@ -358,6 +358,7 @@ struct run {
     struct writer writers[WRITERS];
     atomic_int stop_writers;
     bool pg_down;
+    bool has_produce_errors; /* the schedule injects Produce errors */
     /* Windows the README names in which duplicates are expected. */
     bool zombie_window; /* a relay frozen while its session ended, with another to take over */
     bool broker_window; /* brokers went down (the mock may store a batch twice) */
@@ -438,13 +439,25 @@ static void relay_start(struct run *x, int i)
     struct relay *rl = &x->relay[i];
     char shutdown[48];
     snprintf(shutdown, sizeof(shutdown), "shutdown.timeout=%ds", SHUTDOWN_S);
-    const char *xargs[] = {rl->conninfo,
-                           "relay.on_reject=dead_letter",
-                           "kafka.message.max.bytes="
-                           "100000",
-                           x->s.delete_mode ? "relay.on_sent=delete" : "relay.on_sent=mark",
-                           shutdown,
-                           NULL};
+    /* OBX_CHAOS_X="k=v;k=v": more -X for every relay (e.g. log.level=debug),
+     * to look closer at a replayed finding. */
+    static char extra[512];
+    const char *xargs[12] = {
+        rl->conninfo, "relay.on_reject=dead_letter", "kafka.message.max.bytes=100000",
+        x->s.delete_mode ? "relay.on_sent=delete" : "relay.on_sent=mark", shutdown};
+    int n = 5;
+    /* The 2.0.2 mock checks no producer sequence numbers: when it fails a
+     * Produce request but accepts the one pipelined behind it, librdkafka
+     * takes the failed batch as delivered ("implicitly acked by subsequent
+     * batch success"), as it may with a real broker, which would have
+     * refused the later one. Such a loss is the mock's, not ours: with
+     * injected Produce errors, one request at a time. */
+    if (x->has_produce_errors)
+        xargs[n++] = "kafka.max.in.flight.requests.per.connection=1";
+    snprintf(extra, sizeof(extra), "%s", getenv("OBX_CHAOS_X") ? getenv("OBX_CHAOS_X") : "");
+    for (char *tok = strtok(extra, ";"); tok && n < 11; tok = strtok(NULL, ";"))
+        xargs[n++] = tok;
+    xargs[n] = NULL;
     h_relay_start(&rl->env, NULL, xargs);
     rl->alive = true;
     rl->stopped = false;
@@ -803,6 +816,9 @@ static void check(struct run *x)
                          byid[k]->value_len);
         bool is_dead = in_sorted(dead, n_dead, w->id);
         if (copies == 0 && !is_dead) {
+            if (lost < 20)
+                fprintf(stderr, "  lost: id %lld, topic %s, key %s, %zu bytes\n", (long long)w->id,
+                        topics[w->topic], w->key ? w->key : "(null)", w->payload_len);
             lost++;
             ex_lost = w->id;
         } else if (copies > 0 && (is_dead || w->big) && corrupt++ == 0) {
@@ -885,6 +901,9 @@ static void scan_log(struct run *x, int i)
 
 static void run_schedule(struct run *x)
 {
+    for (int i = 0; i < x->s.n_faults; i++)
+        if (x->s.f[i].kind == F_PRODUCE_ERRORS || x->s.f[i].kind == F_REJECT_ERRORS)
+            x->has_produce_errors = true;
     h_env_start_with(&x->env, topic_spec, H_PG_TCP);
     for (int i = 0; i < x->s.n_relays; i++) {
         struct relay *rl = &x->relay[i];
