@@ -1,5 +1,6 @@
 /*
- * main: command line, signals, and the wiring of pg + kafka into the relay.
+ * main: command line, configuration assembly, signals, and the wiring of
+ * pg, kafka, recovery and maint into the relay (health answers for it all).
  *
  * One libuv loop owns everything. The relay (pure state machine) issues its
  * commands through `relay_ops` below; pg and kafka callbacks feed it events.
@@ -7,6 +8,7 @@
 #include "outboxd/check.h"
 #include "outboxd/config.h"
 #include "outboxd/failpoint.h"
+#include "outboxd/health.h"
 #include "outboxd/http.h"
 #include "outboxd/kafka.h"
 #include "outboxd/log.h"
@@ -17,11 +19,9 @@
 #include "outboxd/recovery.h"
 #include "outboxd/relay.h"
 
-#include <errno.h>
 #include <getopt.h>
 #include <stddef.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,8 +41,6 @@
 #define KAFKA_PROBE_MS 5000
 /* After teardown, how long worker threads may keep the loop alive. */
 #define LAST_EXIT_MS 300
-/* /livez fails when housekeeping has not run for this long. */
-#define LIVENESS_STALL_MS 10000
 
 struct app {
     uv_loop_t loop;
@@ -59,11 +57,8 @@ struct app {
     uv_timer_t last_exit; /* unreferenced: fires only if a worker thread keeps the loop */
     int signals;
     int exit_code;
-    bool sd_ready_sent;     /* READY=1 went to systemd */
-    int64_t last_tick;      /* loop time of the last housekeeping run */
-    int64_t next_probe;     /* loop time of the next Kafka probe */
-    uint64_t recovery_seen; /* obx_recovery_progress() at the last housekeeping */
-    double start_time;      /* Unix seconds */
+    int64_t next_probe;       /* loop time of the next Kafka probe */
+    struct obx_health health; /* /livez, /readyz, /metrics, sd_notify */
     /* The command line, kept to rebuild the configuration on SIGHUP. */
     const char *config_path;
     char **xargs;
@@ -157,25 +152,13 @@ static void pg_lost(void *arg)
     obx_kafka_drop_queued(a->kafka); /* the relay lock is gone: hand nothing more to Kafka */
 }
 
-static void sd_notify_state(const char *state);
 static void reload(struct app *a);
-
-/* READY=1 once: when publishing may start, or when standing by behind
- * another outboxd (a standby that never said READY would be killed by
- * systemd's start timeout). */
-static void notify_ready(struct app *a)
-{
-    if (a->sd_ready_sent)
-        return;
-    a->sd_ready_sent = true;
-    sd_notify_state("READY=1");
-}
 
 static void recovery_done(bool ok, void *arg)
 {
     struct app *a = arg;
     if (ok)
-        notify_ready(a); /* publishing may start */
+        obx_health_recovered(&a->health); /* publishing may start */
     obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
 }
 
@@ -204,144 +187,19 @@ static void kafka_fatal(const char *reason, void *arg)
 
 /* ---- loop plumbing ---- */
 
-static bool pg_connected(const struct app *a);
-
 static void on_housekeeping(uv_timer_t *t)
 {
     struct app *a = t->data;
     int64_t now = (int64_t)uv_now(&a->loop);
-    a->last_tick = now;
     obx_kafka_housekeeping(a->kafka);
     obx_relay_tick(a->relay, now);
     if (now >= a->next_probe) {
         obx_kafka_probe(a->kafka);
         a->next_probe = now + KAFKA_PROBE_MS;
     }
-    if (pg_connected(a)) /* backlog and retention: the active relay's job, not a standby's */
+    if (obx_pg_usable(a->pg)) /* backlog and retention: the active relay's job, not a standby's */
         obx_maint_tick(a->maint, now);
-    if (obx_pg_standby(a->pg))
-        notify_ready(a);
-    uint64_t rp = obx_recovery_progress(a->recovery);
-    if (rp != a->recovery_seen) { /* the scan reads: not stalled */
-        a->recovery_seen = rp;
-        obx_relay_note_progress(a->relay, now);
-    }
-    obx_relay_check_stall(a->relay, pg_connected(a) && obx_kafka_connected(a->kafka), now);
-}
-
-/* ---- HTTP endpoints ---- */
-
-static bool pg_connected(const struct app *a)
-{
-    return obx_pg_usable(a->pg);
-}
-
-/* Why the relay is not ready, or NULL when it is. A standby is ready: it
- * is doing what it should, and failing the probe would take the pod out of
- * service, or stall a rolling update whose old pod holds the lock. */
-static const char *not_ready_reason(const struct app *a)
-{
-    enum obx_relay_state s = obx_relay_state(a->relay);
-    if (a->signals > 0 || s == OBX_RELAY_STOPPED)
-        return "draining after SIGTERM/SIGINT";
-    if (!obx_pg_standby(a->pg) && !pg_connected(a))
-        return "no Postgres connection";
-    if (!obx_pg_standby(a->pg) && !obx_relay_recovered(a->relay))
-        return "recovery pass not finished";
-    if (!obx_kafka_connected(a->kafka))
-        return "Kafka unreachable (no metadata)";
-    return NULL;
-}
-
-/* Unix seconds of a loop (monotonic) time. */
-static double unix_time_of(const struct app *a, int64_t loop_ms)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_REALTIME, &now);
-    double wall = (double)now.tv_sec + (double)now.tv_nsec / 1e9;
-    return wall - (double)((int64_t)uv_now(&a->loop) - loop_ms) / 1000.0;
-}
-
-static void http_handler(const char *path, struct obx_buf *body, int *status,
-                         const char **content_type, void *arg)
-{
-    struct app *a = arg;
-    if (strcmp(path, "/livez") == 0) {
-        /* Answering proves the loop turns; a starved timer would not. */
-        int64_t stalled = (int64_t)uv_now(&a->loop) - a->last_tick;
-        char why[160];
-        int64_t no_progress = obx_relay_stalled(a->relay, why, sizeof(why));
-        if (stalled > LIVENESS_STALL_MS) {
-            *status = 503;
-            obx_buf_printf(body, "housekeeping has not run for %lldms\n", (long long)stalled);
-        } else if (no_progress > 0) {
-            *status = 503;
-            obx_buf_printf(body, "no progress for %llds: %s\n", (long long)(no_progress / 1000),
-                           why);
-        } else {
-            obx_buf_puts(body, "ok\n");
-        }
-    } else if (strcmp(path, "/readyz") == 0) {
-        const char *why = not_ready_reason(a);
-        if (why) {
-            *status = 503;
-            obx_buf_printf(body, "not ready: %s\n", why);
-        } else if (obx_pg_standby(a->pg)) {
-            obx_buf_puts(body, "ready: standby, another outboxd holds the relay lock\n");
-        } else {
-            obx_buf_puts(body, "ready\n");
-        }
-    } else if (strcmp(path, "/metrics") == 0) {
-        struct obx_metrics_gauges g = {
-            .in_flight = obx_relay_in_flight(a->relay),
-            .in_flight_limit = (size_t)a->cfg.max_in_flight,
-            .keys_held_back = obx_relay_blocked_keys(a->relay),
-            .rows_marked = obx_relay_marked_total(a->relay),
-            .rows_dead_lettered = obx_relay_dead_total(a->relay),
-            .backlog_rows = obx_maint_backlog(a->maint),
-            .lag_seconds = obx_maint_lag_seconds(a->maint),
-            .postgres_connected = pg_connected(a),
-            .kafka_connected = obx_kafka_connected(a->kafka),
-            .ready = not_ready_reason(a) == NULL,
-            .standby = obx_pg_standby(a->pg),
-            .draining = a->signals > 0,
-            .start_time = a->start_time,
-            .last_progress = unix_time_of(a, obx_relay_last_progress(a->relay)),
-            .stalled = obx_relay_stalled(a->relay, NULL, 0) > 0,
-            .recovering = obx_recovery_running(a->recovery),
-            .recovery_records_read = obx_recovery_records_read(a->recovery),
-            .recovery_partitions_left = obx_recovery_partitions_left(a->recovery),
-        };
-        *content_type = "text/plain; version=0.0.4; charset=utf-8";
-        obx_metrics_render(body, &g);
-    } else {
-        *status = 404;
-        obx_buf_puts(body, "not found: try /livez, /readyz or /metrics\n");
-    }
-}
-
-/* Tells systemd (Type=notify) about our state when NOTIFY_SOCKET is set:
- * one datagram, no libsystemd needed. Best effort. */
-static void sd_notify_state(const char *state)
-{
-    const char *path = getenv("NOTIFY_SOCKET");
-    struct sockaddr_un addr;
-    size_t len;
-    if (!path || (path[0] != '/' && path[0] != '@') ||
-        (len = strlen(path)) >= sizeof(addr.sun_path))
-        return;
-    memset(&addr, 0, sizeof(addr));
-    addr.sun_family = AF_UNIX;
-    memcpy(addr.sun_path, path, len);
-    if (path[0] == '@')
-        addr.sun_path[0] = '\0'; /* abstract namespace */
-    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return;
-    if (sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&addr,
-               (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) < 0)
-        obx_debug("sd_notify: %s", strerror(errno));
-    close(fd);
+    obx_health_tick(&a->health, now);
 }
 
 static void on_signal(uv_signal_t *s, int signum)
@@ -352,7 +210,7 @@ static void on_signal(uv_signal_t *s, int signum)
         return;
     }
     if (a->signals == 0)
-        sd_notify_state("STOPPING=1");
+        obx_health_draining(&a->health);
     if (++a->signals > 1) {
         obx_warn("received %s again: exiting at once", strsignal(signum));
         _exit(EXIT_RUNTIME);
@@ -579,8 +437,17 @@ static int start(struct app *a)
         close_parts(a);
         return EXIT_RUNTIME;
     }
-    if (a->cfg.http_listen[0] != '\0' && obx_http_new(&a->loop, a->cfg.http_listen, http_handler, a,
-                                                      &a->http, err, sizeof(err)) != 0) {
+    struct obx_health_parts parts = {.loop = &a->loop,
+                                     .cfg = &a->cfg,
+                                     .pg = a->pg,
+                                     .kafka = a->kafka,
+                                     .relay = a->relay,
+                                     .recovery = a->recovery,
+                                     .maint = a->maint};
+    obx_health_init(&a->health, &parts);
+    if (a->cfg.http_listen[0] != '\0' &&
+        obx_http_new(&a->loop, a->cfg.http_listen, obx_health_http, &a->health, &a->http, err,
+                     sizeof(err)) != 0) {
         /* A port in use is a deployment error: say so at once, exit 2. */
         obx_error("%s", err);
         close_parts(a);
@@ -598,9 +465,8 @@ static int start(struct app *a)
     uv_timer_init(&a->loop, &a->last_exit);
     a->housekeeping.data = a->teardown.data = a->last_exit.data = a;
     uv_timer_start(&a->housekeeping, on_housekeeping, HOUSEKEEPING_MS, HOUSEKEEPING_MS);
-    a->last_tick = (int64_t)uv_now(&a->loop);
     obx_kafka_probe(a->kafka);
-    a->next_probe = a->last_tick + KAFKA_PROBE_MS;
+    a->next_probe = (int64_t)uv_now(&a->loop) + KAFKA_PROBE_MS;
     obx_info("outboxd %s starting: batch %d, max in flight %d, on_sent=%s", OBX_VERSION,
              a->cfg.batch_size, a->cfg.max_in_flight,
              a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark");
@@ -654,9 +520,6 @@ int main(int argc, char **argv)
     }
     obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
     obx_stats_init();
-    struct timespec started;
-    clock_gettime(CLOCK_REALTIME, &started);
-    a.start_time = (double)started.tv_sec + (double)started.tv_nsec / 1e9;
     if (obx_failpoints_active.armed)
         obx_warn("failpoints armed: %s", getenv("OUTBOXD_FAILPOINTS"));
     for (size_t i = 0; i < a.n_weakened; i++)
