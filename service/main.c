@@ -127,12 +127,26 @@ static void op_stopped(void *io, int exit_code)
     uv_timer_start(&a->teardown, on_teardown, 0, 0);
 }
 
+static int op_failpoint(void *io, int id)
+{
+    (void)io;
+    return OBX_FAILPOINT((enum obx_fp_id)id);
+}
+
+static void op_acked(void *io, int64_t created_us)
+{
+    (void)io;
+    obx_stats_acked(created_us);
+}
+
 static const struct obx_relay_ops relay_ops = {
     .fetch = op_fetch,
     .mark = op_mark,
     .produce = op_produce,
     .recover = op_recover,
     .stopped = op_stopped,
+    .failpoint = op_failpoint,
+    .acked = op_acked,
 };
 
 /* ---- pg events ---- */

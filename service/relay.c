@@ -4,7 +4,6 @@
 #include "outboxd/relay.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
-#include "outboxd/metrics.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -343,6 +342,12 @@ static void rejected(struct obx_relay *r, struct slot *s, const char *key, size_
 
 /* ---- commands ---- */
 
+/* Failpoint `id`, through the ops (the relay reads no global). */
+static int failpoint(struct obx_relay *r, enum obx_fp_id id)
+{
+    return r->ops->failpoint ? r->ops->failpoint(r->io, (int)id) : 0;
+}
+
 static void stop(struct obx_relay *r, const char *why)
 {
     set_state(r, OBX_RELAY_STOPPED, why);
@@ -388,7 +393,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
     }
     if (m.n_ids + m.n_dead == 0)
         return false;
-    if (OBX_FAILPOINT(OBX_FP_ACK_AFTER) != 0) {
+    if (failpoint(r, OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
     }
@@ -579,7 +584,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     }
     if (n == 0 && r->in_use == 0)
         progress(r, now); /* caught up: nothing waits */
-    if (OBX_FAILPOINT(OBX_FP_FETCH_AFTER) != 0) {
+    if (failpoint(r, OBX_FP_FETCH_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         r->want_fetch = true;
         return;
@@ -643,7 +648,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         }
         rejected(r, s, row->key, row->key_len, reason, now);
     }
-    if (produced > 0 && OBX_FAILPOINT(OBX_FP_PRODUCE_AFTER) != 0)
+    if (produced > 0 && failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced, r->in_use);
     kick(r, now);
@@ -655,7 +660,7 @@ void obx_relay_on_marked(struct obx_relay *r, int64_t now)
     size_t marked = 0, dead = 0;
     if (r->state != OBX_RELAY_MARKING)
         return;
-    if (OBX_FAILPOINT(OBX_FP_MARK_AFTER_COMMIT) != 0) {
+    if (failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) {
         /* As if the COMMIT's answer was lost: mark again (idempotent). */
         obx_relay_on_query_failed(r, "injected error after commit", now);
         return;
@@ -714,8 +719,8 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         s->partition = partition;
         s->offset = offset;
         r->to_mark++;
-        if (s->created_us > 0)
-            obx_stats_acked(s->created_us);
+        if (s->created_us > 0 && r->ops->acked)
+            r->ops->acked(r->io, s->created_us);
         if (r->n_blocked > 0)
             unblock(r, s->id);
         break;

@@ -16,6 +16,7 @@
 #include <librdkafka/rdkafka.h>
 
 #include "outboxd/config.h"
+#include "outboxd/row.h"
 
 /* Column order of the fetch query (see pg.c OBX_SQL_FETCH). */
 enum {
@@ -28,22 +29,6 @@ enum {
     OBX_COL_CREATED_AT,
     OBX_COL_PAYLOAD_LEN, /* octet_length(payload); the payload itself is NULL if too large */
     OBX_COL_COUNT
-};
-
-/* A row borrowed from a PGresult: every pointer points into it. */
-struct obx_row {
-    int64_t id;
-    const char *topic; /* NUL-terminated */
-    const char *key;   /* NULL = no key */
-    size_t key_len;
-    const void *payload;  /* NULL = tombstone, or oversize */
-    size_t payload_len;   /* the stored length, also when oversize */
-    bool oversize;        /* larger than the producer's limit: not fetched, cannot be sent */
-    const char *hdr_keys; /* binary text[]; NULL = no headers */
-    size_t hdr_keys_len;
-    const char *hdr_values; /* binary text[], same length as hdr_keys */
-    size_t hdr_values_len;
-    int64_t created_us; /* created_at, Unix microseconds (0 if unknown) */
 };
 
 /* 2000-01-01 (Postgres' epoch) in Unix microseconds. */

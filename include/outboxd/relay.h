@@ -7,11 +7,11 @@
  *   -> mark them sent, with each partition's last offset, in one
  *      transaction -> repeat.
  *
- * The relay is pure logic: it does no I/O and knows neither libuv, libpq nor
- * librdkafka. It reacts to events (obx_relay_on_*) and issues commands
- * through struct obx_relay_ops, which main.c wires to pg, kafka and
- * recovery, and which unit tests replace with fakes. Time is passed in by
- * the caller (ms on a monotonic clock).
+ * The relay is pure logic: it does no I/O, includes no client library and
+ * touches no global. It reacts to events (obx_relay_on_*) and issues commands
+ * through struct obx_relay_ops, which main.c wires to pg, kafka, recovery,
+ * the failpoints and the metrics, and which unit tests replace with fakes.
+ * Time is passed in by the caller (ms on a monotonic clock).
  *
  * Every row handed to Kafka occupies a slot until it is marked; the slot
  * pointer is the Kafka message opaque, so a delivery report finds its row
@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #include "outboxd/config.h"
-#include "outboxd/record.h"
+#include "outboxd/row.h"
 
 enum obx_relay_state {
     OBX_RELAY_WAIT_PG = 0, /* no usable Postgres connection */
@@ -105,6 +105,12 @@ struct obx_relay_ops {
     int (*recover)(void *io);
     /* The relay has stopped; called once. */
     void (*stopped)(void *io, int exit_code);
+    /* Failpoint `id` (enum obx_fp_id) is reached: non-zero = act as if the
+     * step failed (an armed `crash` does not return). NULL = none armed. */
+    int (*failpoint)(void *io, int id);
+    /* A row created at `created_us` (Unix microseconds) was acknowledged:
+     * for the latency histogram. May be NULL. */
+    void (*acked)(void *io, int64_t created_us);
 };
 
 enum obx_on_reject {

@@ -9,7 +9,13 @@
 
 #include <string.h>
 
+#include "outboxd/failpoint.h"
 #include "outboxd/relay.h"
+
+/* The relay core is pure logic: its header pulls in no client library. */
+#if defined(LIBPQ_FE_H) || defined(_RDKAFKA_H_) || defined(UV_H)
+#error "relay.h must not include libpq, librdkafka or libuv"
+#endif
 
 #define MAX_CALLS 256
 
@@ -541,6 +547,30 @@ static void test_possibly_persisted_reruns_recovery(void **state)
     assert_int_equal(c->f.fetches, fetches + 1);
 }
 
+static int failing_fetch_after(void *io, int id)
+{
+    (void)io;
+    return id == OBX_FP_FETCH_AFTER ? -1 : 0;
+}
+
+/* Failpoints reach the relay through its ops (no global): an injected
+ * error after the fetch produces nothing and fetches again after the
+ * back-off. */
+static void test_failpoint_through_ops(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_relay_ops with_fp = ops;
+    with_fp.failpoint = failing_fetch_after;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&settings, &with_fp, &c->f, &c->r), 0);
+    ready(c, 0);
+    int fetches = c->f.fetches;
+    fetched(c, 1, 2, 0);
+    assert_int_equal(c->f.produced, 0);
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.fetches, fetches + 1);
+}
+
 /* relay.on_reject = dead_letter: the row goes to dead_letters with the
  * reason, in the next mark; nothing is held back. */
 static void test_reject_dead_letter(void **state)
@@ -723,6 +753,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reject_dead_letter, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reject_then_transient_failure, setup, teardown),
         cmocka_unit_test_setup_teardown(test_possibly_persisted_reruns_recovery, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_failpoint_through_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_drains, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_hard_deadline_while_marking, setup, teardown),

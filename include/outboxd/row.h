@@ -1,0 +1,29 @@
+/*
+ * row: one outbox row as the relay sees it. Plain data, no client library:
+ * the relay core (relay.h) includes only this. pg fills it from a fetch
+ * result (record.c), kafka makes a record of it.
+ */
+#ifndef OUTBOXD_ROW_H
+#define OUTBOXD_ROW_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* A row borrowed from a fetch result: every pointer points into it. */
+struct obx_row {
+    int64_t id;
+    const char *topic; /* NUL-terminated */
+    const char *key;   /* NULL = no key */
+    size_t key_len;
+    const void *payload;  /* NULL = tombstone, or oversize */
+    size_t payload_len;   /* the stored length, also when oversize */
+    bool oversize;        /* larger than the producer's limit: not fetched, cannot be sent */
+    const char *hdr_keys; /* binary text[]; NULL = no headers */
+    size_t hdr_keys_len;
+    const char *hdr_values; /* binary text[], same length as hdr_keys */
+    size_t hdr_values_len;
+    int64_t created_us; /* created_at, Unix microseconds (0 if unknown) */
+};
+
+#endif
