@@ -382,20 +382,6 @@ static void finding(struct run *x, const char *fmt, ...)
     va_end(ap);
 }
 
-/* Lines of a relay's log that say it lost or could not open its session. */
-static long disconnect_lines(struct relay *rl)
-{
-    char path[300], line[4096];
-    long n = 0;
-    FILE *f = fopen(h_relay_log_path(&rl->env, path, sizeof(path)), "r");
-    while (f && fgets(line, sizeof(line), f))
-        n += (strstr(line, "postgres: connection to ") && strstr(line, " lost")) ||
-             strstr(line, "postgres: cannot connect");
-    if (f)
-        fclose(f);
-    return n;
-}
-
 /* The sessions of relay i (or all, i < 0) were cut now. */
 static void expect_notice(struct run *x, int i)
 {
@@ -404,7 +390,7 @@ static void expect_notice(struct run *x, int i)
         if ((i >= 0 && k != i) || !rl->alive || rl->expect_notice)
             continue;
         rl->expect_notice = true;
-        rl->notices_at_cut = disconnect_lines(rl);
+        rl->notices_at_cut = h_relay_disconnects(&rl->env);
         rl->notice_due = h_now_ms() + NOTICE_MS;
     }
 }
@@ -422,7 +408,7 @@ static void check_notices(struct run *x)
             rl->expect_notice = false;
         } else if (rl->stopped || x->pg_down) {
             rl->notice_due = now + NOTICE_MS;
-        } else if (disconnect_lines(rl) > rl->notices_at_cut) {
+        } else if (h_relay_disconnects(&rl->env) > rl->notices_at_cut) {
             rl->expect_notice = false;
         } else {
             finding(x,

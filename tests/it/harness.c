@@ -603,6 +603,31 @@ bool h_relay_log_contains(struct h_env *e, const char *needle)
     return found;
 }
 
+long h_relay_log_count(struct h_env *e, const char *needle)
+{
+    char path[300], line[4096];
+    long n = 0;
+    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, needle) != NULL;
+    if (f)
+        fclose(f);
+    return n;
+}
+
+long h_relay_disconnects(struct h_env *e)
+{
+    char path[300], line[4096];
+    long n = 0;
+    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    while (f && fgets(line, sizeof(line), f))
+        n += (strstr(line, "postgres: connection to ") && strstr(line, " lost")) ||
+             strstr(line, "postgres: cannot connect");
+    if (f)
+        fclose(f);
+    return n;
+}
+
 long h_relay_log_sum(struct h_env *e, const char *prefix)
 {
     char path[300], line[4096];

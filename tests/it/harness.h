@@ -93,6 +93,11 @@ int h_relay_wait(struct h_env *e, int timeout_ms);
 bool h_relay_log_contains(struct h_env *e, const char *needle);
 /* Fails the test unless `needle` shows up in DIR/relay.log within timeout_ms. */
 void h_wait_log(struct h_env *e, const char *needle, int timeout_ms);
+/* Lines of the relay's log holding `needle`. */
+long h_relay_log_count(struct h_env *e, const char *needle);
+/* Lines of the relay's log saying it lost (or could not open) its Postgres
+ * session: how a test sees that a cut was noticed. */
+long h_relay_disconnects(struct h_env *e);
 /* Sum of the integers that directly follow `prefix` in DIR/relay.log. */
 long h_relay_log_sum(struct h_env *e, const char *prefix);
 

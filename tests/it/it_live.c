@@ -469,19 +469,12 @@ static int64_t log_time(struct h_env *e, const char *needle, int n)
 /* Waits until relay `e` logs `needle` for the n-th time. */
 static void wait_log_count(struct h_env *e, const char *needle, long n, int timeout_ms)
 {
-    char path[300], line[4096];
     int64_t deadline = h_now_ms() + timeout_ms;
-    for (;;) {
-        long seen = 0;
-        FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
-        while (f && fgets(line, sizeof(line), f))
-            seen += strstr(line, needle) != NULL;
-        if (f)
-            fclose(f);
-        if (seen >= n)
-            return;
+    long seen;
+    while ((seen = h_relay_log_count(e, needle)) < n) {
         if (h_now_ms() > deadline)
-            fail_msg("'%s' seen %ld times in %s, wanted %ld", needle, seen, path, n);
+            fail_msg("'%s' seen %ld times in %s's log, wanted %ld", needle, seen,
+                     e->relay_name[0] ? e->relay_name : "relay", n);
         h_sleep_ms(50);
     }
 }
@@ -580,20 +573,6 @@ static void test_zombie(void **state)
     h_records_free(&recs);
 }
 
-/* Lines of relay e's log saying it lost (or could not open) its session. */
-static long disconnects(struct h_env *e)
-{
-    char path[300], line[4096];
-    long n = 0;
-    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
-    while (f && fgets(line, sizeof(line), f))
-        n += (strstr(line, "postgres: connection to ") && strstr(line, " lost")) ||
-             strstr(line, "postgres: cannot connect");
-    if (f)
-        fclose(f);
-    return n;
-}
-
 /* Waits until the backend of application `app` waits on a lock while
  * running a statement starting with `prefix`. */
 static void wait_backend_on_lock(const char *app, const char *prefix)
@@ -618,15 +597,15 @@ static const char *const cut_names[] = {"backend terminated", "fast restart", "i
  * state it was in) within 3 s. */
 static void cut_and_expect_notice(struct h_env *e, const char *app, enum cut cut, const char *state)
 {
-    long before = disconnects(e);
+    long before = h_relay_disconnects(e);
     if (cut == CUT_TERMINATE)
         assert_true(terminate(app) >= 1);
     else
         h_pg_restart(&env, cut == CUT_PG_FAST ? "fast" : "immediate");
     int64_t deadline = h_now_ms() + 3000;
-    while (disconnects(e) == before && h_now_ms() < deadline)
+    while (h_relay_disconnects(e) == before && h_now_ms() < deadline)
         h_sleep_ms(50);
-    if (disconnects(e) == before)
+    if (h_relay_disconnects(e) == before)
         fail_msg("state %s, %s: the relay did not notice within 3 s", state, cut_names[cut]);
 }
 
