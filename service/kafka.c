@@ -20,6 +20,14 @@ struct obx_kafka {
     uv_poll_t poll;
     bool fatal_reported;
     bool closing;
+    /* After a refused batch, librdkafka stops the producer rather than let
+     * later records of the partition go first (enable.gapless.guarantee).
+     * We purge what it holds, wait for every report, and start a new one
+     * from this copy of the configuration. */
+    rd_kafka_conf_t *conf_copy;
+    bool resetting;
+    bool purged; /* of the reset under way */
+    int resets;
     /* Connectivity probe: a metadata request in the thread pool. */
     uv_work_t probe;
     bool probe_busy;
@@ -29,6 +37,15 @@ struct obx_kafka {
     int64_t max_message_bytes;
     char reason[160]; /* the last refusal's reason */
 };
+
+/* Errors that refuse a whole batch, not a record: any record in it may be
+ * the cause, or none (the batch is too large as a whole). */
+static bool error_refuses_batch(rd_kafka_resp_err_t err)
+{
+    return err == RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE ||
+           err == RD_KAFKA_RESP_ERR_RECORD_LIST_TOO_LARGE || err == RD_KAFKA_RESP_ERR_INVALID_MSG ||
+           err == RD_KAFKA_RESP_ERR_INVALID_RECORD;
+}
 
 bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
 {
@@ -62,6 +79,8 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
          * (a request timed out in flight): then it is not "not persisted". */
         if (rd_kafka_message_status(m) == RD_KAFKA_MSG_STATUS_POSSIBLY_PERSISTED)
             outcome = OBX_DELIVERY_UNKNOWN;
+        else if (error_refuses_batch(m->err))
+            outcome = OBX_DELIVERY_BATCH_REFUSED;
         else
             outcome =
                 obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
@@ -80,6 +99,16 @@ static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque)
 
     if (err == RD_KAFKA_RESP_ERR__FATAL) {
         rd_kafka_resp_err_t orig = rd_kafka_fatal_error(rk, fatal, sizeof(fatal));
+        if (orig == RD_KAFKA_RESP_ERR__GAPLESS_GUARANTEE && !k->closing) {
+            /* A refusal, not a broken producer (DESIGN G6): serve() replaces it. */
+            if (!k->resetting)
+                obx_warn("kafka: librdkafka stopped the producer after a refused batch, so "
+                         "that no later record of its partition goes first (%s); the records "
+                         "it holds come back for a retry and a new producer takes over",
+                         fatal);
+            k->resetting = true;
+            return;
+        }
         obx_error("kafka: fatal error %s: %s", rd_kafka_err2name(orig), fatal);
         if (!k->fatal_reported && !k->closing) {
             k->fatal_reported = true;
@@ -121,6 +150,10 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
 {
     static const char *const defaults[][2] = {
         {"enable.idempotence", "true"},
+        /* A batch refused for good must not let later records of its
+         * partition go first (G3): librdkafka then stops the producer and
+         * we replace it (see serve()). */
+        {"enable.gapless.guarantee", "true"},
         {"message.timeout.ms", "0"},
         {"partitioner", "murmur2_random"},
         {"client.id", "outboxd"},
@@ -172,6 +205,14 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[38
                  "in order for ever",
                  v, v);
     len = sizeof(v);
+    if (n < max &&
+        rd_kafka_conf_get(conf, "enable.gapless.guarantee", v, &len) == RD_KAFKA_CONF_OK &&
+        strcmp(v, "false") == 0)
+        snprintf(out[n++], sizeof(out[0]),
+                 "kafka.enable.gapless.guarantee=false: when Kafka refuses a batch for good "
+                 "(too large, not authorized), later records of its keys may be stored before "
+                 "the refused one is retried (per-key order no longer holds)");
+    len = sizeof(v);
     if (n < max && rd_kafka_conf_get(conf, "acks", v, &len) == RD_KAFKA_CONF_OK &&
         strcmp(v, "-1") != 0 && strcmp(v, "all") != 0)
         snprintf(out[n++], sizeof(out[0]),
@@ -195,14 +236,120 @@ int64_t obx_kafka_max_message_bytes(const struct obx_kafka *k)
     return k->max_message_bytes;
 }
 
+/* Creates the producer from `conf` (taken over in every case) and routes
+ * its queue to our pipe. */
+static int client_start(struct obx_kafka *k, rd_kafka_conf_t *conf, char *err, size_t errlen)
+{
+    char why[512];
+    k->rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, why, sizeof(why));
+    if (!k->rk) { /* conf is still ours on failure */
+        snprintf(err, errlen, "cannot create the Kafka producer: %s", why);
+        rd_kafka_conf_destroy(conf);
+        return -1;
+    }
+    k->mainq = rd_kafka_queue_get_main(k->rk);
+    if (rd_kafka_set_log_queue(k->rk, k->mainq) != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        snprintf(err, errlen, "cannot route librdkafka logs to the loop");
+        return -1;
+    }
+    rd_kafka_queue_io_event_enable(k->mainq, k->pipe_wr, "1", 1);
+    return 0;
+}
+
+/* Thread pool: rd_kafka_destroy() joins librdkafka's threads. */
+struct retired {
+    uv_work_t work;
+    rd_kafka_t *rk;
+    struct obx_kafka *k;
+};
+
+static void unref(struct obx_kafka *k);
+
+static void retire_work(uv_work_t *w)
+{
+    struct retired *old = w->data;
+    rd_kafka_destroy(old->rk);
+}
+
+static void retire_done(uv_work_t *w, int status)
+{
+    struct retired *old = w->data;
+    (void)status;
+    unref(old->k);
+    free(old);
+}
+
+/* The old producer holds nothing any more: a new one (a new producer id,
+ * sequence numbers from zero) replaces it. */
+static void finish_reset(struct obx_kafka *k)
+{
+    char err[600];
+    struct retired *old = malloc(sizeof(*old));
+    rd_kafka_conf_t *conf = rd_kafka_conf_dup(k->conf_copy);
+    if (!old || !conf) {
+        free(old);
+        if (conf)
+            rd_kafka_conf_destroy(conf);
+        obx_warn("kafka: out of memory replacing the producer; trying again");
+        return;
+    }
+    rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
+    rd_kafka_queue_destroy(k->mainq);
+    k->mainq = NULL;
+    *old = (struct retired){.rk = k->rk, .k = k};
+    old->work.data = old;
+    if (uv_queue_work(k->poll.loop, &old->work, retire_work, retire_done) == 0) {
+        k->refs++;
+    } else {
+        rd_kafka_destroy(old->rk); /* cannot happen with a live loop; blocks briefly */
+        free(old);
+    }
+    k->rk = NULL;
+    k->resetting = false;
+    k->purged = false;
+    if (client_start(k, conf, err, sizeof(err)) != 0) {
+        if (k->mainq) {
+            rd_kafka_queue_destroy(k->mainq);
+            k->mainq = NULL;
+        }
+        if (k->rk) {
+            rd_kafka_destroy(k->rk);
+            k->rk = NULL;
+        }
+        obx_error("kafka: %s", err);
+        k->fatal_reported = true; /* k->rk stays NULL: every entry point checks */
+        k->cb.fatal(err, k->arg);
+        return;
+    }
+    k->resets++;
+    obx_info("kafka: new producer ready (%d since start)", k->resets);
+}
+
 /* Serves everything queued; returns how many events were served. The io
  * event fires only when the queue turns non-empty, so leaving ops behind
  * would stall. */
 static int serve(struct obx_kafka *k)
 {
     int total = 0, n;
-    while (!k->closing && (n = rd_kafka_poll(k->rk, 0)) > 0)
+    while (!k->closing && k->rk && (n = rd_kafka_poll(k->rk, 0)) > 0)
         total += n;
+    if (k->resetting && !k->closing && k->rk) {
+        if (!k->purged) {
+            /* Queued records were never sent; those in flight may have
+             * landed (their reports say so, and the recovery pass looks). */
+            k->purged = true;
+            rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT |
+                                      RD_KAFKA_PURGE_F_NON_BLOCKING);
+        }
+        while ((n = rd_kafka_poll(k->rk, 0)) > 0)
+            total += n;
+        if (rd_kafka_outq_len(k->rk) == 0 && !k->probe_busy) {
+            finish_reset(k);
+            /* Ops the new producer queued before its wake-up was routed. */
+            while (k->rk && (n = rd_kafka_poll(k->rk, 0)) > 0)
+                total += n;
+        }
+    }
     return total;
 }
 
@@ -232,7 +379,6 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
 {
     rd_kafka_conf_t *conf;
     int fds[2];
-    char why[512];
     struct obx_kafka *k = calloc(1, sizeof(*k));
 
     if (!k) {
@@ -258,18 +404,14 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
     rd_kafka_conf_set_error_cb(conf, on_error);
     rd_kafka_conf_set_log_cb(conf, obx_kafka_log_cb);
     rd_kafka_conf_set_opaque(conf, k);
-    k->rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, why, sizeof(why));
-    if (!k->rk) { /* conf is still ours on failure */
-        snprintf(err, errlen, "cannot create the Kafka producer: %s", why);
+    k->conf_copy = rd_kafka_conf_dup(conf);
+    if (!k->conf_copy) {
+        snprintf(err, errlen, "out of memory");
         rd_kafka_conf_destroy(conf);
         goto fail;
     }
-    k->mainq = rd_kafka_queue_get_main(k->rk);
-    if (rd_kafka_set_log_queue(k->rk, k->mainq) != RD_KAFKA_RESP_ERR_NO_ERROR) {
-        snprintf(err, errlen, "cannot route librdkafka logs to the loop");
+    if (client_start(k, conf, err, errlen) != 0)
         goto fail;
-    }
-    rd_kafka_queue_io_event_enable(k->mainq, k->pipe_wr, "1", 1);
     if (uv_poll_init(loop, &k->poll, k->pipe_rd) != 0) {
         snprintf(err, errlen, "cannot watch the librdkafka queue pipe");
         goto fail;
@@ -295,6 +437,8 @@ fail:
         rd_kafka_queue_destroy(k->mainq);
     if (k->rk)
         rd_kafka_destroy(k->rk);
+    if (k->conf_copy)
+        rd_kafka_conf_destroy(k->conf_copy);
     close(k->pipe_rd);
     close(k->pipe_wr);
     free(k);
@@ -308,6 +452,8 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     char err[256];
     rd_kafka_resp_err_t e;
 
+    if (k->resetting || !k->rk)
+        return OBX_PRODUCE_BUSY; /* a new producer is on its way */
     if (row->oversize) {
         /* Refused from its stored size, without fetching it (DESIGN G6). */
         snprintf(k->reason, sizeof(k->reason),
@@ -344,7 +490,9 @@ static void unref(struct obx_kafka *k)
 {
     if (--k->refs > 0)
         return;
-    rd_kafka_destroy(k->rk);
+    if (k->rk)
+        rd_kafka_destroy(k->rk);
+    rd_kafka_conf_destroy(k->conf_copy);
     close(k->pipe_rd);
     close(k->pipe_wr);
     free(k);
@@ -383,7 +531,7 @@ static void probe_done(uv_work_t *w, int status)
 
 void obx_kafka_probe(struct obx_kafka *k)
 {
-    if (k->probe_busy || k->closing)
+    if (k->probe_busy || k->closing || !k->rk)
         return;
     k->probe.data = k;
     if (uv_queue_work(k->poll.loop, &k->probe, probe_work, probe_done) == 0) {
@@ -394,7 +542,7 @@ void obx_kafka_probe(struct obx_kafka *k)
 
 void obx_kafka_drop_queued(struct obx_kafka *k)
 {
-    if (k->closing)
+    if (k->closing || !k->rk)
         return;
     int queued = rd_kafka_outq_len(k->rk);
     /* Queued, not yet sent: certainly not persisted, so they come back as
@@ -418,12 +566,16 @@ void obx_kafka_close(struct obx_kafka *k)
     if (!k || k->closing)
         return;
     k->closing = true;
-    int left = rd_kafka_outq_len(k->rk);
-    if (left > 0)
-        obx_warn("kafka: discarding %d messages without a delivery report", left);
-    rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
-    rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
-    rd_kafka_queue_destroy(k->mainq);
+    if (k->rk) {
+        int left = rd_kafka_outq_len(k->rk);
+        if (left > 0)
+            obx_warn("kafka: discarding %d messages without a delivery report", left);
+        rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
+    }
+    if (k->mainq) {
+        rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
+        rd_kafka_queue_destroy(k->mainq);
+    }
     /* rd_kafka_destroy waits for the last reference: a running probe. */
     uv_close((uv_handle_t *)&k->poll, on_poll_closed);
 }

@@ -35,12 +35,14 @@ struct slot {
     char *reason;      /* SLOT_DEAD*: why Kafka refused it (owned) */
 };
 
-/* A refused row under relay.on_reject = retry. */
+/* A refused row under relay.on_reject = retry, or a row whose whole batch
+ * was refused (a probe: it is tried again alone before on_reject applies). */
 struct blocked {
     int64_t id;
     int64_t retry_at;
     uint32_t topic;
     int attempts;
+    bool probe;
     char *key; /* owned; NULL = no key (only the row itself waits) */
     size_t key_len;
 };
@@ -74,8 +76,10 @@ struct obx_relay {
     struct obx_blocked_key keys[MAX_BLOCKED];
     int64_t key_ids[MAX_BLOCKED];
 
-    struct slot **batch; /* slots of the rows of the fetch being produced */
-    bool discard_fetch;  /* the fetch in flight must be ignored (see on_fetched) */
+    struct slot **batch;  /* slots of the rows of the fetch being produced */
+    size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
+    int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
+    bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
 
     bool recovered;        /* the start-up recovery pass has succeeded */
     bool want_fetch;       /* rows may be waiting: NOTIFY, poll, full batch */
@@ -284,6 +288,37 @@ static void unblock(struct obx_relay *r, int64_t id)
     *b = r->blocked[--r->n_blocked];
 }
 
+/* Forgets the entry of row `id` without a word (dead-lettered, or gone). */
+static void drop_block(struct obx_relay *r, int64_t id)
+{
+    struct blocked *b = find_block_by_id(r, id);
+    if (!b)
+        return;
+    free(b->key);
+    *b = r->blocked[--r->n_blocked];
+}
+
+/* The probe to try next: the lowest-id due one that no earlier refused row
+ * of its key holds back. NULL if none. */
+static struct blocked *due_probe(struct obx_relay *r, int64_t now)
+{
+    struct blocked *best = NULL;
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        struct blocked *b = &r->blocked[i];
+        if (!b->probe || b->retry_at > now || (best && best->id < b->id))
+            continue;
+        bool behind = false;
+        for (size_t j = 0; j < r->n_blocked && b->key && !behind; j++) {
+            const struct blocked *o = &r->blocked[j];
+            behind = o->key && o->id < b->id && o->topic == b->topic && o->key_len == b->key_len &&
+                     memcmp(o->key, b->key, b->key_len) == 0;
+        }
+        if (!behind)
+            best = b;
+    }
+    return best;
+}
+
 /* Row `id` was refused: retry it later, holding back its key meanwhile. */
 static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
                   int64_t now)
@@ -327,6 +362,7 @@ static void rejected(struct obx_relay *r, struct slot *s, const char *key, size_
         if (s->reason) {
             s->state = SLOT_DEAD;
             r->to_mark++;
+            drop_block(r, s->id); /* refused alone too: its key goes on */
             return;
         }
         obx_error("relay: out of memory dead-lettering row %lld; retrying it", (long long)s->id);
@@ -336,6 +372,28 @@ static void rejected(struct obx_relay *r, struct slot *s, const char *key, size_
                   (long long)s->id, r->topics[s->topic], reason);
     }
     block(r, s->id, s->topic, key, key_len, now);
+    struct blocked *b = find_block_by_id(r, s->id);
+    if (b)
+        b->probe = false; /* refused alone: a retry with back-off from here */
+    slot_release(r, s);
+    r->want_fetch = true;
+}
+
+/* The batch row `s` went in was refused for good, perhaps for another
+ * record's sake (a batch is too large as a whole, or one record in it is):
+ * its key waits while it is tried again alone, at once. */
+static void batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                          const char *reason, int64_t now)
+{
+    obx_warn("relay: the batch of row %lld (topic %s) was refused by Kafka: %s; trying the row "
+             "alone before relay.on_reject applies, later rows of its key wait",
+             (long long)s->id, r->topics[s->topic], reason);
+    block(r, s->id, s->topic, key, key_len, now);
+    struct blocked *b = find_block_by_id(r, s->id);
+    if (b) {
+        b->probe = true;
+        b->retry_at = now;
+    }
     slot_release(r, s);
     r->want_fetch = true;
 }
@@ -503,6 +561,10 @@ static void kick(struct obx_relay *r, int64_t now)
             r->not_before = now + r->set.retry_backoff_ms;
         return;
     }
+    /* A probe goes to Kafka alone: nothing else is fetched while it is out,
+     * and it waits until no other row's report is pending. */
+    if (r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)))
+        return;
     if (r->want_fetch)
         start_fetch(r, now);
 }
@@ -563,6 +625,17 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
     kick(r, now);
 }
 
+/* Frees the slots of batch rows [from, to) that were not handed to Kafka;
+ * a fetch already sent must not run ahead of them. */
+static void release_rest(struct obx_relay *r, size_t from, size_t to)
+{
+    for (size_t j = from; j < to; j++)
+        if (r->batch[j])
+            slot_release(r, r->batch[j]);
+    if (r->state == OBX_RELAY_FETCHING)
+        r->discard_fetch = true;
+}
+
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now)
 {
     size_t produced = 0, taken = 0;
@@ -588,6 +661,23 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         r->not_before = now + r->set.retry_backoff_ms;
         r->want_fetch = true;
         return;
+    }
+    /* A probe that was due when the fetch was sent: rows before it go as
+     * usual; it goes alone. If the fetch passed its place without it, it
+     * is no longer unsent (marked by the recovery pass, or deleted). */
+    const struct blocked *probe = r->n_blocked > 0 ? due_probe(r, r->last_fetch_at) : NULL;
+    int64_t probe_id = probe ? probe->id : 0;
+    if (probe_id != 0 && (n == 0 || rows[n - 1].id > probe_id)) {
+        bool fetched = false;
+        for (size_t i = 0; i < n && !fetched; i++)
+            fetched = rows[i].id == probe_id;
+        if (!fetched) {
+            obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
+                     (long long)probe_id);
+            drop_block(r, probe_id);
+            probe_id = 0;
+            r->want_fetch = true;
+        }
     }
     /* Take a slot for every row first, so that the next statement can go to
      * Postgres now (its exclusions include these rows) and run while we hand
@@ -624,24 +714,36 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             slot_release(r, s); /* its key was refused earlier in this batch */
             continue;
         }
+        bool alone = row->id == probe_id;
+        if (alone && r->n_outstanding > 0) {
+            /* Rows before it are still out: it and the rest wait for the
+             * next fetch, which kick() sends once their reports are in. */
+            release_rest(r, i, taken);
+            r->want_fetch = true;
+            break;
+        }
         const char *reason = NULL;
         enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
         if (pr == OBX_PRODUCE_OK) {
             struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, row->id) : NULL;
             if (b)
                 b->retry_at = INT64_MAX; /* being retried: not due again until refused */
+            r->n_outstanding++;
             produced++;
+            if (alone) {
+                obx_info("relay: trying row %lld alone", (long long)row->id);
+                r->probe_id = row->id;
+                release_rest(r, i + 1, taken);
+                r->want_fetch = true;
+                break;
+            }
             continue;
         }
         if (pr == OBX_PRODUCE_BUSY) {
             /* Keep id order: the rest of the batch waits for the next fetch,
              * and a fetch already sent must not run ahead of it. */
             obx_warn("relay: Kafka queue full at row %lld; retrying shortly", (long long)row->id);
-            for (size_t j = i; j < taken; j++)
-                if (r->batch[j])
-                    slot_release(r, r->batch[j]);
-            if (r->state == OBX_RELAY_FETCHING)
-                r->discard_fetch = true;
+            release_rest(r, i, taken);
             r->not_before = now + 100;
             r->want_fetch = true;
             break;
@@ -713,6 +815,12 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         obx_error("relay: delivery report for an unknown or finished row");
         return;
     }
+    r->n_outstanding--;
+    bool was_probe = s->id == r->probe_id;
+    if (was_probe)
+        r->probe_id = 0;
+    if (outcome == OBX_DELIVERY_BATCH_REFUSED && was_probe)
+        outcome = OBX_DELIVERY_REJECTED; /* refused alone: it is the row itself */
     switch (outcome) {
     case OBX_DELIVERED:
         s->state = SLOT_ACKED;
@@ -750,6 +858,9 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     }
     case OBX_DELIVERY_REJECTED:
         rejected(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        break;
+    case OBX_DELIVERY_BATCH_REFUSED:
+        batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     }
     kick(r, now);

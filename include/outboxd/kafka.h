@@ -9,7 +9,9 @@
  *
  * Defaults set before the user's kafka.* keys (which override them):
  * enable.idempotence=true, message.timeout.ms=0 (retry transient errors for
- * ever, in order, instead of failing rows), partitioner=murmur2_random (the
+ * ever, in order, instead of failing rows), enable.gapless.guarantee=true (a
+ * batch refused for good stops the producer before a later record of its
+ * partition goes out; we then replace the producer in place), partitioner=murmur2_random (the
  * Java client's key -> partition mapping), client.id=outboxd, linger.ms=1
  * (low latency; a backlog fills batches without waiting).
  */

@@ -49,11 +49,14 @@ enum obx_produce_result {
 
 /* Outcome of one delivery report. */
 enum obx_delivery {
-    OBX_DELIVERED = 0,     /* persisted by Kafka */
-    OBX_DELIVERY_RETRY,    /* failed for a passing reason: publish again later */
-    OBX_DELIVERY_REJECTED, /* refused for good: relay.on_reject applies */
-    OBX_DELIVERY_UNKNOWN,  /* failed, but may be persisted (e.g. timed out in flight): the
-                            * recovery pass looks before the row is published again */
+    OBX_DELIVERED = 0,          /* persisted by Kafka */
+    OBX_DELIVERY_RETRY,         /* failed for a passing reason: publish again later */
+    OBX_DELIVERY_REJECTED,      /* refused for good: relay.on_reject applies */
+    OBX_DELIVERY_UNKNOWN,       /* failed, but may be persisted (e.g. timed out in flight): the
+                                 * recovery pass looks before the row is published again */
+    OBX_DELIVERY_BATCH_REFUSED, /* its whole batch was refused for good (too large, corrupt):
+                                 * perhaps for another record's sake, so the row is tried
+                                 * again alone before relay.on_reject applies */
 };
 
 /* A key whose later rows are held back behind a refused row. */

@@ -433,6 +433,39 @@ static void test_reject_dead_letter(void **state)
     PQfinish(c);
 }
 
+/* DESIGN G3/G6: Kafka refuses a whole batch (MSG_SIZE_TOO_LARGE for the
+ * request: the topic's limit, or one record in it). librdkafka stops the
+ * producer (enable.gapless.guarantee) and outboxd replaces it in the same
+ * process; each row of the batch is then tried alone, in id order, later
+ * rows of its key waiting. Only the row refused alone too is dead-lettered;
+ * the others are published once each, in key order. */
+static void test_batch_refused_spares_the_others(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    /* The first error refuses the batch, the second the first row alone. */
+    assert_true(h_broker_cmd(&env, "push-errors 0 MSG_SIZE_TOO_LARGE MSG_SIZE_TOO_LARGE"));
+    h_relay_start(&env, NULL, (const char *const[]){"relay.on_reject=dead_letter", NULL});
+    PGconn *c = h_connect(&env);
+    /* One transaction: one fetch, one batch of it.c's single partition. */
+    h_sql(c, "BEGIN;"
+             " SELECT outbox.enqueue('it.c', 'K', 'a1'::bytea);"
+             " SELECT outbox.enqueue('it.c', 'K', 'b2'::bytea);"
+             " SELECT outbox.enqueue('it.c', 'L', 'c3'::bytea);"
+             " SELECT outbox.enqueue('it.c', 'K', 'd4'::bytea);"
+             " COMMIT");
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"), 1);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters WHERE"
+                                  " payload = 'a1'::bytea AND reason ILIKE '%%too large%%'"),
+                     1);
+    assert_true(h_relay_log_contains(&env, "new producer ready"));
+    assert_true(h_relay_log_contains(&env, "trying row"));
+    /* b2, c3, d4 once each, K's in order (checked in drain_and_check). */
+    assert_int_equal(drain_and_check(), 3);
+    PQfinish(c);
+}
+
 /* The number just before the last "<what>" in the relay log, -1 if none. */
 static long last_number_before(const char *what)
 {
@@ -624,6 +657,7 @@ int main(int argc, char **argv)
         T(test_producer_fatal),
         T(test_reject_retry),
         T(test_reject_dead_letter),
+        T(test_batch_refused_spares_the_others),
         T(test_recovery_resumes),
         T(test_forged_outbox_id_header),
         T(test_recovery_topic_troubles),

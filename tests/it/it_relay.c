@@ -650,12 +650,14 @@ static void test_cli(void **state)
     assert_null(strstr(out, "warning"));
 
     /* Settings that weaken the guarantees are accepted, with a warning each. */
-    assert_int_equal(run_outboxd(out, sizeof(out),
-                                 (char *const[]){"outboxd", "--config", path, "-X",
-                                                 "kafka.enable.idempotence=false", "-X",
-                                                 "kafka.message.timeout.ms=30000", "-X",
-                                                 "kafka.acks=1", "--check", NULL}),
-                     0);
+    assert_int_equal(
+        run_outboxd(out, sizeof(out),
+                    (char *const[]){"outboxd", "--config", path, "-X",
+                                    "kafka.enable.idempotence=false", "-X",
+                                    "kafka.message.timeout.ms=30000", "-X", "kafka.acks=1", "-X",
+                                    "kafka.enable.gapless.guarantee=false", "--check", NULL}),
+        0);
+    assert_non_null(strstr(out, "warning: kafka.enable.gapless.guarantee=false: "));
     assert_non_null(strstr(out, "warning: kafka.enable.idempotence=false: "));
     assert_non_null(strstr(out, "warning: kafka.message.timeout.ms=30000: "));
     assert_non_null(strstr(out, "warning: kafka.acks=1: "));

@@ -606,6 +606,112 @@ static void test_reject_dead_letter(void **state)
     assert_string_equal(c->f.dead_reason, "boom");
 }
 
+/* Delivers a fetch result of the given ids (keys as in fetched()). */
+static void fetched_ids(struct ctx *c, const int64_t *ids, size_t n, int64_t now)
+{
+    static char keys[16][8];
+    struct obx_row rows[16];
+    memset(rows, 0, sizeof(rows));
+    for (size_t i = 0; i < n; i++) {
+        rows[i].id = ids[i];
+        rows[i].topic = "t";
+        snprintf(keys[i], sizeof(keys[i]), "k%d", (int)(ids[i] % 3));
+        rows[i].key = keys[i];
+        rows[i].key_len = 2;
+    }
+    obx_relay_on_fetched(c->r, rows, n, now);
+}
+
+/* Report for the k-th produced row, with that row's own key. */
+static void report(struct ctx *c, int k, enum obx_delivery outcome, int64_t now)
+{
+    char key[8];
+    snprintf(key, sizeof(key), "k%d", (int)(c->f.produced_ids[k] % 3));
+    obx_relay_on_delivery(c->r, c->f.opaques[k], outcome, 0, 100 + k, key, 2,
+                          outcome == OBX_DELIVERED ? NULL : "Broker: Message size too large", now);
+}
+
+/* A refused batch (MSG_SIZE_TOO_LARGE for all of it) dead-letters only the
+ * row that is refused alone too: each row of the batch is tried alone, in
+ * id order, and later rows of its key wait for it. */
+static void test_batch_refused_rows_go_alone(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_free(c->r);
+    struct obx_relay_settings s = settings;
+    s.on_reject = OBX_ON_REJECT_DEAD_LETTER;
+    assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->r), 0);
+    ready(c, 0);
+    fetched(c, 1, 4, 0); /* 1:k1 2:k2 3:k0 4:k1 */
+    assert_int_equal(c->f.produced, 4);
+    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 1);
+    report(c, 1, OBX_DELIVERY_BATCH_REFUSED, 2);
+    report(c, 3, OBX_DELIVERY_BATCH_REFUSED, 3);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 3);
+    report(c, 2, OBX_DELIVERED, 4);                              /* row 3 shared another batch */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING); /* sent after the full batch */
+    fetched(c, 5, 0, 4);
+    assert_int_equal(c->f.n_dead, 0); /* nobody dead-lettered for a batch */
+    assert_int_equal(c->f.n_marked, 1);
+    int fetches = c->f.fetches;
+    obx_relay_on_marked(c->r, 5);
+    assert_int_equal(c->f.fetches, fetches + 1);
+    assert_true(c->f.n_blocked >= 1); /* their keys wait in the SQL too */
+
+    /* Row 4 waits behind row 1 of its key (the SQL leaves it out). */
+    fetched_ids(c, (const int64_t[]){1, 2, 5}, 3, 6);
+    assert_int_equal(c->f.produced, 5);
+    assert_int_equal(c->f.produced_ids[4], 1); /* alone */
+    fetches = c->f.fetches;
+    obx_relay_tick(c->r, 2000);
+    obx_relay_wakeup(c->r, 2001);
+    assert_int_equal(c->f.fetches, fetches); /* nothing else while it is out */
+
+    report(c, 4, OBX_DELIVERY_BATCH_REFUSED, 2002); /* refused alone: the row itself */
+    assert_int_equal(c->f.n_dead, 1);
+    assert_int_equal(c->f.dead[0], 1);
+    obx_relay_on_marked(c->r, 2003);
+
+    fetched_ids(c, (const int64_t[]){2, 4, 5}, 3, 2004);
+    assert_int_equal(c->f.produced, 6);
+    assert_int_equal(c->f.produced_ids[5], 2);
+    report(c, 5, OBX_DELIVERED, 2005);
+    obx_relay_on_marked(c->r, 2006);
+
+    fetched_ids(c, (const int64_t[]){4, 5}, 2, 2007);
+    assert_int_equal(c->f.produced, 7);
+    assert_int_equal(c->f.produced_ids[6], 4);
+    report(c, 6, OBX_DELIVERED, 2008);
+    obx_relay_on_marked(c->r, 2009);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+
+    fetched_ids(c, (const int64_t[]){5, 6}, 2, 2010); /* back to batches */
+    assert_int_equal(c->f.produced, 9);
+    assert_int_equal(c->f.produced_ids[7], 5);
+    assert_int_equal(c->f.produced_ids[8], 6);
+    assert_int_equal(obx_relay_dead_total(c->r), 1);
+}
+
+/* A row to try alone waits until no other row's report is pending (they
+ * would share its request); one that is no longer unsent is forgotten. */
+static void test_batch_refused_row_waits_and_may_be_gone(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched(c, 1, 2, 0);
+    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 1); /* row 1; row 2 still out */
+    int fetches = c->f.fetches;
+    obx_relay_tick(c->r, 1500);
+    assert_int_equal(c->f.fetches, fetches); /* waits for row 2's report */
+    report(c, 1, OBX_DELIVERED, 1501);
+    obx_relay_on_marked(c->r, 1502);
+    assert_int_equal(c->f.fetches, fetches + 1);
+    /* Marked meanwhile (say, by a recovery pass): the fetch passes its place. */
+    fetched_ids(c, (const int64_t[]){3, 4}, 2, 1503);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(c->f.produced, 4); /* rows 3 and 4 go together */
+}
+
 static void test_shutdown_drains(void **state)
 {
     struct ctx *c = *state;
@@ -759,6 +865,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_shutdown_hard_deadline_while_marking, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_idle_is_immediate, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stall, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_batch_refused_rows_go_alone, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_batch_refused_row_waits_and_may_be_gone, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_every_acquisition_recovers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fetch_in_flight_at_shutdown_is_not_produced, setup,
                                         teardown),
