@@ -18,6 +18,7 @@
 #include "outboxd/config.h"
 #include "outboxd/maint.h"
 #include "outboxd/pg.h"
+#include "outboxd/store.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -114,7 +115,7 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
 {
     PGconn *c = connect_db(o);
     char mark_sql[2048];
-    obx_pg_sql_mark(on_sent, mark_sql, sizeof(mark_sql));
+    obx_store_sql_mark(on_sent, mark_sql, sizeof(mark_sql));
     settle(c);
     prefill(c, o->rows, payload);
     exec_ok(c, "VACUUM ANALYZE outbox.events");
@@ -125,7 +126,7 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
     double t0 = now_s();
     for (;;) {
         const char *fv[7] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000"};
-        PGresult *r = PQexecParams(c, obx_pg_sql_fetch(), 7, NULL, fv, NULL, NULL, 1);
+        PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 7, NULL, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int n = PQntuples(r);
@@ -181,7 +182,7 @@ static double purge_rate(const struct opts *o, int batch)
     double t0 = now_s();
     for (;;) {
         const char *v[3] = {cursor, limit, period};
-        PGresult *r = PQexecParams(c, obx_maint_sql_purge(), 3, NULL, v, NULL, NULL, 0);
+        PGresult *r = PQexecParams(c, obx_store_sql_purge(), 3, NULL, v, NULL, NULL, 0);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("purge", PQresultErrorMessage(r));
         bool done = PQgetisnull(r, 0, 0) || atol(PQgetvalue(r, 0, 2)) > 0;

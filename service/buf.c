@@ -2,6 +2,7 @@
  * buf: see include/outboxd/buf.h.
  */
 #include "outboxd/buf.h"
+#include "outboxd/alloc.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -18,7 +19,7 @@ static bool reserve(struct obx_buf *b, size_t extra)
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->len + extra + 1)
         cap *= 2;
-    char *grown = realloc(b->data, cap);
+    char *grown = obx_realloc(b->data, cap);
     if (!grown) {
         b->oom = true;
         return false;
@@ -75,7 +76,7 @@ void obx_buf_reset(struct obx_buf *b)
 
 void obx_buf_free(struct obx_buf *b)
 {
-    free(b->data);
+    obx_free(b->data);
     b->data = NULL;
     b->len = b->cap = 0;
     b->oom = false;

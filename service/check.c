@@ -2,8 +2,10 @@
  * check: see include/outboxd/check.h.
  */
 #include "outboxd/check.h"
+#include "outboxd/alloc.h"
 #include "outboxd/kafka.h"
 #include "outboxd/pg.h"
+#include "outboxd/store.h"
 
 #include <libpq-fe.h>
 #include <stdarg.h>
@@ -96,18 +98,16 @@ static void check_privileges(PGconn *conn, FILE *out, int *problems)
 static long check_schema(PGconn *conn, FILE *out, int *problems)
 {
     char line[300];
-    PGresult *res = PQexec(conn, "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL");
+    PGresult *res = PQexec(conn, OBX_STORE_SQL_HAS_SCHEMA);
     bool present = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 &&
                    strcmp(PQgetvalue(res, 0, 0), "t") == 0;
     PQclear(res);
     if (!present) {
-        problem(out, problems,
-                "postgres: no outbox schema in database %s: apply the files in sql/ in order "
-                "(psql -v ON_ERROR_STOP=1 -f sql/001_outbox.sql ...)",
-                PQdb(conn));
+        obx_store_schema_problem(-1, PQdb(conn), line, sizeof(line));
+        problem(out, problems, "postgres: %s", line);
         return -1;
     }
-    res = PQexec(conn, "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations");
+    res = PQexec(conn, OBX_STORE_SQL_SCHEMA_VERSION);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         problem(out, problems, "postgres: cannot read outbox.schema_migrations: %s",
                 first_line(PQresultErrorMessage(res), line, sizeof(line)));
@@ -116,19 +116,15 @@ static long check_schema(PGconn *conn, FILE *out, int *problems)
     }
     long version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
     PQclear(res);
-    if (version < OBX_SCHEMA_VERSION)
-        problem(out, problems,
-                "postgres: outbox schema is at version %ld, this outboxd needs %d: apply the "
-                "later files in sql/",
-                version, OBX_SCHEMA_VERSION);
+    if (obx_store_schema_problem(version, PQdb(conn), line, sizeof(line)) != 0)
+        problem(out, problems, "postgres: %s", line);
     return version;
 }
 
 static void read_waiting(PGconn *conn, struct waiting *w, FILE *out, int *problems)
 {
     char line[300];
-    PGresult *res = PQexec(conn, "SELECT topic, count(*) FROM outbox.events"
-                                 " WHERE sent_at IS NULL GROUP BY topic ORDER BY 2 DESC");
+    PGresult *res = PQexec(conn, obx_store_sql_waiting());
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         problem(out, problems, "postgres: cannot list the topics of unsent rows: %s",
                 first_line(PQresultErrorMessage(res), line, sizeof(line)));
@@ -136,7 +132,7 @@ static void read_waiting(PGconn *conn, struct waiting *w, FILE *out, int *proble
         return;
     }
     for (int i = 0; i < PQntuples(res) && w->n < MAX_TOPICS; i++) {
-        char *t = strdup(PQgetvalue(res, i, 0));
+        char *t = obx_strdup(PQgetvalue(res, i, 0));
         if (!t)
             break; /* fewer topics checked; not worth failing the check */
         w->topic[w->n] = t;
@@ -281,6 +277,6 @@ int obx_check_live(const struct obx_config *cfg, FILE *out)
     check_postgres(cfg, &w, out, &problems);
     check_kafka(cfg, &w, out, &problems);
     for (int i = 0; i < w.n; i++)
-        free(w.topic[i]);
+        obx_free(w.topic[i]);
     return problems;
 }

@@ -2,6 +2,7 @@
  * config: see include/outboxd/config.h.
  */
 #include "outboxd/config.h"
+#include "outboxd/alloc.h"
 #include "outboxd/log.h"
 
 #include <errno.h>
@@ -177,16 +178,16 @@ static int kafka_prop_set(struct obx_config *cfg, const char *name, const char *
     for (size_t i = 0; i < cfg->kafka_count; i++)
         if (strcmp(cfg->kafka[i].name, name) == 0)
             p = &cfg->kafka[i];
-    char *v = strdup(value);
+    char *v = obx_strdup(value);
     if (!v)
         return -1;
     if (!p) {
-        char *n = strdup(name);
+        char *n = obx_strdup(name);
         struct obx_kafka_prop *grown =
-            n ? realloc(cfg->kafka, (cfg->kafka_count + 1) * sizeof(*grown)) : NULL;
+            n ? obx_realloc(cfg->kafka, (cfg->kafka_count + 1) * sizeof(*grown)) : NULL;
         if (!grown) {
-            free(n);
-            free(v);
+            obx_free(n);
+            obx_free(v);
             return -1;
         }
         cfg->kafka = grown;
@@ -194,7 +195,7 @@ static int kafka_prop_set(struct obx_config *cfg, const char *name, const char *
         p->name = n;
         p->value = NULL;
     }
-    free(p->value);
+    obx_free(p->value);
     p->value = v;
     snprintf(p->origin, sizeof(p->origin), "%s", origin);
     return 0;
@@ -232,12 +233,12 @@ static int set_value(struct obx_config *cfg, const struct key_def *k, const char
 
     switch (k->type) {
     case KEY_STRING: {
-        char *copy = strdup(value);
+        char *copy = obx_strdup(value);
         if (!copy) {
             snprintf(err, errlen, "%s: out of memory setting %s", origin, k->name);
             return -1;
         }
-        free(*(char **)field);
+        obx_free(*(char **)field);
         *(char **)field = copy;
         return 0;
     }
@@ -313,14 +314,14 @@ void obx_config_free(struct obx_config *cfg)
     for (size_t i = 0; i < KEY_COUNT; i++)
         if (keys[i].type == KEY_STRING) {
             char **field = (char **)((char *)cfg + keys[i].offset);
-            free(*field);
+            obx_free(*field);
             *field = NULL;
         }
     for (size_t i = 0; i < cfg->kafka_count; i++) {
-        free(cfg->kafka[i].name);
-        free(cfg->kafka[i].value);
+        obx_free(cfg->kafka[i].name);
+        obx_free(cfg->kafka[i].value);
     }
-    free(cfg->kafka);
+    obx_free(cfg->kafka);
     cfg->kafka = NULL;
     cfg->kafka_count = 0;
 }
@@ -383,7 +384,7 @@ static int parse_line(struct obx_config *cfg, char *line, const char *origin, ch
 int obx_config_load_text(struct obx_config *cfg, const char *text, const char *name, char *err,
                          size_t errlen)
 {
-    char *copy = strdup(text);
+    char *copy = obx_strdup(text);
     char origin[160];
     int lineno = 0, rc = 0;
     if (!copy) {
@@ -408,7 +409,7 @@ int obx_config_load_text(struct obx_config *cfg, const char *text, const char *n
         }
         line = next;
     }
-    free(copy);
+    obx_free(copy);
     return rc;
 }
 
@@ -425,10 +426,10 @@ int obx_config_load_file(struct obx_config *cfg, const char *path, char *err, si
     }
     for (;;) {
         if (cap - len < 4096) {
-            char *grown = cap > (1u << 24) ? NULL : realloc(buf, cap + 8192);
+            char *grown = cap > (1u << 24) ? NULL : obx_realloc(buf, cap + 8192);
             if (!grown) {
                 snprintf(err, errlen, "config file %s: too large or out of memory", path);
-                free(buf);
+                obx_free(buf);
                 fclose(f);
                 return -1;
             }
@@ -442,7 +443,7 @@ int obx_config_load_file(struct obx_config *cfg, const char *path, char *err, si
     }
     if (ferror(f)) {
         snprintf(err, errlen, "cannot read config file %s", path);
-        free(buf);
+        obx_free(buf);
         fclose(f);
         return -1;
     }
@@ -450,11 +451,11 @@ int obx_config_load_file(struct obx_config *cfg, const char *path, char *err, si
     buf[len] = '\0';
     if (memchr(buf, '\0', len)) {
         snprintf(err, errlen, "config file %s: contains a NUL byte", path);
-        free(buf);
+        obx_free(buf);
         return -1;
     }
     rc = obx_config_load_text(cfg, buf, path, err, errlen);
-    free(buf);
+    obx_free(buf);
     return rc;
 }
 

@@ -6,6 +6,8 @@
 #include "outboxd/metrics.h"
 
 #include <errno.h>
+#include <libpq-fe.h>
+#include <librdkafka/rdkafka.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +56,12 @@ void obx_health_init(struct obx_health *h, const struct obx_health_parts *parts)
     h->parts = *parts;
     h->start_time = wall_now();
     h->last_tick = (int64_t)uv_now(parts->loop);
+    obx_histogram_init_latency(&h->ack_latency);
+}
+
+void obx_health_acked(struct obx_health *h, int64_t created_us)
+{
+    obx_histogram_observe_age(&h->ack_latency, created_us);
 }
 
 bool obx_health_pg_connected(const struct obx_health *h)
@@ -155,6 +163,16 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
 {
     const struct obx_health_parts *p = &h->parts;
     struct obx_metrics_gauges g = {
+        .published = obx_kafka_published(p->kafka),
+        .publish_errors = obx_kafka_publish_errors(p->kafka),
+        .ack_latency = &h->ack_latency,
+        .batch_rows = obx_pg_batch_rows(p->pg),
+        .pg_reconnects = obx_pg_reconnects(p->pg),
+        .rows_recovered = obx_recovery_rows_recovered(p->recovery),
+        .rows_purged = obx_maint_rows_purged(p->maint),
+        .librdkafka_version = rd_kafka_version_str(),
+        .libpq_version = PQlibVersion(),
+        .libuv_version = uv_version_string(),
         .in_flight = obx_relay_in_flight(p->relay),
         .in_flight_limit = (size_t)p->cfg->max_in_flight,
         .keys_held_back = obx_relay_blocked_keys(p->relay),

@@ -2,6 +2,7 @@
  * http: see include/outboxd/http.h.
  */
 #include "outboxd/http.h"
+#include "outboxd/alloc.h"
 #include "outboxd/log.h"
 
 #include <stdbool.h>
@@ -117,7 +118,7 @@ static void accept_one(struct obx_http *h);
 static void server_maybe_free(struct obx_http *h)
 {
     if (h->closing && h->listener_closed && h->n_conns == 0)
-        free(h);
+        obx_free(h);
 }
 
 static void on_conn_handle_closed(uv_handle_t *handle)
@@ -293,7 +294,7 @@ int obx_http_new(uv_loop_t *loop, const char *listen, obx_http_handler *handler,
     int rc;
     if (obx_http_parse_listen(listen, &addr, err, errlen) != 0)
         return -1;
-    struct obx_http *h = calloc(1, sizeof(*h));
+    struct obx_http *h = obx_calloc(1, sizeof(*h));
     if (!h) {
         snprintf(err, errlen, "out of memory");
         return -1;

@@ -2,6 +2,7 @@
  * kafka: see include/outboxd/kafka.h.
  */
 #include "outboxd/kafka.h"
+#include "outboxd/alloc.h"
 #include "outboxd/log.h"
 #include "outboxd/metrics.h"
 
@@ -35,7 +36,9 @@ struct obx_kafka {
     bool connected; /* the last probe's answer */
     int refs;       /* the poll handle and a running probe hold k */
     int64_t max_message_bytes;
-    char reason[160]; /* the last refusal's reason */
+    char reason[160];                   /* the last refusal's reason */
+    struct obx_labelled published;      /* records acknowledged, by topic */
+    struct obx_labelled publish_errors; /* failed produce or delivery, by reason */
 };
 
 /* Errors that refuse a whole batch, not a record: any record in it may be
@@ -84,9 +87,9 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
         else
             outcome =
                 obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
-        obx_stats_publish_error(rd_kafka_err2name(m->err));
+        obx_labelled_inc(&k->publish_errors, rd_kafka_err2name(m->err));
     } else {
-        obx_stats_published(rd_kafka_topic_name(m->rkt));
+        obx_labelled_inc(&k->published, rd_kafka_topic_name(m->rkt));
     }
     k->cb.delivery(m->_private, outcome, m->partition, m->offset, m->key, m->key_len,
                    m->err ? rd_kafka_err2str(m->err) : NULL, k->arg);
@@ -276,7 +279,7 @@ static void retire_done(uv_work_t *w, int status)
     struct retired *old = w->data;
     (void)status;
     unref(old->k);
-    free(old);
+    obx_free(old);
 }
 
 /* The old producer holds nothing any more: a new one (a new producer id,
@@ -284,10 +287,10 @@ static void retire_done(uv_work_t *w, int status)
 static void finish_reset(struct obx_kafka *k)
 {
     char err[600];
-    struct retired *old = malloc(sizeof(*old));
+    struct retired *old = obx_malloc(sizeof(*old));
     rd_kafka_conf_t *conf = rd_kafka_conf_dup(k->conf_copy);
     if (!old || !conf) {
-        free(old);
+        obx_free(old);
         if (conf)
             rd_kafka_conf_destroy(conf);
         obx_warn("kafka: out of memory replacing the producer; trying again");
@@ -302,7 +305,7 @@ static void finish_reset(struct obx_kafka *k)
         k->refs++;
     } else {
         rd_kafka_destroy(old->rk); /* cannot happen with a live loop; blocks briefly */
-        free(old);
+        obx_free(old);
     }
     k->rk = NULL;
     k->resetting = false;
@@ -379,20 +382,20 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
 {
     rd_kafka_conf_t *conf;
     int fds[2];
-    struct obx_kafka *k = calloc(1, sizeof(*k));
+    struct obx_kafka *k = obx_calloc(1, sizeof(*k));
 
     if (!k) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
     if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, errlen) != 0) {
-        free(k);
+        obx_free(k);
         return -1;
     }
     if (pipe2(fds, O_NONBLOCK | O_CLOEXEC) != 0) {
         snprintf(err, errlen, "pipe: %s", strerror(errno));
         rd_kafka_conf_destroy(conf);
-        free(k);
+        obx_free(k);
         return -1;
     }
     k->pipe_rd = fds[0];
@@ -441,7 +444,7 @@ fail:
         rd_kafka_conf_destroy(k->conf_copy);
     close(k->pipe_rd);
     close(k->pipe_wr);
-    free(k);
+    obx_free(k);
     return -1;
 }
 
@@ -459,13 +462,13 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
         snprintf(k->reason, sizeof(k->reason),
                  "payload too large: %zu bytes, above kafka.message.max.bytes (%lld)",
                  row->payload_len, (long long)k->max_message_bytes);
-        obx_stats_publish_error("MSG_SIZE_TOO_LARGE");
+        obx_labelled_inc(&k->publish_errors, "MSG_SIZE_TOO_LARGE");
         *reason = k->reason;
         return OBX_PRODUCE_REJECTED;
     }
     if (obx_record_headers(row, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
-        obx_stats_publish_error("HEADERS_INVALID");
+        obx_labelled_inc(&k->publish_errors, "HEADERS_INVALID");
         *reason = "headers could not be encoded";
         return OBX_PRODUCE_REJECTED;
     }
@@ -481,7 +484,7 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL || e == RD_KAFKA_RESP_ERR__FATAL ||
         !obx_kafka_error_is_permanent(e))
         return OBX_PRODUCE_BUSY;
-    obx_stats_publish_error(rd_kafka_err2name(e));
+    obx_labelled_inc(&k->publish_errors, rd_kafka_err2name(e));
     *reason = rd_kafka_err2str(e);
     return OBX_PRODUCE_REJECTED;
 }
@@ -493,9 +496,11 @@ static void unref(struct obx_kafka *k)
     if (k->rk)
         rd_kafka_destroy(k->rk);
     rd_kafka_conf_destroy(k->conf_copy);
+    obx_labelled_free(&k->published);
+    obx_labelled_free(&k->publish_errors);
     close(k->pipe_rd);
     close(k->pipe_wr);
-    free(k);
+    obx_free(k);
 }
 
 static void on_poll_closed(uv_handle_t *h)
@@ -559,6 +564,16 @@ void obx_kafka_drop_queued(struct obx_kafka *k)
 bool obx_kafka_connected(const struct obx_kafka *k)
 {
     return k->connected;
+}
+
+const struct obx_labelled *obx_kafka_published(const struct obx_kafka *k)
+{
+    return &k->published;
+}
+
+const struct obx_labelled *obx_kafka_publish_errors(const struct obx_kafka *k)
+{
+    return &k->publish_errors;
 }
 
 void obx_kafka_close(struct obx_kafka *k)

@@ -6,6 +6,7 @@
  * commands through `relay_ops` below; pg and kafka callbacks feed it events.
  */
 #include "outboxd/check.h"
+#include "outboxd/alloc.h"
 #include "outboxd/config.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/health.h"
@@ -135,8 +136,8 @@ static int op_failpoint(void *io, int id)
 
 static void op_acked(void *io, int64_t created_us)
 {
-    (void)io;
-    obx_stats_acked(created_us);
+    struct app *a = io;
+    obx_health_acked(&a->health, created_us);
 }
 
 static const struct obx_relay_ops relay_ops = {
@@ -351,7 +352,7 @@ static int load_config(struct app *a, int argc, char **argv, bool *check_only, b
     char err[512];
     int opt;
 
-    a->xargs = calloc((size_t)argc + 1, sizeof(char *));
+    a->xargs = obx_calloc((size_t)argc + 1, sizeof(char *));
     if (!a->xargs) {
         fprintf(stderr, "outboxd: out of memory\n");
         return EXIT_RUNTIME;
@@ -504,7 +505,7 @@ int main(int argc, char **argv)
 
     rc = load_config(&a, argc, argv, &check_only, &live);
     if (rc == EXIT_DONE) {
-        free(a.xargs);
+        obx_free(a.xargs);
         return 0;
     }
     if (rc == 0 && obx_failpoints_parse(&obx_failpoints_active, getenv("OUTBOXD_FAILPOINTS"), err,
@@ -529,11 +530,10 @@ int main(int argc, char **argv)
         }
         if (a.cfg_loaded)
             obx_config_free(&a.cfg);
-        free(a.xargs);
+        obx_free(a.xargs);
         return rc;
     }
     obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
-    obx_stats_init();
     if (obx_failpoints_active.armed)
         obx_warn("failpoints armed: %s", getenv("OUTBOXD_FAILPOINTS"));
     for (size_t i = 0; i < a.n_weakened; i++)
@@ -542,7 +542,7 @@ int main(int argc, char **argv)
     if (uv_loop_init(&a.loop) != 0) {
         obx_error("cannot initialise the event loop");
         obx_config_free(&a.cfg);
-        free(a.xargs);
+        obx_free(a.xargs);
         return EXIT_RUNTIME;
     }
     rc = start(&a);
@@ -560,8 +560,7 @@ int main(int argc, char **argv)
     if (uv_loop_close(&a.loop) != 0)
         obx_warn("event loop closed with handles still open");
     obx_relay_free(a.relay);
-    obx_stats_free();
     obx_config_free(&a.cfg);
-    free(a.xargs);
+    obx_free(a.xargs);
     return rc;
 }

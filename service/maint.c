@@ -2,8 +2,10 @@
  * maint: see include/outboxd/maint.h.
  */
 #include "outboxd/maint.h"
+#include "outboxd/alloc.h"
 #include "outboxd/log.h"
 #include "outboxd/metrics.h"
+#include "outboxd/store.h"
 
 #include <libpq-fe.h>
 #include <stdatomic.h>
@@ -11,32 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char SQL_BACKLOG[] =
-    "SELECT (SELECT count(*) FROM outbox.events WHERE sent_at IS NULL),"
-    "       coalesce((SELECT extract(epoch FROM now() - created_at)::float8"
-    "                 FROM outbox.events WHERE sent_at IS NULL ORDER BY id LIMIT 1), 0)";
-
-/* $1 cursor (last id looked at), $2 batch size, $3 period in ms. Returns the
- * highest id looked at, rows deleted, rows created within the period. */
-static const char SQL_PURGE[] =
-    "WITH batch AS ("
-    "   SELECT id, created_at FROM outbox.events WHERE id > $1::bigint ORDER BY id"
-    "   LIMIT $2::int),"
-    " doomed AS ("
-    "   DELETE FROM outbox.events e USING batch b"
-    "   WHERE e.id = b.id AND e.sent_at < now() - $3::bigint * interval '1 millisecond'"
-    "   RETURNING e.id)"
-    " SELECT (SELECT max(id) FROM batch), (SELECT count(*) FROM doomed),"
-    "        (SELECT count(*) FROM batch"
-    "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond')";
-
-const char *obx_maint_sql_purge(void)
-{
-    return SQL_PURGE;
-}
-
 struct obx_maint {
     uv_loop_t *loop;
+    uint64_t rows_purged; /* by retention, since start */
     uv_work_t work;
     char *conninfo; /* secret: never logged */
     int64_t statement_timeout_ms;
@@ -75,9 +54,9 @@ struct obx_maint {
 int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats,
                   struct obx_maint **out)
 {
-    struct obx_maint *m = calloc(1, sizeof(*m));
-    if (!m || !(m->conninfo = strdup(cfg->pg_conninfo))) {
-        free(m);
+    struct obx_maint *m = obx_calloc(1, sizeof(*m));
+    if (!m || !(m->conninfo = obx_strdup(cfg->pg_conninfo))) {
+        obx_free(m);
         return -1;
     }
     m->loop = loop;
@@ -92,8 +71,8 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->work.data = m;
     atomic_init(&m->stop, false);
     if (uv_mutex_init(&m->cancel_lock) != 0) {
-        free(m->conninfo);
-        free(m);
+        obx_free(m->conninfo);
+        obx_free(m);
         return -1;
     }
     *out = m;
@@ -157,7 +136,7 @@ static bool connect_if_needed(struct obx_maint *m)
 static void run_stats(struct obx_maint *m)
 {
     uint64_t t0 = uv_hrtime();
-    PGresult *res = PQexec(m->conn, SQL_BACKLOG);
+    PGresult *res = PQexec(m->conn, obx_store_sql_backlog());
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
         set_error(m, "backlog query failed");
     } else {
@@ -176,7 +155,8 @@ static void run_purge(struct obx_maint *m)
     for (int i = 0; i < OBX_MAINT_BATCHES_PER_JOB && !atomic_load(&m->stop); i++) {
         snprintf(cursor, sizeof(cursor), "%lld", (long long)m->cursor);
         const char *params[] = {cursor, batch, period};
-        PGresult *res = PQexecParams(m->conn, SQL_PURGE, 3, NULL, params, NULL, NULL, 0);
+        PGresult *res =
+            PQexecParams(m->conn, obx_store_sql_purge(), 3, NULL, params, NULL, NULL, 0);
         if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
             set_error(m, "retention purge failed");
             PQclear(res);
@@ -214,8 +194,8 @@ static void free_maint(struct obx_maint *m)
 {
     disconnect(m);
     uv_mutex_destroy(&m->cancel_lock);
-    free(m->conninfo);
-    free(m);
+    obx_free(m->conninfo);
+    obx_free(m);
 }
 
 static void after_work_cb(uv_work_t *w, int status)
@@ -257,7 +237,7 @@ static void after_work_cb(uv_work_t *w, int status)
         m->stats_due = now + m->stats_spacing_ms;
     }
     if (m->job_purge) {
-        obx_stats.rows_purged += (uint64_t)m->purged;
+        m->rows_purged += (uint64_t)m->purged;
         m->round_purged += m->purged;
         m->round_batches += m->batches;
         if (m->round_done) {
@@ -315,4 +295,9 @@ void obx_maint_close(struct obx_maint *m)
     if (m->cancel && !PQcancel(m->cancel, why, sizeof(why)))
         obx_debug("maintenance: cancel failed: %s", why);
     uv_mutex_unlock(&m->cancel_lock);
+}
+
+uint64_t obx_maint_rows_purged(const struct obx_maint *m)
+{
+    return m->rows_purged;
 }

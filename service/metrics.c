@@ -2,51 +2,45 @@
  * metrics: see include/outboxd/metrics.h.
  */
 #include "outboxd/metrics.h"
+#include "outboxd/alloc.h"
 
-#include <libpq-fe.h>
-#include <librdkafka/rdkafka.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/time.h>
 #include <unistd.h>
-#include <uv.h>
-
-struct obx_stats obx_stats;
 
 /* From a few ms (linger) to minutes (an outage being caught up). */
 static const double latency_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                         0.5,   1,      2.5,   5,    10,    30,   60,  300};
 static const double batch_bounds[] = {1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000};
 
-void obx_stats_init(void)
+void obx_histogram_init_latency(struct obx_histogram *h)
 {
-    obx_stats_free();
-    obx_stats.ack_latency.bounds = latency_bounds;
-    obx_stats.ack_latency.n_bounds = sizeof(latency_bounds) / sizeof(latency_bounds[0]);
-    obx_stats.batch_rows.bounds = batch_bounds;
-    obx_stats.batch_rows.n_bounds = sizeof(batch_bounds) / sizeof(batch_bounds[0]);
+    memset(h, 0, sizeof(*h));
+    h->bounds = latency_bounds;
+    h->n_bounds = sizeof(latency_bounds) / sizeof(latency_bounds[0]);
 }
 
-static void labelled_free(struct obx_labelled *l)
+void obx_histogram_init_batch(struct obx_histogram *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->bounds = batch_bounds;
+    h->n_bounds = sizeof(batch_bounds) / sizeof(batch_bounds[0]);
+}
+
+void obx_labelled_free(struct obx_labelled *l)
 {
     for (size_t i = 0; i < l->n; i++)
-        free(l->items[i].label);
-    free(l->items);
+        obx_free(l->items[i].label);
+    obx_free(l->items);
     memset(l, 0, sizeof(*l));
-}
-
-void obx_stats_free(void)
-{
-    labelled_free(&obx_stats.published);
-    labelled_free(&obx_stats.publish_errors);
-    memset(&obx_stats, 0, sizeof(obx_stats));
 }
 
 /* Adds one to the counter of `label`. Without memory for a new label the
  * event is counted under "_other" (kept as the first item once created). */
-static void labelled_inc(struct obx_labelled *l, const char *label)
+void obx_labelled_inc(struct obx_labelled *l, const char *label)
 {
     if (l->last < l->n && strcmp(l->items[l->last].label, label) == 0) {
         l->items[l->last].value++;
@@ -60,33 +54,23 @@ static void labelled_inc(struct obx_labelled *l, const char *label)
         }
     }
     if (l->n >= OBX_LABELS_MAX && strcmp(label, "_other") != 0) {
-        labelled_inc(l, "_other");
+        obx_labelled_inc(l, "_other");
         return;
     }
     if (l->n == l->cap) {
         size_t cap = l->cap ? l->cap * 2 : 8;
-        struct obx_label_counter *grown = realloc(l->items, cap * sizeof(*grown));
+        struct obx_label_counter *grown = obx_realloc(l->items, cap * sizeof(*grown));
         if (!grown)
             return; /* the event goes uncounted rather than the relay failing */
         l->items = grown;
         l->cap = cap;
     }
-    char *copy = strdup(label);
+    char *copy = obx_strdup(label);
     if (!copy)
         return;
     l->items[l->n].label = copy;
     l->items[l->n].value = 1;
     l->last = l->n++;
-}
-
-void obx_stats_published(const char *topic)
-{
-    labelled_inc(&obx_stats.published, topic);
-}
-
-void obx_stats_publish_error(const char *reason)
-{
-    labelled_inc(&obx_stats.publish_errors, reason);
 }
 
 void obx_histogram_observe(struct obx_histogram *h, double v)
@@ -99,7 +83,7 @@ void obx_histogram_observe(struct obx_histogram *h, double v)
     h->count++;
 }
 
-void obx_stats_acked(int64_t created_us)
+void obx_histogram_observe_age(struct obx_histogram *h, int64_t created_us)
 {
     struct timeval tv;
     gettimeofday(&tv, NULL);
@@ -107,7 +91,7 @@ void obx_stats_acked(int64_t created_us)
     double age = (double)(now_us - created_us) / 1e6;
     /* created_at comes from the database's clock: a skew can make it look
      * like the future; count that as immediate. */
-    obx_histogram_observe(&obx_stats.ack_latency, age < 0 ? 0 : age);
+    obx_histogram_observe(h, age < 0 ? 0 : age);
 }
 
 /* ---- rendering ---- */
@@ -143,7 +127,7 @@ static void labelled(struct obx_buf *out, const char *name, const char *label, c
                      const struct obx_labelled *l)
 {
     header(out, name, "counter", help);
-    for (size_t i = 0; i < l->n; i++) {
+    for (size_t i = 0; l && i < l->n; i++) {
         obx_buf_printf(out, "%s{%s=\"", name, label);
         label_value(out, l->items[i].label);
         obx_buf_printf(out, "\"} %llu\n", (unsigned long long)l->items[i].value);
@@ -154,6 +138,11 @@ static void histogram(struct obx_buf *out, const char *name, const char *help,
                       const struct obx_histogram *h)
 {
     uint64_t cumulative = 0;
+    struct obx_histogram empty;
+    if (!h) {
+        obx_histogram_init_batch(&empty); /* bounds do not matter without counts */
+        h = &empty;
+    }
     header(out, name, "histogram", help);
     for (size_t i = 0; i < h->n_bounds; i++) {
         cumulative += h->counts[i];
@@ -190,18 +179,17 @@ static double cpu_seconds(void)
 
 void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
 {
-    const struct obx_stats *s = &obx_stats;
-
     header(out, "outboxd_build_info", "gauge", "Versions of outboxd and the libraries it runs on.");
     obx_buf_printf(out,
                    "outboxd_build_info{version=\"%s\",librdkafka=\"%s\",libpq=\"%d\","
                    "libuv=\"%s\"} 1\n",
-                   OBX_VERSION, rd_kafka_version_str(), PQlibVersion(), uv_version_string());
+                   OBX_VERSION, g->librdkafka_version ? g->librdkafka_version : "",
+                   g->libpq_version, g->libuv_version ? g->libuv_version : "");
     labelled(out, "outboxd_records_published_total", "topic",
-             "Records Kafka acknowledged, by topic.", &s->published);
+             "Records Kafka acknowledged, by topic.", g->published);
     labelled(out, "outboxd_publish_errors_total", "reason",
              "Produce calls or deliveries that failed, by librdkafka error name.",
-             &s->publish_errors);
+             g->publish_errors);
     simple(out, "outboxd_rows_marked_total", "counter",
            "Rows confirmed in Postgres (marked sent, or deleted) after Kafka acknowledged them.",
            (double)g->rows_marked);
@@ -210,9 +198,9 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
            (double)g->rows_dead_lettered);
     simple(out, "outboxd_rows_recovered_total", "counter",
            "Rows the start-up recovery pass found already in Kafka and marked.",
-           (double)s->rows_recovered);
+           (double)g->rows_recovered);
     simple(out, "outboxd_rows_purged_total", "counter", "Sent rows deleted by retention.",
-           (double)s->rows_purged);
+           (double)g->rows_purged);
     simple(out, "outboxd_rows_in_flight", "gauge",
            "Rows handed to Kafka and not yet confirmed in Postgres.", (double)g->in_flight);
     simple(out, "outboxd_rows_in_flight_limit", "gauge", "relay.max_in_flight.",
@@ -228,14 +216,13 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
         simple(out, "outboxd_outbox_lag_seconds", "gauge",
                "Age of the oldest unsent row (0 when none is waiting).", g->lag_seconds);
     histogram(out, "outboxd_commit_to_ack_seconds",
-              "From the row's created_at (its insert) to Kafka's acknowledgement.",
-              &s->ack_latency);
-    histogram(out, "outboxd_fetch_batch_rows", "Rows returned by each fetch.", &s->batch_rows);
+              "From the row's created_at (its insert) to Kafka's acknowledgement.", g->ack_latency);
+    histogram(out, "outboxd_fetch_batch_rows", "Rows returned by each fetch.", g->batch_rows);
     simple(out, "outboxd_postgres_connected", "gauge",
            "1 when the relay's Postgres connection is set up and usable.",
            g->postgres_connected ? 1 : 0);
     simple(out, "outboxd_postgres_reconnects_total", "counter",
-           "Postgres connection attempts after the first one.", (double)s->pg_reconnects);
+           "Postgres connection attempts after the first one.", (double)g->pg_reconnects);
     simple(out, "outboxd_kafka_connected", "gauge",
            "1 when the last metadata request to Kafka succeeded.", g->kafka_connected ? 1 : 0);
     simple(out, "outboxd_ready", "gauge", "1 when /readyz answers 200.", g->ready ? 1 : 0);

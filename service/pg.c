@@ -2,9 +2,11 @@
  * pg: see include/outboxd/pg.h.
  */
 #include "outboxd/pg.h"
+#include "outboxd/alloc.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
 #include "outboxd/metrics.h"
+#include "outboxd/store.h"
 
 #include <stdbool.h>
 #include <stdlib.h>
@@ -12,77 +14,6 @@
 
 /* libpq ignores connect_timeout under PQconnectPoll: we time connect+setup. */
 #define CONNECT_TIMEOUT_MS 10000
-
-/* The fetch: committed unsent rows in id order, skipping rows in flight.
- * Postgres splits the headers object into two text[] (keys, values; string
- * values verbatim, other JSON values as JSON text), so C never parses JSON.
- * Rows of transactions that commit late (lower ids) are found by the next
- * fetch: nothing is skipped because a higher id was seen first.
- *
- * Memory is bounded by bytes as well as rows: a payload larger than $7
- * (the producer's message.max.bytes) is not fetched at all, only its
- * octet_length (which reads the TOAST pointer, not the value), and the
- * batch ends once its payloads reach $6 bytes (at least one row). */
-static const char SQL_FETCH[] =
-    "SELECT b.id, b.topic, b.key, b.payload, b.keys, b.vals, b.created_at, b.payload_len"
-    " FROM (SELECT e.id, e.topic, e.key,"
-    "         CASE WHEN octet_length(e.payload) <= $7::int THEN e.payload END AS payload,"
-    "         h.keys, h.vals, e.created_at, octet_length(e.payload) AS payload_len,"
-    "         sum(CASE WHEN octet_length(e.payload) <= $7::int THEN octet_length(e.payload)"
-    "             ELSE 0 END) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto,"
-    "         row_number() OVER (ORDER BY e.id) AS n"
-    "  FROM outbox.events e"
-    "  LEFT JOIN LATERAL ("
-    "    SELECT array_agg(j.k ORDER BY j.k COLLATE \"C\") AS keys,"
-    "           array_agg(CASE jsonb_typeof(j.v) WHEN 'string' THEN j.v #>> '{}'"
-    "                     ELSE j.v::text END ORDER BY j.k COLLATE \"C\") AS vals"
-    "    FROM jsonb_each(CASE jsonb_typeof(e.headers) WHEN 'object' THEN e.headers END)"
-    "         AS j(k, v)) h ON true"
-    "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
-    /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
-    "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
-    "         SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"
-    "         WHERE b.topic = e.topic AND b.key = e.key AND e.id > b.id))"
-    "  ORDER BY e.id"
-    "  LIMIT $2::int) b"
-    " WHERE b.n = 1 OR b.upto <= $6::bigint"
-    " ORDER BY b.id";
-
-/* The mark: acknowledged rows confirmed, each partition's last acknowledged
- * offset stored for crash recovery, refused rows moved to dead_letters; one
- * statement, run inside BEGIN ... COMMIT. %s = how rows are confirmed. */
-static const char SQL_MARK_FMT[] =
-    "WITH confirmed AS (%s),"
-    " offsets AS ("
-    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"
-    "   SELECT * FROM unnest($2::text[], $3::int[], $4::bigint[])"
-    "   ON CONFLICT (topic, kafka_partition) DO UPDATE"
-    "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"
-    "   RETURNING 1),"
-    " dead AS ("
-    "   DELETE FROM outbox.events e USING unnest($5::bigint[], $6::text[]) AS d(id, reason)"
-    "   WHERE e.id = d.id AND e.sent_at IS NULL"
-    "   RETURNING e.id, e.topic, e.key, e.payload, e.headers, e.created_at, d.reason),"
-    " buried AS ("
-    "   INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at, reason)"
-    "   SELECT * FROM dead ON CONFLICT (id) DO NOTHING RETURNING 1)"
-    " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM offsets),"
-    "        (SELECT count(*) FROM buried)";
-
-static const char SQL_CONFIRM_MARK[] = "UPDATE outbox.events SET sent_at = now()"
-                                       " WHERE id = ANY ($1::bigint[]) AND sent_at IS NULL"
-                                       " RETURNING id";
-static const char SQL_CONFIRM_DELETE[] = "DELETE FROM outbox.events"
-                                         " WHERE id = ANY ($1::bigint[]) RETURNING id";
-
-/* Migration file for each schema version, for the "apply this" message. */
-static const char *const migrations[] = {
-    [1] = "sql/001_outbox.sql",
-    [2] = "sql/002_recovery.sql",
-    [3] = "sql/003_reserved_header.sql",
-};
-_Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
-               "every schema version up to OBX_SCHEMA_VERSION names its migration file");
 
 /* A uv_poll_t on the libpq socket. Heap-allocated because PQconnectPoll may
  * switch sockets and a closing handle must outlive its replacement.
@@ -110,6 +41,8 @@ struct pg_request {
 
 struct obx_pg {
     uv_loop_t *loop;
+    uint64_t reconnects;             /* connection attempts after the first */
+    struct obx_histogram batch_rows; /* rows per fetch */
     struct obx_pg_callbacks cb;
     void *arg;
     char *conninfo; /* owned; secret */
@@ -191,7 +124,7 @@ enum obx_pg_state obx_pg_state(const struct obx_pg *pg)
 
 static void on_watch_closed(uv_handle_t *h)
 {
-    free((struct pg_watch *)h); /* handle is the first member */
+    obx_free((struct pg_watch *)h); /* handle is the first member */
 }
 
 static void unwatch(struct obx_pg *pg)
@@ -213,11 +146,11 @@ static int watch(struct obx_pg *pg, int events)
     if (pg->watch && pg->watch->fd != fd)
         unwatch(pg);
     if (!pg->watch) {
-        struct pg_watch *w = malloc(sizeof(*w));
+        struct pg_watch *w = obx_malloc(sizeof(*w));
         if (!w)
             return -1;
         if (uv_poll_init(pg->loop, &w->handle, fd) != 0) {
-            free(w);
+            obx_free(w);
             return -1;
         }
         w->handle.data = pg;
@@ -355,7 +288,7 @@ static void start_connect(struct obx_pg *pg)
 
     pg->target[0] = '\0';
     if (pg->started)
-        obx_stats.pg_reconnects++;
+        pg->reconnects++;
     pg->started = true;
     pg->conn = PQconnectStartParams(keys, values, 1);
     if (!pg->conn) {
@@ -394,7 +327,8 @@ static void send_setup(struct obx_pg *pg)
      * away within about a minute instead of the OS's two hours, so no relay
      * stands by behind a dead session for long. */
     snprintf(sql, sizeof(sql),
-             "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations;"
+             OBX_STORE_SQL_SCHEMA_VERSION
+             ";"
              " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld;"
              " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
              " SET tcp_keepalives_count = 3",
@@ -445,10 +379,7 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
 
     if (PQresultStatus(res) != PGRES_TUPLES_OK && PQresultStatus(res) != PGRES_COMMAND_OK) {
         if (state && (strcmp(state, "42P01") == 0 || strcmp(state, "3F000") == 0)) {
-            snprintf(reason, sizeof(reason),
-                     "outbox schema not found in this database: apply %s "
-                     "(psql -v ON_ERROR_STOP=1 -f %s)",
-                     migrations[1], migrations[1]);
+            obx_store_schema_problem(-1, NULL, reason, sizeof(reason));
         } else {
             snprintf(reason, sizeof(reason), "setup failed: %s", PQresultErrorMessage(res));
         }
@@ -458,11 +389,7 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
     long version = 0;
     if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
         version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
-    if (version < OBX_SCHEMA_VERSION) {
-        snprintf(reason, sizeof(reason),
-                 "outbox schema is at version %ld, this outboxd needs %d: apply %s and later "
-                 "files in sql/",
-                 version, OBX_SCHEMA_VERSION, migrations[version < 0 ? 1 : version + 1]);
+    if (obx_store_schema_problem(version, NULL, reason, sizeof(reason)) != 0) {
         disconnect(pg, reason);
         return;
     }
@@ -553,7 +480,7 @@ static void report_rows(struct obx_pg *pg, obx_pg_rows_fn done, void *arg, const
     int n = PQntuples(res);
     if (n > pg->max_rows)
         n = pg->max_rows;
-    obx_histogram_observe(&obx_stats.batch_rows, n);
+    obx_histogram_observe(&pg->batch_rows, n);
     for (int i = 0; i < n; i++) {
         if (obx_row_from_result(res, i, &pg->rows[i], err, sizeof(err)) != 0) {
             done(arg, NULL, 0, err);
@@ -751,18 +678,6 @@ static void on_timer(uv_timer_t *t)
     }
 }
 
-const char *obx_pg_sql_fetch(void)
-{
-    return SQL_FETCH;
-}
-
-const char *obx_pg_sql_mark(int on_sent, char *buf, size_t len)
-{
-    snprintf(buf, len, SQL_MARK_FMT,
-             on_sent == OBX_ON_SENT_DELETE ? SQL_CONFIRM_DELETE : SQL_CONFIRM_MARK);
-    return buf;
-}
-
 int obx_pg_check_conninfo(const char *conninfo, char *err, size_t errlen)
 {
     char *msg = NULL;
@@ -801,9 +716,9 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     struct obx_pg *pg;
     if (obx_pg_check_conninfo(cfg->pg_conninfo, err, errlen) != 0)
         return -1;
-    pg = calloc(1, sizeof(*pg));
-    if (!pg || !(pg->conninfo = strdup(cfg->pg_conninfo))) {
-        free(pg);
+    pg = obx_calloc(1, sizeof(*pg));
+    if (!pg || !(pg->conninfo = obx_strdup(cfg->pg_conninfo))) {
+        obx_free(pg);
         snprintf(err, errlen, "out of memory");
         return -1;
     }
@@ -815,14 +730,15 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->backoff_max_ms = cfg->pg_backoff_max_ms;
     pg->state = OBX_PG_DISCONNECTED;
     pg->max_rows = cfg->batch_size;
-    pg->rows = calloc((size_t)cfg->batch_size, sizeof(*pg->rows));
+    obx_histogram_init_batch(&pg->batch_rows);
+    pg->rows = obx_calloc((size_t)cfg->batch_size, sizeof(*pg->rows));
     if (!pg->rows) {
-        free(pg->conninfo);
-        free(pg);
+        obx_free(pg->conninfo);
+        obx_free(pg);
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    obx_pg_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
+    obx_store_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
     uv_timer_init(loop, &pg->timer);
     uv_timer_init(loop, &pg->deferred);
     pg->timer.data = pg->deferred.data = pg;
@@ -842,11 +758,11 @@ static void on_pg_timer_closed(uv_handle_t *h)
     struct obx_pg *pg = h->data;
     if (--pg->open_handles > 0)
         return;
-    free(pg->rows);
+    obx_free(pg->rows);
     for (size_t i = 0; i < sizeof(pg->params) / sizeof(pg->params[0]); i++)
         obx_pg_array_free(&pg->params[i]);
-    free(pg->conninfo);
-    free(pg);
+    obx_free(pg->conninfo);
+    obx_free(pg);
 }
 
 void obx_pg_close(struct obx_pg *pg)
@@ -983,7 +899,7 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         return -1;
     }
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
-    return start_request(pg, &req, SQL_FETCH, 7, values, 1);
+    return start_request(pg, &req, obx_store_sql_fetch(), 7, values, 1);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
@@ -1011,4 +927,14 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
         }
     }
     return obx_pg_send_tx(pg, pg->mark_sql, 6, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
+}
+
+uint64_t obx_pg_reconnects(const struct obx_pg *pg)
+{
+    return pg->reconnects;
+}
+
+const struct obx_histogram *obx_pg_batch_rows(const struct obx_pg *pg)
+{
+    return &pg->batch_rows;
 }

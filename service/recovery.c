@@ -2,10 +2,12 @@
  * recovery: see include/outboxd/recovery.h.
  */
 #include "outboxd/recovery.h"
+#include "outboxd/alloc.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/kafka.h"
 #include "outboxd/metrics.h"
 #include "outboxd/log.h"
+#include "outboxd/store.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -22,43 +24,6 @@
 #define CHUNK_MS           5000
 #define NO_PROGRESS_MS     30000
 #define REQUEST_TIMEOUT_MS 10000
-
-/* Topics with unsent rows, the offsets stored for their partitions, and the
- * range of unsent ids (a record outside it cannot match any row). */
-static const char SQL_PLAN[] =
-    "SELECT t.topic, k.kafka_partition, k.last_offset, r.lo, r.hi"
-    " FROM (SELECT DISTINCT topic FROM outbox.events WHERE sent_at IS NULL) t"
-    " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM outbox.events"
-    "             WHERE sent_at IS NULL) r"
-    " LEFT JOIN outbox.kafka_offsets k ON k.topic = t.topic"
-    " ORDER BY 1, 2";
-
-/* Marks the rows whose records were found, if id, topic, key and payload
- * all match; stores each scanned partition's end. %s = how rows are
- * confirmed. */
-static const char SQL_RECOVER_FMT[] =
-    "WITH found AS ("
-    "   SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[])"
-    "     AS f(id, topic, key, digest)),"
-    " matched AS ("
-    "   SELECT DISTINCT e.id FROM outbox.events e JOIN found f ON f.id = e.id"
-    "   WHERE e.sent_at IS NULL AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
-    "     AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest),"
-    " confirmed AS (%s),"
-    " offsets AS ("
-    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"
-    "   SELECT * FROM unnest($5::text[], $6::int[], $7::bigint[])"
-    "   ON CONFLICT (topic, kafka_partition) DO UPDATE"
-    "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"
-    "   RETURNING 1)"
-    " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM found),"
-    "        (SELECT count(*) FROM offsets)";
-
-static const char SQL_RECOVER_MARK[] = "UPDATE outbox.events SET sent_at = now()"
-                                       " WHERE id IN (SELECT id FROM matched)"
-                                       " AND sent_at IS NULL RETURNING id";
-static const char SQL_RECOVER_DELETE[] = "DELETE FROM outbox.events"
-                                         " WHERE id IN (SELECT id FROM matched) RETURNING id";
 
 #define NPARAMS 7
 
@@ -93,6 +58,7 @@ struct found {
 
 struct obx_recovery {
     uv_loop_t *loop;
+    uint64_t rows_recovered; /* over all passes: rows found in Kafka and marked */
     const struct obx_config *cfg;
     struct obx_pg *pg;
     struct obx_recovery_callbacks cb;
@@ -184,8 +150,8 @@ bool obx_valid_text(const char *s, size_t len)
 static void clear_found(struct obx_recovery *rec)
 {
     for (size_t i = 0; i < rec->n_found; i++)
-        free(rec->found[i].key);
-    free(rec->found);
+        obx_free(rec->found[i].key);
+    obx_free(rec->found);
     rec->found = NULL;
     rec->n_found = rec->cap_found = 0;
 }
@@ -193,11 +159,11 @@ static void clear_found(struct obx_recovery *rec)
 static void clear_pass(struct obx_recovery *rec)
 {
     for (size_t i = 0; i < rec->n_topics; i++)
-        free(rec->topics[i]);
-    free(rec->topics);
+        obx_free(rec->topics[i]);
+    obx_free(rec->topics);
     rec->topics = NULL;
     rec->n_topics = 0;
-    free(rec->parts);
+    obx_free(rec->parts);
     rec->parts = NULL;
     rec->n_parts = 0;
     clear_found(rec);
@@ -209,7 +175,7 @@ static void clear_pass(struct obx_recovery *rec)
 int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_pg *pg,
                      const struct obx_recovery_callbacks *cb, void *arg, struct obx_recovery **out)
 {
-    struct obx_recovery *rec = calloc(1, sizeof(*rec));
+    struct obx_recovery *rec = obx_calloc(1, sizeof(*rec));
     if (!rec)
         return -1;
     rec->loop = loop;
@@ -218,8 +184,7 @@ int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_p
     rec->cb = *cb;
     rec->arg = arg;
     rec->work.data = rec;
-    snprintf(rec->sql, sizeof(rec->sql), SQL_RECOVER_FMT,
-             cfg->on_sent == OBX_ON_SENT_DELETE ? SQL_RECOVER_DELETE : SQL_RECOVER_MARK);
+    obx_store_sql_recover(cfg->on_sent, rec->sql, sizeof(rec->sql));
     *out = rec;
     return 0;
 }
@@ -236,7 +201,7 @@ int obx_recovery_start(struct obx_recovery *rec)
     rec->parts_left = 0;
     rec->aborted = false;
     atomic_store(&rec->cancel, false);
-    if (obx_pg_send(rec->pg, SQL_PLAN, 0, NULL, 0, on_plan_result, rec) != 0)
+    if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result, rec) != 0)
         return -1;
     rec->step = STEP_PLAN;
     return 0;
@@ -296,7 +261,7 @@ static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int 
         return 0;
     if (rec->n_found == rec->cap_found) {
         size_t cap = rec->cap_found ? rec->cap_found * 2 : 256;
-        struct found *grown = realloc(rec->found, cap * sizeof(*grown));
+        struct found *grown = obx_realloc(rec->found, cap * sizeof(*grown));
         if (!grown)
             return -1;
         rec->found = grown;
@@ -307,7 +272,7 @@ static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int 
     f->id = id;
     f->topic = topic;
     if (m->key) {
-        f->key = malloc(m->key_len ? m->key_len : 1);
+        f->key = obx_malloc(m->key_len ? m->key_len : 1);
         if (!f->key)
             return -1;
         memcpy(f->key, m->key, m->key_len);
@@ -315,7 +280,7 @@ static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int 
     }
     f->tombstone = m->payload == NULL;
     if (!f->tombstone && obx_sha256_hex(m->payload, m->len, f->digest) != 0) {
-        free(f->key);
+        obx_free(f->key);
         return -1;
     }
     rec->n_found++;
@@ -374,7 +339,7 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
         int32_t pid = mt->partitions[k].id;
         if (part_index(rec, rec->topics[t], pid) >= 0)
             continue;
-        struct part *grown = realloc(rec->parts, (rec->n_parts + 1) * sizeof(*grown));
+        struct part *grown = obx_realloc(rec->parts, (rec->n_parts + 1) * sizeof(*grown));
         if (!grown) {
             snprintf(rec->error, sizeof(rec->error), "out of memory");
             rc = -1;
@@ -592,7 +557,7 @@ static void free_recovery(struct obx_recovery *rec)
     clear_pass(rec);
     for (int k = 0; k < NPARAMS; k++)
         obx_pg_array_free(&rec->params[k]);
-    free(rec);
+    obx_free(rec);
 }
 
 static void scan_done(uv_work_t *w, int status)
@@ -639,8 +604,8 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
         finish(rec, true);
         return;
     }
-    rec->topics = calloc((size_t)n, sizeof(*rec->topics));
-    rec->parts = calloc((size_t)n, sizeof(*rec->parts));
+    rec->topics = obx_calloc((size_t)n, sizeof(*rec->topics));
+    rec->parts = obx_calloc((size_t)n, sizeof(*rec->parts));
     if (!rec->topics || !rec->parts) {
         obx_error("recovery: out of memory");
         finish(rec, false);
@@ -651,7 +616,7 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
     for (int i = 0; i < n; i++) {
         const char *topic = PQgetvalue(res, i, 0);
         if (rec->n_topics == 0 || strcmp(rec->topics[rec->n_topics - 1], topic) != 0) {
-            rec->topics[rec->n_topics] = strdup(topic);
+            rec->topics[rec->n_topics] = obx_strdup(topic);
             if (!rec->topics[rec->n_topics]) {
                 obx_error("recovery: out of memory");
                 finish(rec, false);
@@ -692,7 +657,7 @@ static void on_mark_result(void *arg, const PGresult *res, const char *error)
     }
     uint64_t confirmed = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
     rec->confirmed += confirmed;
-    obx_stats.rows_recovered += confirmed;
+    rec->rows_recovered += confirmed;
     size_t left = 0;
     for (size_t i = 0; i < rec->n_parts; i++)
         left += !rec->parts[i].done;
@@ -754,4 +719,9 @@ void obx_recovery_close(struct obx_recovery *rec)
         return;
     }
     free_recovery(rec);
+}
+
+uint64_t obx_recovery_rows_recovered(const struct obx_recovery *rec)
+{
+    return rec->rows_recovered;
 }

@@ -2,6 +2,7 @@
  * relay: see include/outboxd/relay.h.
  */
 #include "outboxd/relay.h"
+#include "outboxd/alloc.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
 
@@ -150,21 +151,21 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
                   struct obx_relay **out)
 {
     size_t n = (size_t)s->max_in_flight;
-    struct obx_relay *r = calloc(1, sizeof(*r));
+    struct obx_relay *r = obx_calloc(1, sizeof(*r));
     if (!r)
         return -1;
     r->set = *s;
     r->ops = ops;
     r->io = io;
     r->state = OBX_RELAY_WAIT_PG;
-    r->slots = calloc(n, sizeof(*r->slots));
-    r->ids = calloc(n + MAX_BLOCKED, sizeof(*r->ids));
-    r->dead_ids = calloc(n, sizeof(*r->dead_ids));
-    r->dead_reasons = calloc(n, sizeof(*r->dead_reasons));
-    r->off_topics = calloc(n, sizeof(*r->off_topics));
-    r->off_partitions = calloc(n, sizeof(*r->off_partitions));
-    r->off_offsets = calloc(n, sizeof(*r->off_offsets));
-    r->batch = calloc((size_t)s->batch_size, sizeof(*r->batch));
+    r->slots = obx_calloc(n, sizeof(*r->slots));
+    r->ids = obx_calloc(n + MAX_BLOCKED, sizeof(*r->ids));
+    r->dead_ids = obx_calloc(n, sizeof(*r->dead_ids));
+    r->dead_reasons = obx_calloc(n, sizeof(*r->dead_reasons));
+    r->off_topics = obx_calloc(n, sizeof(*r->off_topics));
+    r->off_partitions = obx_calloc(n, sizeof(*r->off_partitions));
+    r->off_offsets = obx_calloc(n, sizeof(*r->off_offsets));
+    r->batch = obx_calloc((size_t)s->batch_size, sizeof(*r->batch));
     if (!r->slots || !r->ids || !r->dead_ids || !r->dead_reasons || !r->off_topics ||
         !r->off_partitions || !r->off_offsets || !r->batch) {
         obx_relay_free(r);
@@ -184,21 +185,21 @@ void obx_relay_free(struct obx_relay *r)
         return;
     if (r->slots)
         for (int i = 0; i < r->set.max_in_flight; i++)
-            free(r->slots[i].reason);
+            obx_free(r->slots[i].reason);
     for (size_t i = 0; i < r->n_blocked; i++)
-        free(r->blocked[i].key);
+        obx_free(r->blocked[i].key);
     for (size_t i = 0; i < r->n_topics; i++)
-        free(r->topics[i]);
-    free(r->topics);
-    free(r->slots);
-    free(r->ids);
-    free(r->dead_ids);
-    free(r->dead_reasons);
-    free(r->off_topics);
-    free(r->off_partitions);
-    free(r->off_offsets);
-    free(r->batch);
-    free(r);
+        obx_free(r->topics[i]);
+    obx_free(r->topics);
+    obx_free(r->slots);
+    obx_free(r->ids);
+    obx_free(r->dead_ids);
+    obx_free(r->dead_reasons);
+    obx_free(r->off_topics);
+    obx_free(r->off_partitions);
+    obx_free(r->off_offsets);
+    obx_free(r->batch);
+    obx_free(r);
 }
 
 /* Index of `name` in the topic table, adding it if new; -1 on no memory.
@@ -212,13 +213,13 @@ static int64_t topic_index(struct obx_relay *r, const char *name)
             return r->last_topic = (uint32_t)i;
     if (r->n_topics == r->cap_topics) {
         size_t cap = r->cap_topics ? r->cap_topics * 2 : 16;
-        char **grown = realloc(r->topics, cap * sizeof(*grown));
+        char **grown = obx_realloc(r->topics, cap * sizeof(*grown));
         if (!grown)
             return -1;
         r->topics = grown;
         r->cap_topics = cap;
     }
-    char *copy = strdup(name);
+    char *copy = obx_strdup(name);
     if (!copy)
         return -1;
     r->topics[r->n_topics] = copy;
@@ -245,7 +246,7 @@ static void slot_release(struct obx_relay *r, struct slot *s)
 {
     if (s->state == SLOT_ACKED || s->state == SLOT_DEAD)
         r->to_mark--;
-    free(s->reason);
+    obx_free(s->reason);
     s->reason = NULL;
     s->state = SLOT_FREE;
     s->next_free = r->free_head;
@@ -284,7 +285,7 @@ static void unblock(struct obx_relay *r, int64_t id)
         return;
     obx_info("relay: row %lld delivered after %d refusals; its key goes on", (long long)id,
              b->attempts);
-    free(b->key);
+    obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
 
@@ -294,7 +295,7 @@ static void drop_block(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
-    free(b->key);
+    obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
 
@@ -332,7 +333,7 @@ static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *k
             return;
         }
         char *copy = NULL;
-        if (key && !(copy = malloc(key_len ? key_len : 1))) {
+        if (key && !(copy = obx_malloc(key_len ? key_len : 1))) {
             obx_error("relay: out of memory holding back the key of row %lld", (long long)id);
             return;
         }
@@ -358,7 +359,7 @@ static void rejected(struct obx_relay *r, struct slot *s, const char *key, size_
         obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
                   "outbox.dead_letters",
                   (long long)s->id, r->topics[s->topic], reason);
-        s->reason = strdup(reason ? reason : "refused by Kafka");
+        s->reason = obx_strdup(reason ? reason : "refused by Kafka");
         if (s->reason) {
             s->state = SLOT_DEAD;
             r->to_mark++;

@@ -41,11 +41,12 @@ struct obx_health_parts {
 /* Embedded in its owner (no allocation); fields are health.c's. */
 struct obx_health {
     struct obx_health_parts parts;
-    double start_time;      /* Unix seconds */
-    int64_t last_tick;      /* loop time of the last obx_health_tick */
-    uint64_t recovery_seen; /* obx_recovery_progress() at the last tick */
-    bool ready_sent;        /* READY=1 went to systemd */
-    bool draining;          /* SIGTERM/SIGINT received */
+    double start_time;                /* Unix seconds */
+    int64_t last_tick;                /* loop time of the last obx_health_tick */
+    uint64_t recovery_seen;           /* obx_recovery_progress() at the last tick */
+    bool ready_sent;                  /* READY=1 went to systemd */
+    bool draining;                    /* SIGTERM/SIGINT received */
+    struct obx_histogram ack_latency; /* seconds from a row's insert to Kafka's ack */
 };
 
 void obx_health_init(struct obx_health *h, const struct obx_health_parts *parts);
@@ -56,6 +57,8 @@ void obx_health_tick(struct obx_health *h, int64_t now);
 void obx_health_recovered(struct obx_health *h);
 /* A shutdown began: not ready any more (STOPPING=1, once). */
 void obx_health_draining(struct obx_health *h);
+/* Kafka acknowledged a row created at `created_us` (Unix microseconds). */
+void obx_health_acked(struct obx_health *h, int64_t created_us);
 /* Postgres holds the relay lock for us (connected and usable). */
 bool obx_health_pg_connected(const struct obx_health *h);
 /* The HTTP handler (obx_http_handler) for /livez, /readyz and /metrics;

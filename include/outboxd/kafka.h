@@ -25,6 +25,7 @@
 #include <uv.h>
 
 #include "outboxd/config.h"
+#include "outboxd/metrics.h"
 #include "outboxd/record.h"
 #include "outboxd/relay.h"
 
@@ -87,6 +88,10 @@ void obx_kafka_probe(struct obx_kafka *k);
 void obx_kafka_drop_queued(struct obx_kafka *k);
 /* Whether the last probe reached a broker. */
 bool obx_kafka_connected(const struct obx_kafka *k);
+/* Records acknowledged, by topic; failed produce calls and deliveries, by
+ * librdkafka error name (for /metrics). */
+const struct obx_labelled *obx_kafka_published(const struct obx_kafka *k);
+const struct obx_labelled *obx_kafka_publish_errors(const struct obx_kafka *k);
 
 /* Serves librdkafka's queue from the housekeeping timer too. */
 void obx_kafka_housekeeping(struct obx_kafka *k);

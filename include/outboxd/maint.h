@@ -40,12 +40,10 @@ void obx_maint_tick(struct obx_maint *m, int64_t now);
 /* Unsent rows and the age of the oldest (by id) in seconds; -1 until known. */
 int64_t obx_maint_backlog(const struct obx_maint *m);
 double obx_maint_lag_seconds(const struct obx_maint *m);
-/* One purge batch, for the benchmark: $1 last id looked at, $2 batch size,
- * $3 retention in ms; returns (highest id looked at, rows deleted, rows
- * created within the period). */
-const char *obx_maint_sql_purge(void);
 /* Asks a running job to stop after its current statement; closes the
  * connection and frees once no job runs. */
 void obx_maint_close(struct obx_maint *m);
+/* For /metrics: rows deleted by retention since start. */
+uint64_t obx_maint_rows_purged(const struct obx_maint *m);
 
 #endif

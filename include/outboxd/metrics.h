@@ -1,12 +1,11 @@
 /*
- * metrics: the process's counters and histograms, and their rendering in
+ * metrics: counter and histogram types, and the rendering of everything in
  * the Prometheus text format for GET /metrics.
  *
- * One global `obx_stats`, written only on the loop thread (as Redis keeps
- * its stat_* fields in `server`): modules bump it where the event happens
- * (kafka.c per delivery report, pg.c per reconnect, relay.c per
- * acknowledgement). Gauges that are states of other modules (rows in
- * flight, connected or not) are read at render time and passed in.
+ * No global: each module keeps its own counters (kafka.c per delivery
+ * report, pg.c per reconnect and fetch, recovery.c and maint.c their rows)
+ * and exposes getters; health.c reads them all at render time into one
+ * struct obx_metrics_gauges. metrics.c includes no client library.
  */
 #ifndef OUTBOXD_METRICS_H
 #define OUTBOXD_METRICS_H
@@ -41,31 +40,30 @@ struct obx_labelled {
     size_t last; /* last hit: events come in runs of one label */
 };
 
-struct obx_stats {
-    struct obx_labelled published;      /* records acknowledged, by topic */
-    struct obx_labelled publish_errors; /* failed produce or delivery, by reason */
-    struct obx_histogram ack_latency;   /* seconds from created_at to acknowledgement */
-    struct obx_histogram batch_rows;    /* rows per fetch */
-    uint64_t pg_reconnects;             /* connection attempts after the first */
-    uint64_t rows_recovered;            /* rows the recovery pass found in Kafka */
-    uint64_t rows_purged;               /* rows deleted by retention */
-};
+/* Adds one to the counter of `label` (copied). */
+void obx_labelled_inc(struct obx_labelled *l, const char *label);
+void obx_labelled_free(struct obx_labelled *l);
 
-extern struct obx_stats obx_stats;
-
-/* Sets the histogram bounds; call once before use. */
-void obx_stats_init(void);
-void obx_stats_free(void);
-
-void obx_stats_published(const char *topic);
-void obx_stats_publish_error(const char *reason);
+/* Bucket bounds: seconds from a row's insert to its acknowledgement, and
+ * rows per fetch. */
+void obx_histogram_init_latency(struct obx_histogram *h);
+void obx_histogram_init_batch(struct obx_histogram *h);
 void obx_histogram_observe(struct obx_histogram *h, double v);
-/* Observes the latency of a row created at `created_us` (Unix microseconds)
- * that Kafka acknowledged now. */
-void obx_stats_acked(int64_t created_us);
+/* Observes the age, now, of a row created at `created_us` (Unix us). */
+void obx_histogram_observe_age(struct obx_histogram *h, int64_t created_us);
 
-/* Point-in-time values owned by other modules. */
+/* Everything /metrics shows, read from its owner at render time. Pointers
+ * may be NULL (nothing to show yet). */
 struct obx_metrics_gauges {
+    const struct obx_labelled *published;      /* records acknowledged, by topic */
+    const struct obx_labelled *publish_errors; /* failed produce or delivery, by reason */
+    const struct obx_histogram *ack_latency;   /* seconds from created_at to acknowledgement */
+    const struct obx_histogram *batch_rows;    /* rows per fetch */
+    uint64_t pg_reconnects;                    /* connection attempts after the first */
+    uint64_t rows_recovered;                   /* rows the recovery pass found in Kafka */
+    uint64_t rows_purged;                      /* rows deleted by retention */
+    const char *librdkafka_version, *libuv_version;
+    int libpq_version;
     size_t in_flight;
     size_t in_flight_limit;
     size_t keys_held_back;

@@ -29,11 +29,11 @@
 
 #include "outboxd/buf.h"
 #include "outboxd/config.h"
+#include "outboxd/metrics.h"
 #include "outboxd/record.h"
 #include "outboxd/relay.h"
+#include "outboxd/store.h"
 
-/* The newest migration in sql/ that this binary needs. */
-#define OBX_SCHEMA_VERSION 3
 /* The relay lock: a session-level advisory lock (space 'obxr', key 0) that
  * only the active relay of a database holds. A second outboxd started on
  * the same outbox (a rolling update, a mistake) stands by until the first
@@ -139,18 +139,12 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done,
                      void *arg) OBX_WARN_UNUSED;
 
-/* The statements outboxd runs, for benchmarks that must measure exactly
- * them. Fetch parameters: $1 excluded ids, $2 limit, $3..$5 held-back keys
- * (topics, keys, ids), $6 most payload bytes, $7 largest payload fetched.
- * Mark parameters: $1 ids, $2..$4 offsets (topics,
- * partitions, offsets), $5..$6 dead letters (ids, reasons); run inside
- * BEGIN ... COMMIT. */
-const char *obx_pg_sql_fetch(void);
-/* Writes the mark statement for `on_sent` into buf; returns buf. */
-const char *obx_pg_sql_mark(int on_sent, char *buf, size_t len);
-
 /* Checks that `conninfo` parses; on error writes a sentence without any of
  * its values (it may hold a password). */
 int obx_pg_check_conninfo(const char *conninfo, char *err, size_t errlen) OBX_WARN_UNUSED;
+
+/* For /metrics: connection attempts after the first; rows per fetch. */
+uint64_t obx_pg_reconnects(const struct obx_pg *pg);
+const struct obx_histogram *obx_pg_batch_rows(const struct obx_pg *pg);
 
 #endif

@@ -80,4 +80,7 @@ int obx_sha256_hex(const void *data, size_t len, char out[65]);
 /* True if s[0..len) is valid UTF-8 without NUL bytes (storable as text). */
 bool obx_valid_text(const char *s, size_t len);
 
+/* For /metrics: rows found in Kafka and marked, over all passes. */
+uint64_t obx_recovery_rows_recovered(const struct obx_recovery *rec);
+
 #endif

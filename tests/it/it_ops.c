@@ -348,7 +348,7 @@ static void test_check_live(void **state)
     h_sql(c, "CREATE DATABASE bare");
     snprintf(conninfo, sizeof(conninfo), "%s dbname=bare", env.conninfo);
     assert_int_equal(check_live(conninfo, env.bootstrap), 1);
-    assert_non_null(strstr(body, "no outbox schema in database bare"));
+    assert_non_null(strstr(body, "outbox schema not found in database bare"));
 
     /* Nothing reachable; the password is not repeated. */
     assert_int_equal(

@@ -7,6 +7,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -251,19 +253,25 @@ static void test_missing_file(void **state)
     assert_non_null(strstr(err, "cannot open config file /nonexistent/outboxd.conf"));
 }
 
+#define TESTS(X)                                                                                   \
+    X(test_defaults)                                                                               \
+    X(test_file_syntax)                                                                            \
+    X(test_errors_name_key_and_line)                                                               \
+    X(test_ranges)                                                                                 \
+    X(test_durations)                                                                              \
+    X(test_precedence)                                                                             \
+    X(test_x_args)                                                                                 \
+    X(test_validate)                                                                               \
+    X(test_example_config_documents_every_key)                                                     \
+    X(test_missing_file)
+
+TESTS(OBX_IN_FIXTURE)
+
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_defaults, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_file_syntax, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_errors_name_key_and_line, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_ranges, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_durations, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_precedence, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_x_args, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_validate, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_example_config_documents_every_key, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_missing_file, setup, teardown),
+        TESTS(OBX_FIXTURE_ENTRY) /* one entry each */
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -8,6 +8,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 #include <string.h>
 
 #include "outboxd/pg.h"
@@ -77,6 +79,7 @@ static void test_valid_text(void **state)
 
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_array_literals),
         cmocka_unit_test(test_sha256_hex),

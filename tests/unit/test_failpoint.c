@@ -6,6 +6,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 #include <signal.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -140,6 +142,7 @@ static void test_crash_on_nth_hit(void **state)
 
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse_good),
         cmocka_unit_test(test_parse_bad),

@@ -11,6 +11,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 static void test_parse_listen(void **state)
 {
     struct sockaddr_storage addr;
@@ -68,6 +70,7 @@ static void test_parse_request(void **state)
 
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse_listen),
         cmocka_unit_test(test_parse_request),

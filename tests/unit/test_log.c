@@ -8,6 +8,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +71,7 @@ static void test_plain_text_unchanged(void **state)
 
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_text_escapes_controls),
         cmocka_unit_test(test_json_escapes_controls),

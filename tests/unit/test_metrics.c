@@ -13,17 +13,24 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
+/* What the modules own (kafka.c's counters, pg.c's histogram), here. */
+static struct obx_labelled published, publish_errors;
+static struct obx_histogram batch_rows;
+
 static int setup(void **state)
 {
     (void)state;
-    obx_stats_init();
+    obx_histogram_init_batch(&batch_rows);
     return 0;
 }
 
 static int teardown(void **state)
 {
     (void)state;
-    obx_stats_free();
+    obx_labelled_free(&published);
+    obx_labelled_free(&publish_errors);
     return 0;
 }
 
@@ -38,11 +45,15 @@ static char *render(const struct obx_metrics_gauges *g)
 static void test_counters_by_label(void **state)
 {
     (void)state;
-    obx_stats_published("orders");
-    obx_stats_published("orders");
-    obx_stats_published("pay\"ments\\\n");
-    obx_stats_publish_error("MSG_SIZE_TOO_LARGE");
-    struct obx_metrics_gauges g = {.backlog_rows = 7, .lag_seconds = 1.5, .in_flight_limit = 10};
+    obx_labelled_inc(&published, "orders");
+    obx_labelled_inc(&published, "orders");
+    obx_labelled_inc(&published, "pay\"ments\\\n");
+    obx_labelled_inc(&publish_errors, "MSG_SIZE_TOO_LARGE");
+    struct obx_metrics_gauges g = {.published = &published,
+                                   .publish_errors = &publish_errors,
+                                   .backlog_rows = 7,
+                                   .lag_seconds = 1.5,
+                                   .in_flight_limit = 10};
     char *out = render(&g);
     assert_non_null(strstr(out, "outboxd_records_published_total{topic=\"orders\"} 2\n"));
     /* Quotes, backslashes and newlines in a label value are escaped. */
@@ -53,7 +64,7 @@ static void test_counters_by_label(void **state)
     assert_non_null(strstr(out, "outboxd_outbox_backlog_rows 7\n"));
     assert_non_null(strstr(out, "outboxd_outbox_lag_seconds 1.5\n"));
     assert_non_null(strstr(out, "outboxd_rows_in_flight_limit 10\n"));
-    free(out);
+    obx_free(out);
 
     /* Unknown backlog and lag are left out rather than shown as 0. */
     g.backlog_rows = -1;
@@ -61,7 +72,7 @@ static void test_counters_by_label(void **state)
     out = render(&g);
     assert_null(strstr(out, "outboxd_outbox_backlog_rows "));
     assert_null(strstr(out, "outboxd_outbox_lag_seconds "));
-    free(out);
+    obx_free(out);
 }
 
 static void test_label_cap(void **state)
@@ -70,22 +81,23 @@ static void test_label_cap(void **state)
     (void)state;
     for (int i = 0; i < OBX_LABELS_MAX + 10; i++) {
         snprintf(name, sizeof(name), "t%d", i);
-        obx_stats_published(name);
+        obx_labelled_inc(&published, name);
     }
-    assert_int_equal(obx_stats.published.n, OBX_LABELS_MAX + 1);
-    struct obx_metrics_gauges g = {.backlog_rows = -1, .lag_seconds = -1};
+    assert_int_equal(published.n, OBX_LABELS_MAX + 1);
+    struct obx_metrics_gauges g = {.published = &published, .backlog_rows = -1, .lag_seconds = -1};
     char *out = render(&g);
     assert_non_null(strstr(out, "outboxd_records_published_total{topic=\"_other\"} 10\n"));
-    free(out);
+    obx_free(out);
 }
 
 static void test_histogram(void **state)
 {
     (void)state;
-    obx_histogram_observe(&obx_stats.batch_rows, 1);    /* le 1 */
-    obx_histogram_observe(&obx_stats.batch_rows, 1000); /* le 1000 */
-    obx_histogram_observe(&obx_stats.batch_rows, 1e9);  /* +Inf only */
-    struct obx_metrics_gauges g = {.backlog_rows = -1, .lag_seconds = -1};
+    obx_histogram_observe(&batch_rows, 1);    /* le 1 */
+    obx_histogram_observe(&batch_rows, 1000); /* le 1000 */
+    obx_histogram_observe(&batch_rows, 1e9);  /* +Inf only */
+    struct obx_metrics_gauges g = {
+        .batch_rows = &batch_rows, .backlog_rows = -1, .lag_seconds = -1};
     char *out = render(&g);
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"1\"} 1\n"));
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"500\"} 1\n"));
@@ -94,15 +106,21 @@ static void test_histogram(void **state)
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"+Inf\"} 3\n"));
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_count 3\n"));
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_sum 1000001001\n"));
-    free(out);
+    obx_free(out);
 }
+
+#define TESTS(X)                                                                                   \
+    X(test_counters_by_label)                                                                      \
+    X(test_label_cap)                                                                              \
+    X(test_histogram)
+
+TESTS(OBX_IN_FIXTURE)
 
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_counters_by_label, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_label_cap, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_histogram, setup, teardown),
+        TESTS(OBX_FIXTURE_ENTRY) /* one entry each */
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

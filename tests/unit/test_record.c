@@ -7,6 +7,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 #include <string.h>
 
 #include "outboxd/record.h"
@@ -223,6 +225,7 @@ static void test_row_from_result(void **state)
 
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_array_iter),
         cmocka_unit_test(test_headers),

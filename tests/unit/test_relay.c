@@ -7,6 +7,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "cmocka_alloc.h"
+
 #include <string.h>
 
 #include "outboxd/failpoint.h"
@@ -842,37 +844,41 @@ static void test_fatal_without_postgres(void **state)
     assert_int_equal(c->f.exit_code, 1);
 }
 
+#define TESTS(X)                                                                                   \
+    X(test_cycle)                                                                                  \
+    X(test_exclusion_and_backpressure)                                                             \
+    X(test_notify_and_poll)                                                                        \
+    X(test_pg_lost_remarks_first)                                                                  \
+    X(test_query_failed_backs_off)                                                                 \
+    X(test_delivery_failure_refetches)                                                             \
+    X(test_produce_busy_keeps_order)                                                               \
+    X(test_produce_busy_discards_early_fetch)                                                      \
+    X(test_mark_carries_offsets)                                                                   \
+    X(test_recovery_retried)                                                                       \
+    X(test_reject_retry_holds_key)                                                                 \
+    X(test_reject_dead_letter)                                                                     \
+    X(test_reject_then_transient_failure)                                                          \
+    X(test_possibly_persisted_reruns_recovery)                                                     \
+    X(test_failpoint_through_ops)                                                                  \
+    X(test_shutdown_drains)                                                                        \
+    X(test_shutdown_deadline)                                                                      \
+    X(test_shutdown_hard_deadline_while_marking)                                                   \
+    X(test_shutdown_idle_is_immediate)                                                             \
+    X(test_stall)                                                                                  \
+    X(test_batch_refused_rows_go_alone)                                                            \
+    X(test_batch_refused_row_waits_and_may_be_gone)                                                \
+    X(test_every_acquisition_recovers)                                                             \
+    X(test_fetch_in_flight_at_shutdown_is_not_produced)                                            \
+    X(test_fatal_marks_acked_then_stops)                                                           \
+    X(test_fatal_without_postgres)
+
+TESTS(OBX_IN_FIXTURE)
+
 int main(void)
 {
+    use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_cycle, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_exclusion_and_backpressure, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_notify_and_poll, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_pg_lost_remarks_first, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_query_failed_backs_off, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_delivery_failure_refetches, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_produce_busy_keeps_order, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_produce_busy_discards_early_fetch, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_mark_carries_offsets, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_recovery_retried, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_reject_retry_holds_key, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_reject_dead_letter, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_reject_then_transient_failure, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_possibly_persisted_reruns_recovery, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_failpoint_through_ops, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_shutdown_drains, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_shutdown_deadline, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_shutdown_hard_deadline_while_marking, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_shutdown_idle_is_immediate, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_stall, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_batch_refused_rows_go_alone, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_batch_refused_row_waits_and_may_be_gone, setup,
-                                        teardown),
-        cmocka_unit_test_setup_teardown(test_every_acquisition_recovers, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_fetch_in_flight_at_shutdown_is_not_produced, setup,
-                                        teardown),
-        cmocka_unit_test_setup_teardown(test_fatal_marks_acked_then_stops, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_fatal_without_postgres, setup, teardown),
+        TESTS(OBX_FIXTURE_ENTRY) /* one entry each */
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

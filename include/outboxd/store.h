@@ -1,0 +1,65 @@
+/*
+ * store: every statement outboxd runs on the outbox schema (sql/), in one
+ * place, each shared fragment written once. The modules that run them (pg,
+ * recovery, maint, check, bench/) own connections and results, not SQL.
+ *
+ * Parameters and result columns are documented with each statement; the
+ * fetch's columns are enum obx_fetch_col (record.h).
+ */
+#ifndef OUTBOXD_STORE_H
+#define OUTBOXD_STORE_H
+
+#include <stddef.h>
+
+/* The schema this outboxd needs: sql/00N_*.sql up to N. */
+#define OBX_SCHEMA_VERSION 3
+
+/* One row, one column: the schema's version (0 if no migration ran). */
+#define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
+    "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations"
+/* One row, one column: 't' if the schema exists at all. */
+#define OBX_STORE_SQL_HAS_SCHEMA "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL"
+
+/* The migration file that brings a database from `version` to the next
+ * one (sql/001_outbox.sql for a missing schema). */
+const char *obx_store_next_migration(long version);
+
+/* Whether a database at schema `version` (-1: no outbox schema at all) can
+ * be used; if not, one line into buf naming the file to apply. `db` names
+ * the database (NULL: "this database"). Returns 0 if usable. */
+int obx_store_schema_problem(long version, const char *db, char *buf, size_t len);
+
+/* The fetch. $1 bigint[] ids in flight, $2 most rows, $3 text[] / $4 text[] /
+ * $5 bigint[] keys held back (topic, key, behind id), $6 most bytes, $7 most
+ * payload bytes (larger ones come as NULL with their length). */
+const char *obx_store_sql_fetch(void);
+
+/* The mark transaction's statement (inside BEGIN ... COMMIT). $1 bigint[]
+ * acknowledged ids; $2 text[] / $3 int[] / $4 bigint[] highest offset per
+ * partition; $5 bigint[] / $6 text[] dead letters and reasons. One row:
+ * confirmed, offsets stored, dead-lettered. `on_sent` is OBX_ON_SENT_*. */
+const char *obx_store_sql_mark(int on_sent, char *buf, size_t len);
+
+/* The recovery pass's marking of one chunk. $1 bigint[] / $2 text[] / $3
+ * text[] / $4 text[] records found (outbox id, topic, key, sha256 hex of the
+ * value); $5..$7 as the mark's $2..$4. Marks the rows whose id, topic, key
+ * and payload all match. One row: confirmed, found, offsets stored. */
+const char *obx_store_sql_recover(int on_sent, char *buf, size_t len);
+
+/* The recovery plan: topics with unsent rows, each stored (partition,
+ * offset) of them, and the range of unsent ids. Columns: topic, partition,
+ * last_offset, lo, hi. */
+const char *obx_store_sql_recovery_plan(void);
+
+/* The backlog gauges: unsent rows, age in seconds of the oldest. */
+const char *obx_store_sql_backlog(void);
+
+/* Unsent rows per topic (for --check): topic, count. */
+const char *obx_store_sql_waiting(void);
+
+/* Retention: $1 cursor (last id looked at), $2 batch size, $3 period in ms.
+ * Returns the highest id looked at, rows deleted, rows created within the
+ * period. */
+const char *obx_store_sql_purge(void);
+
+#endif
