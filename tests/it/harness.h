@@ -122,10 +122,12 @@ void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_recor
 void h_records_free(struct h_records *r);
 const struct h_header *h_record_header(const struct h_record *r, const char *name);
 
-/* Checks, against the rows still in outbox.events (mark mode): every row is
- * in Kafka exactly `once` (or at least once when allow_duplicates), with the
- * same topic, key and payload, nothing else is in Kafka, and records of one
- * key sit in one partition in id order. Returns the number of duplicates. */
+/* Checks, against every row committed since h_env_start (a trigger keeps a
+ * copy, so delete mode and retention are covered) except dead letters:
+ * every row is in Kafka exactly once (or at least once when
+ * allow_duplicates), with the same topic, key and payload, nothing else is
+ * in Kafka, and records of one key sit in one partition in id order.
+ * Returns the number of duplicates. */
 size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
                                 bool allow_duplicates);
 
