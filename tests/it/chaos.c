@@ -81,6 +81,9 @@ enum fault_kind {
     F_RTT,            /* every broker answers dur/4 ms late, for dur */
     F_SIGTERM,        /* SIGTERM a relay, restart it after dur */
     F_SIGHUP,         /* SIGHUP a relay (reload) */
+    F_TAKEOVER,       /* the active relay's sessions terminated; after dur, kill -9 of the
+                       * relay that took over while acknowledgements lag (restarted at
+                       * once): a relay's second acquisition of the lock in one process */
     F_COUNT
 };
 
@@ -90,7 +93,8 @@ static const char *const fault_names[F_COUNT] = {"kill9",           "stop",
                                                  "pg-down",         "brokers-down",
                                                  "broker-down",     "produce-errors",
                                                  "reject-errors",   "rtt",
-                                                 "sigterm",         "sighup"};
+                                                 "sigterm",         "sighup",
+                                                 "takeover"};
 
 /* Faults drawn unless --faults says otherwise: all of them. */
 static const unsigned default_faults = (1u << F_COUNT) - 1;
@@ -117,7 +121,7 @@ static const int fault_weight[F_COUNT] = {
     [F_KILL9] = 2,       [F_STOP] = 1,           [F_TERMINATE] = 3,     [F_FREEZE_CUT] = 3,
     [F_PG_FAST] = 1,     [F_PG_IMMEDIATE] = 1,   [F_PG_DOWN] = 1,       [F_BROKERS_DOWN] = 1,
     [F_BROKER_DOWN] = 1, [F_PRODUCE_ERRORS] = 1, [F_REJECT_ERRORS] = 1, [F_RTT] = 1,
-    [F_SIGTERM] = 1,     [F_SIGHUP] = 1,
+    [F_SIGTERM] = 1,     [F_SIGHUP] = 1,         [F_TAKEOVER] = 2,
 };
 
 static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
@@ -356,6 +360,7 @@ struct run {
     struct writer writers[WRITERS];
     atomic_int stop_writers;
     bool pg_down;
+    int rtt_ms;              /* latency an rtt fault set, 0 = none */
     bool has_produce_errors; /* the schedule injects Produce errors */
     /* Windows the README names in which duplicates are expected. */
     bool zombie_window; /* a relay frozen while its session ended, with another to take over */
@@ -454,6 +459,28 @@ static void relay_wait_dead(struct relay *rl)
     h_relay_wait(&rl->env, 10000);
     rl->alive = false;
     rl->stopped = false;
+}
+
+/* The relay holding the relay lock, -1 if none (or Postgres is down). */
+static int active_relay(struct run *x)
+{
+    if (x->pg_down)
+        return -1;
+    PGconn *c = PQconnectdb(x->env.conninfo);
+    int found = -1;
+    if (PQstatus(c) == CONNECTION_OK) {
+        PGresult *r = PQexec(c, "SELECT a.application_name FROM pg_locks l"
+                                " JOIN pg_stat_activity a ON a.pid = l.pid"
+                                " WHERE l.locktype = 'advisory' AND l.granted"
+                                "   AND l.classid = 1868724338 AND l.objid = 0");
+        for (int k = 0;
+             PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && k < x->s.n_relays; k++)
+            if (strcmp(PQgetvalue(r, 0, 0), x->relay[k].app) == 0)
+                found = k;
+        PQclear(r);
+    }
+    PQfinish(c);
+    return found;
 }
 
 static int terminate_sessions(struct run *x, const char *app)
@@ -583,12 +610,37 @@ static void apply(struct run *x, const struct fault *f, int phase)
             h_broker_cmd(e, "push-errors 0 MSG_SIZE_TOO_LARGE");
         break;
     case F_RTT:
-        h_broker_cmd(e, "rtt all %d", phase == 0 ? f->dur_ms / 4 : 0);
+        x->rtt_ms = phase == 0 ? f->dur_ms / 4 : 0;
+        h_broker_cmd(e, "rtt all %d", x->rtt_ms);
         break;
     case F_SIGHUP:
         if (phase == 0 && rl->alive && !rl->stopped)
             kill(rl->env.relay_pid, SIGHUP);
         break;
+    case F_TAKEOVER: {
+        /* Whoever is active, not the drawn relay: a takeover needs one. */
+        int a = active_relay(x);
+        if (a < 0 || x->relay[a].stopped)
+            break;
+        struct relay *act = &x->relay[a];
+        if (phase == 0) {
+            expect_notice(x, a);
+            if (terminate_sessions(x, act->app) > 0)
+                session_cut(x, a);
+            else
+                act->expect_notice = false;
+        } else {
+            /* Killed while acknowledgements lag: records it sent are in
+             * Kafka, not yet marked, for the next holder to find. */
+            h_broker_cmd(e, "rtt all %d", x->rtt_ms > 250 ? x->rtt_ms : 250);
+            h_sleep_ms(400);
+            kill(act->env.relay_pid, SIGKILL);
+            relay_wait_dead(act);
+            h_broker_cmd(e, "rtt all %d", x->rtt_ms);
+            relay_start(x, a);
+        }
+        break;
+    }
     case F_COUNT:
         break;
     }
