@@ -118,6 +118,18 @@ static void check_exactly_once(void)
     h_records_free(&recs);
 }
 
+/* The end of a scenario: the writer stops, the relay catches up within
+ * 10 s of `after`, stops cleanly on SIGTERM, and every row is in Kafka
+ * once. (An immediate Postgres shutdown may lose a mark's commit: rows
+ * Kafka acknowledged are then recognised by the recovery pass.) */
+static void finish_and_check(struct h_env *relay, struct writer *wr, const char *after)
+{
+    assert_true(writer_stop(wr) > 0);
+    expect_caught_up(after, 10000);
+    assert_int_equal(h_relay_stop(relay, SIGTERM, 30000), 0);
+    check_exactly_once();
+}
+
 /* Starts relay A (active) and B (standby) on env, sessions named aa and bb.
  * A relay whose session was cut reconnects after at least 0.5 s here, so
  * the standby (which tries every 250 ms) is the one that takes over. */
@@ -201,10 +213,7 @@ static void test_standby_stop_terminate_continue(void **state)
     int64_t took = h_now_ms() - killed;
     if (took > 3000) /* the probe loop itself polls every 100 ms */
         fail_msg("takeover took %lld ms", (long long)took);
-    assert_true(writer_stop(&wr) > 0);
-    expect_caught_up("the takeover", 10000);
-    assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
-    check_exactly_once();
+    finish_and_check(&b, &wr, "the takeover");
 }
 
 /* Issue 9.1: Postgres restarted (fast, then immediate) over TCP while rows
@@ -225,12 +234,7 @@ static void test_pg_restarts(void **state)
         int64_t before = s_sent_count(&env);
         s_wait_sent(&env, before + 20, 10000); /* relaying again */
     }
-    assert_true(writer_stop(&wr) > 0);
-    expect_caught_up("the last restart", 10000);
-    /* An immediate shutdown may lose a mark's commit: rows acknowledged by
-     * Kafka are then recognised by the recovery pass, not sent twice. */
-    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    check_exactly_once();
+    finish_and_check(&env, &wr, "the last restart");
 }
 
 /* Issue 9.2: a multi-host conninfo whose first host is dead. */

@@ -49,4 +49,14 @@ static void use_cmocka_allocator(void)
     }
 #define OBX_FIXTURE_ENTRY(fn) cmocka_unit_test(fn##_in_fixture),
 
+/* The wrappers and main() of a file whose tests all use its fixture;
+ * `list(X)` names them, X(test_a) X(test_b)... */
+#define OBX_FIXTURE_MAIN(list)                                                                     \
+    list(OBX_IN_FIXTURE) int main(void)                                                            \
+    {                                                                                              \
+        use_cmocka_allocator();                                                                    \
+        const struct CMUnitTest tests[] = {list(OBX_FIXTURE_ENTRY)};                               \
+        return cmocka_run_group_tests(tests, NULL, NULL);                                          \
+    }
+
 #endif

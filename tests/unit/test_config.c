@@ -265,13 +265,4 @@ static void test_missing_file(void **state)
     X(test_example_config_documents_every_key)                                                     \
     X(test_missing_file)
 
-TESTS(OBX_IN_FIXTURE)
-
-int main(void)
-{
-    use_cmocka_allocator();
-    const struct CMUnitTest tests[] = {
-        TESTS(OBX_FIXTURE_ENTRY) /* one entry each */
-    };
-    return cmocka_run_group_tests(tests, NULL, NULL);
-}
+OBX_FIXTURE_MAIN(TESTS)

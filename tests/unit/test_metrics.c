@@ -114,13 +114,4 @@ static void test_histogram(void **state)
     X(test_label_cap)                                                                              \
     X(test_histogram)
 
-TESTS(OBX_IN_FIXTURE)
-
-int main(void)
-{
-    use_cmocka_allocator();
-    const struct CMUnitTest tests[] = {
-        TESTS(OBX_FIXTURE_ENTRY) /* one entry each */
-    };
-    return cmocka_run_group_tests(tests, NULL, NULL);
-}
+OBX_FIXTURE_MAIN(TESTS)

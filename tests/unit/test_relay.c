@@ -872,13 +872,4 @@ static void test_fatal_without_postgres(void **state)
     X(test_fatal_marks_acked_then_stops)                                                           \
     X(test_fatal_without_postgres)
 
-TESTS(OBX_IN_FIXTURE)
-
-int main(void)
-{
-    use_cmocka_allocator();
-    const struct CMUnitTest tests[] = {
-        TESTS(OBX_FIXTURE_ENTRY) /* one entry each */
-    };
-    return cmocka_run_group_tests(tests, NULL, NULL);
-}
+OBX_FIXTURE_MAIN(TESTS)
