@@ -92,9 +92,10 @@ struct obx_relay {
     int64_t drain_deadline; /* stop waiting for deliveries; mark what was acknowledged */
     int64_t hard_deadline;  /* stop, whatever is in flight (shutdown.timeout) */
 
-    int64_t last_progress; /* see obx_relay_last_progress */
-    int64_t state_since;   /* when the state last changed */
-    int64_t stalled_ms;    /* > 0 while a stall is reported */
+    int64_t last_progress;     /* see obx_relay_last_progress */
+    int64_t unknown_warned_at; /* last "may or may not be in Kafka" warning */
+    int64_t state_since;       /* when the state last changed */
+    int64_t stalled_ms;        /* > 0 while a stall is reported */
     int64_t stall_logged_at;
     int exit_code;
     uint64_t marked_total;
@@ -155,6 +156,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     if (!r)
         return -1;
     r->set = *s;
+    r->unknown_warned_at = INT64_MIN / 2; /* the first such report warns */
     r->ops = ops;
     r->io = io;
     r->state = OBX_RELAY_WAIT_PG;
@@ -844,9 +846,14 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         if (outcome == OBX_DELIVERY_UNKNOWN) {
             /* Publishing it again blindly could duplicate it: the recovery
              * pass reads Kafka first and marks it if it landed. */
-            obx_warn("relay: row %lld may or may not be in Kafka (%s); the recovery pass checks "
-                     "before it is published again",
-                     (long long)s->id, reason ? reason : "unknown error");
+            /* Such reports come in bursts (a whole request timed out):
+             * one warning a second, the rest at debug. */
+            obx_log(now - r->unknown_warned_at >= 1000 ? OBX_LOG_WARN : OBX_LOG_DEBUG,
+                    "relay: row %lld may or may not be in Kafka (%s); the recovery pass checks "
+                    "before it is published again",
+                    (long long)s->id, reason ? reason : "unknown error");
+            if (now - r->unknown_warned_at >= 1000)
+                r->unknown_warned_at = now;
             r->recovered = false;
         } else {
             obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,

@@ -433,6 +433,29 @@ static void test_reject_dead_letter(void **state)
     PQfinish(c);
 }
 
+/* Issue 10.5: with a finite kafka.message.timeout.ms (which --check warns
+ * about), records whose acknowledgement is late enough fail with
+ * _MSG_TIMED_OUT while they may well be stored. They are not published again
+ * blindly: the recovery pass reads Kafka first and marks those it finds. */
+static void test_message_timeout_possibly_persisted(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"kafka.message.timeout.ms=1500",
+                                        "kafka.request.timeout.ms=1000",
+                                        "relay.retry_backoff=200ms", NULL});
+    s_prefill(&env, "it.a", 200);
+    s_wait_sent(&env, 200, 30000);
+    /* Acknowledgements now come after the records have timed out. */
+    assert_true(h_broker_cmd(&env, "rtt all 3000"));
+    s_prefill(&env, "it.b", 300);
+    h_wait_log(&env, "may or may not be in Kafka", 20000);
+    assert_true(h_broker_cmd(&env, "rtt all 0"));
+    assert_int_equal(drain_and_check(), 500); /* each once */
+    assert_true(recovered() > 0); /* found in Kafka, marked, not sent again */
+}
+
 /* DESIGN G3/G6: Kafka refuses a whole batch (MSG_SIZE_TOO_LARGE for the
  * request: the topic's limit, or one record in it). librdkafka stops the
  * producer (enable.gapless.guarantee) and outboxd replaces it in the same
@@ -658,6 +681,7 @@ int main(int argc, char **argv)
         T(test_reject_retry),
         T(test_reject_dead_letter),
         T(test_batch_refused_spares_the_others),
+        T(test_message_timeout_possibly_persisted),
         T(test_recovery_resumes),
         T(test_forged_outbox_id_header),
         T(test_recovery_topic_troubles),
