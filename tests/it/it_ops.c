@@ -522,6 +522,85 @@ static void test_standby(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 }
 
+/* Whether `name` is a metric of the exposition: a "# TYPE" name, or a
+ * histogram's _bucket, _sum or _count series. */
+static bool exported(const char *exposition, const char *name)
+{
+    char want[160];
+    static const char *const suffixes[] = {"_bucket", "_sum", "_count"};
+    snprintf(want, sizeof(want), "# TYPE %s ", name);
+    if (strstr(exposition, want))
+        return true;
+    for (size_t i = 0; i < 3; i++) {
+        size_t n = strlen(name), sl = strlen(suffixes[i]);
+        if (n > sl && strcmp(name + n - sl, suffixes[i]) == 0) {
+            snprintf(want, sizeof(want), "# TYPE %.*s histogram", (int)(n - sl), name);
+            if (strstr(exposition, want))
+                return true;
+        }
+    }
+    return false;
+}
+
+static bool name_char(char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+/* Every metric name a file under config/ uses (outboxd_*, process_*) is one
+ * the relay exports. Returns how many names were checked. */
+static int check_names_in(const char *path, const char *exposition)
+{
+    static char text[1 << 17];
+    FILE *f = fopen(path, "r");
+    if (!f)
+        fail_msg("cannot read %s", path);
+    size_t len = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    int checked = 0;
+    for (const char *p = text; *p; p++) {
+        bool start = (p == text || !name_char(p[-1])) &&
+                     (strncmp(p, "outboxd_", 8) == 0 || strncmp(p, "process_", 8) == 0);
+        if (!start)
+            continue;
+        char name[128];
+        size_t n = 0;
+        while (name_char(p[n]) && n < sizeof(name) - 1) {
+            name[n] = p[n];
+            n++;
+        }
+        name[n] = '\0';
+        if (!exported(exposition, name))
+            fail_msg("%s uses %s, which /metrics does not export", path, name);
+        checked++;
+        p += n - 1;
+    }
+    return checked;
+}
+
+/* The Grafana dashboard and the alert rules under config/ query only
+ * metrics a live relay exports. */
+static void test_dashboard(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:2", NULL});
+    h_relay_start(&env, NULL, NULL);
+    wait_http("/readyz", 200, "ready", 15000);
+    /* The backlog gauges appear once the maintenance connection measured. */
+    wait_http("/metrics", 200, "# TYPE outboxd_outbox_lag_seconds", 15000);
+    int dashboard = check_names_in(OBX_SOURCE_DIR "/config/grafana/outboxd-dashboard.json", body);
+    int rules = check_names_in(OBX_SOURCE_DIR "/config/prometheus/outboxd-alerts.yml", body);
+    print_message("dashboard: %d metric references, alert rules: %d, all exported\n", dashboard,
+                  rules);
+    assert_true(dashboard >= 20);
+    assert_true(rules >= 6);
+    /* The check itself: a name the relay does not export is caught. */
+    assert_false(exported(body, "outboxd_no_such_metric"));
+    assert_true(exported(body, "outboxd_commit_to_ack_seconds_bucket"));
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -530,6 +609,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_check_live, teardown_env),
         cmocka_unit_test_teardown(test_tls, teardown_env),
         cmocka_unit_test_teardown(test_standby, teardown_env),
+        cmocka_unit_test_teardown(test_dashboard, teardown_env),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
