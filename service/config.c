@@ -33,6 +33,7 @@ struct key_def {
 };
 
 static const char *const on_sent_choices[] = {"mark", "delete", NULL};
+static const char *const record_format_choices[] = {"plain", "cloudevents", NULL};
 static const char *const on_reject_choices[] = {"retry", "dead_letter", NULL};
 static const char *const level_choices[] = {"error", "warn", "info", "debug", NULL};
 static const char *const format_choices[] = {"text", "json", NULL};
@@ -82,6 +83,12 @@ static const struct key_def keys[] = {
      0,
      "records the recovery pass reads (or 5 s of reading) before it stores its progress in "
      "outbox.kafka_offsets"},
+    {"record.format", KEY_ENUM, OFF(record_format), "plain", 0, 0, record_format_choices, 0,
+     "plain (the row's headers and outbox-id) or cloudevents (CloudEvents 1.0 binary mode: "
+     "ce_specversion, ce_id = the outbox id, ce_source, ce_type, ce_time added)"},
+    {"record.cloudevents_source", KEY_STRING, OFF(ce_source), "", 0, 0, NULL, 0,
+     "ce_source of every record under record.format = cloudevents, a URI-reference naming "
+     "the producer (e.g. /orders); a row's own ce_source header wins"},
     {"http.listen", KEY_STRING, OFF(http_listen), "127.0.0.1:9187", 0, 0, NULL, 0,
      "HOST:PORT serving /livez, /readyz and /metrics (empty = off)"},
     {"log.level", KEY_ENUM, OFF(log_level), "info", 0, 0, level_choices, 0,
@@ -536,6 +543,12 @@ int obx_config_validate(const struct obx_config *cfg, char *err, size_t errlen)
                  "postgres.reconnect_backoff_min (%lldms) is larger than "
                  "postgres.reconnect_backoff_max (%lldms)",
                  (long long)cfg->pg_backoff_min_ms, (long long)cfg->pg_backoff_max_ms);
+        return -1;
+    }
+    if (cfg->record_format == OBX_RECORD_CLOUDEVENTS && (!cfg->ce_source || !cfg->ce_source[0])) {
+        snprintf(err, errlen,
+                 "record.cloudevents_source is required when record.format = cloudevents "
+                 "(a URI-reference naming the producer, e.g. /orders)");
         return -1;
     }
     if (cfg->batch_size > cfg->max_in_flight) {

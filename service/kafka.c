@@ -37,6 +37,7 @@ struct obx_kafka {
     int refs;       /* the poll handle and a running probe hold k */
     int64_t max_message_bytes;
     char reason[160];                   /* the last refusal's reason */
+    struct obx_record_opts record;      /* record.format and its settings */
     struct obx_labelled published;      /* records acknowledged, by topic */
     struct obx_labelled publish_errors; /* failed produce or delivery, by reason */
 };
@@ -403,6 +404,8 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
     k->cb = *cb;
     k->arg = arg;
     k->max_message_bytes = obx_kafka_conf_max_message_bytes(conf);
+    /* cfg outlives the producer (main's, for the whole run). */
+    k->record = (struct obx_record_opts){.format = cfg->record_format, .ce_source = cfg->ce_source};
     rd_kafka_conf_set_dr_msg_cb(conf, on_delivery);
     rd_kafka_conf_set_error_cb(conf, on_error);
     rd_kafka_conf_set_log_cb(conf, obx_kafka_log_cb);
@@ -466,7 +469,7 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
         *reason = k->reason;
         return OBX_PRODUCE_REJECTED;
     }
-    if (obx_record_headers(row, &hdrs, err, sizeof(err)) != 0) {
+    if (obx_record_headers(row, &k->record, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
         obx_labelled_inc(&k->publish_errors, "HEADERS_INVALID");
         *reason = "headers could not be encoded";

@@ -5,6 +5,7 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 static uint32_t be32(const char *p)
 {
@@ -115,13 +116,45 @@ size_t obx_format_id(int64_t id, char *buf)
     return n > 0 ? (size_t)n : 0;
 }
 
-int obx_record_headers(const struct obx_row *row, rd_kafka_headers_t **out, char *err,
-                       size_t errlen)
+size_t obx_format_rfc3339(int64_t unix_us, char *buf, size_t len)
+{
+    time_t secs = (time_t)(unix_us / 1000000);
+    long micros = (long)(unix_us % 1000000);
+    if (micros < 0) {
+        micros += 1000000;
+        secs--;
+    }
+    struct tm tm;
+    if (!gmtime_r(&secs, &tm)) {
+        buf[0] = '\0';
+        return 0;
+    }
+    int n = snprintf(buf, len, "%04d-%02d-%02dT%02d:%02d:%02d.%06ldZ", tm.tm_year + 1900,
+                     tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, micros);
+    return n > 0 && (size_t)n < len ? (size_t)n : 0;
+}
+
+static bool name_is(const char *k, size_t klen, const char *name)
+{
+    return klen == strlen(name) && memcmp(k, name, klen) == 0;
+}
+
+/* CloudEvents headers set by us whatever the row says. */
+static bool ce_reserved(const char *k, size_t klen)
+{
+    return name_is(k, klen, "ce_specversion") || name_is(k, klen, "ce_id") ||
+           name_is(k, klen, "ce_time");
+}
+
+int obx_record_headers(const struct obx_row *row, const struct obx_record_opts *opts,
+                       rd_kafka_headers_t **out, char *err, size_t errlen)
 {
     struct obx_array_iter keys, values;
     int nkeys = 0, nvalues = 0;
     char idbuf[24];
     size_t idlen = obx_format_id(row->id, idbuf);
+    bool ce = opts && opts->format == OBX_RECORD_CLOUDEVENTS;
+    bool own_source = false, own_type = false;
 
     if (row->hdr_keys) {
         nkeys = obx_array_iter_init(&keys, row->hdr_keys, row->hdr_keys_len);
@@ -133,13 +166,35 @@ int obx_record_headers(const struct obx_row *row, rd_kafka_headers_t **out, char
                      (long long)row->id);
             return -1;
         }
+        if (ce) { /* a first pass: does the row name its own source and type? */
+            struct obx_array_iter scan = keys;
+            const char *k;
+            size_t klen;
+            while (obx_array_iter_next(&scan, &k, &klen) == 1) {
+                own_source = own_source || (k && name_is(k, klen, "ce_source"));
+                own_type = own_type || (k && name_is(k, klen, "ce_type"));
+            }
+        }
     }
-    rd_kafka_headers_t *hdrs = rd_kafka_headers_new((size_t)nkeys + 1);
+    rd_kafka_headers_t *hdrs = rd_kafka_headers_new((size_t)nkeys + (ce ? 6 : 1));
     if (!hdrs) {
         snprintf(err, errlen, "row %lld: out of memory for headers", (long long)row->id);
         return -1;
     }
     rd_kafka_header_add(hdrs, "outbox-id", -1, idbuf, (ssize_t)idlen);
+    if (ce) {
+        rd_kafka_header_add(hdrs, "ce_specversion", -1, "1.0", 3);
+        rd_kafka_header_add(hdrs, "ce_id", -1, idbuf, (ssize_t)idlen);
+        if (!own_source)
+            rd_kafka_header_add(hdrs, "ce_source", -1, opts->ce_source ? opts->ce_source : "", -1);
+        if (!own_type)
+            rd_kafka_header_add(hdrs, "ce_type", -1, row->topic, -1);
+        char when[40];
+        size_t wlen =
+            row->created_us > 0 ? obx_format_rfc3339(row->created_us, when, sizeof(when)) : 0;
+        if (wlen > 0)
+            rd_kafka_header_add(hdrs, "ce_time", -1, when, (ssize_t)wlen);
+    }
     for (int i = 0; i < nkeys; i++) {
         const char *k, *v;
         size_t klen, vlen;
@@ -149,6 +204,8 @@ int obx_record_headers(const struct obx_row *row, rd_kafka_headers_t **out, char
             snprintf(err, errlen, "row %lld: malformed header element %d", (long long)row->id, i);
             return -1;
         }
+        if (ce && ce_reserved(k, klen))
+            continue;
         rd_kafka_header_add(hdrs, k, (ssize_t)klen, v, v ? (ssize_t)vlen : 0);
     }
     *out = hdrs;

@@ -22,6 +22,13 @@
 
 #define OBX_WARN_UNUSED __attribute__((warn_unused_result))
 
+/* record.format: the Kafka record of a row (DESIGN 1.2), or that record as
+ * a CloudEvents 1.0 event in binary content mode (ce_* headers added). */
+enum obx_record_format {
+    OBX_RECORD_PLAIN = 0,
+    OBX_RECORD_CLOUDEVENTS = 1,
+};
+
 enum obx_on_sent {
     OBX_ON_SENT_MARK = 0,   /* UPDATE ... SET sent_at = now() */
     OBX_ON_SENT_DELETE = 1, /* DELETE the row once acknowledged */
@@ -56,6 +63,9 @@ struct obx_config {
     int recovery_chunk_records;
 
     char *http_listen; /* owned; "" = no HTTP endpoints */
+
+    int record_format; /* enum obx_record_format */
+    char *ce_source;   /* owned; record.cloudevents_source */
 
     int log_level;  /* enum obx_log_level */
     int log_format; /* enum obx_log_format */

@@ -53,11 +53,26 @@ int obx_array_iter_init(struct obx_array_iter *it, const char *data, size_t len)
  * end, -1 on malformed data. */
 int obx_array_iter_next(struct obx_array_iter *it, const char **elem, size_t *len);
 
+/* How records are made (record.format). */
+struct obx_record_opts {
+    int format;            /* enum obx_record_format */
+    const char *ce_source; /* OBX_RECORD_CLOUDEVENTS: ce_source unless the row has one */
+};
+
 /* Builds the Kafka headers of `row`: "outbox-id" first, then each member of
- * the row's headers. The caller owns *out (rd_kafka_producev takes it over on
- * success). Returns 0, or -1 with a sentence in err. */
-int obx_record_headers(const struct obx_row *row, rd_kafka_headers_t **out, char *err,
-                       size_t errlen) OBX_WARN_UNUSED;
+ * the row's headers. Under CloudEvents (opts non-NULL), after outbox-id:
+ * ce_specversion 1.0, ce_id (the outbox id), ce_source and ce_type (the
+ * configured source and the topic, unless the row has its own), ce_time
+ * (created_at, RFC 3339 UTC); a row header named ce_specversion, ce_id or
+ * ce_time is left out (ours holds). The caller owns *out
+ * (rd_kafka_producev takes it over on success). Returns 0, or -1 with a
+ * sentence in err. */
+int obx_record_headers(const struct obx_row *row, const struct obx_record_opts *opts,
+                       rd_kafka_headers_t **out, char *err, size_t errlen) OBX_WARN_UNUSED;
+
+/* Writes Unix microseconds as RFC 3339 UTC ("2026-12-01T11:43:16.123456Z")
+ * into buf (at least 28 bytes); returns the length. */
+size_t obx_format_rfc3339(int64_t unix_us, char *buf, size_t len);
 
 /* Writes id as decimal ASCII into buf (at least 21 bytes); returns length. */
 size_t obx_format_id(int64_t id, char *buf);

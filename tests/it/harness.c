@@ -992,3 +992,18 @@ size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
     PQfinish(c);
     return dups;
 }
+
+int h_run_suite(const char *group, const struct CMUnitTest *tests, size_t n, int argc, char **argv)
+{
+    if (argc > 1) {
+        bool known = false;
+        for (size_t i = 0; i < n && !known; i++)
+            known = strcmp(tests[i].name, argv[1]) == 0;
+        if (!known) {
+            fprintf(stderr, "%s: no test named %s in this suite\n", argv[0], argv[1]);
+            return 1;
+        }
+        cmocka_set_test_filter(argv[1]);
+    }
+    return _cmocka_run_group_tests(group, tests, n, NULL, NULL);
+}

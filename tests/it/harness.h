@@ -9,12 +9,15 @@
 #ifndef OBX_IT_HARNESS_H
 #define OBX_IT_HARNESS_H
 
+#include <setjmp.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
 
+#include <cmocka.h>
 #include <libpq-fe.h>
 
 struct h_env {
@@ -121,6 +124,12 @@ bool h_wait_drained(struct h_env *e, int timeout_ms);
 void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out);
 void h_records_free(struct h_records *r);
 const struct h_header *h_record_header(const struct h_record *r, const char *name);
+
+/* Runs the suite's tests, or only the one argv[1] names (as ctest does):
+ * a name that is no test of the suite fails rather than running nothing. */
+int h_run_suite(const char *group, const struct CMUnitTest *tests, size_t n, int argc, char **argv);
+#define H_RUN_SUITE(tests, argc, argv)                                                             \
+    h_run_suite(#tests, tests, sizeof(tests) / sizeof((tests)[0]), argc, argv)
 
 /* Checks, against every row committed since h_env_start (a trigger keeps a
  * copy, so delete mode and retention are covered) except dead letters:

@@ -453,7 +453,7 @@ static void test_message_timeout_possibly_persisted(void **state)
     h_wait_log(&env, "may or may not be in Kafka", 20000);
     assert_true(h_broker_cmd(&env, "rtt all 0"));
     assert_int_equal(drain_and_check(), 500); /* each once */
-    assert_true(recovered() > 0); /* found in Kafka, marked, not sent again */
+    assert_true(recovered() > 0);             /* found in Kafka, marked, not sent again */
 }
 
 /* DESIGN G3/G6: Kafka refuses a whole batch (MSG_SIZE_TOO_LARGE for the
@@ -687,7 +687,5 @@ int main(int argc, char **argv)
         T(test_recovery_topic_troubles),
     };
 #undef T
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return H_RUN_SUITE(tests, argc, argv);
 }

@@ -744,7 +744,5 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_zombie, teardown_env),
         cmocka_unit_test_teardown(test_lost_in_every_state, teardown_env),
     };
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return H_RUN_SUITE(tests, argc, argv);
 }

@@ -611,7 +611,5 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_standby, teardown_env),
         cmocka_unit_test_teardown(test_dashboard, teardown_env),
     };
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return H_RUN_SUITE(tests, argc, argv);
 }

@@ -721,13 +721,74 @@ static void test_cli(void **state)
     assert_non_null(strstr(out, "postgres.conninfo"));
     assert_int_equal(run_outboxd(out, sizeof(out), (char *const[]){"outboxd", "--bogus", NULL}), 2);
 
+    /* CloudEvents need a source: one line naming the key, exit 2. */
+    assert_int_equal(run_outboxd(out, sizeof(out),
+                                 (char *const[]){"outboxd", "-X", "postgres.conninfo=host=/x", "-X",
+                                                 "kafka.bootstrap.servers=127.0.0.1:1", "-X",
+                                                 "record.format=cloudevents", "--check", NULL}),
+                     2);
+    if (!strstr(out, "record.cloudevents_source is required"))
+        fail_msg("--check said: %s", out);
+
     unlink(path);
+}
+
+static const char *header_of(const struct h_record *r, const char *name)
+{
+    const struct h_header *h = h_record_header(r, name);
+    return h && h->value ? h->value : NULL;
+}
+
+/* record.format = cloudevents, read back from Kafka: the CloudEvents binary
+ * mode attributes on every record (id = outbox id, source configured or the
+ * row's, type the row's ce_type or the topic, time = created_at), the row's
+ * headers and outbox-id kept; the default format stays without them. */
+static void test_cloudevents(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:2", "it.b:1", "it.c:1", NULL});
+    PGconn *c = h_connect(&env);
+    int64_t typed = h_enqueue(c, "it.a", "k", "{}", 2,
+                              "{\"ce_type\": \"order.created\","
+                              " \"content-type\": \"application/json\"}");
+    int64_t plain = h_enqueue(c, "it.b", NULL, "x", 1, NULL);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"record.format=cloudevents",
+                                        "record.cloudevents_source=/orders-service", NULL});
+    s_wait_drained(&env, 20000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(recs.n, 2);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    for (size_t i = 0; i < recs.n; i++) {
+        const struct h_record *r = &recs.v[i];
+        char id[24];
+        snprintf(id, sizeof(id), "%lld", (long long)r->outbox_id);
+        assert_string_equal(r->headers[0].name, "outbox-id");
+        assert_string_equal(header_of(r, "ce_specversion"), "1.0");
+        assert_string_equal(header_of(r, "ce_id"), id);
+        assert_string_equal(header_of(r, "ce_source"), "/orders-service");
+        const char *time = header_of(r, "ce_time"); /* 2026-12-01T11:43:16.123456Z */
+        assert_int_equal(time ? strlen(time) : 0, 27);
+        assert_true(time && time[4] == '-' && time[10] == 'T' && time[26] == 'Z');
+        if (r->outbox_id == typed) {
+            assert_string_equal(header_of(r, "ce_type"), "order.created");
+            assert_string_equal(header_of(r, "content-type"), "application/json");
+        } else {
+            assert_int_equal(r->outbox_id, plain);
+            assert_string_equal(header_of(r, "ce_type"), "it.b");
+        }
+    }
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    PQfinish(c);
 }
 
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_delivery, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_cloudevents, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_rollback, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_late_commit, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_key_race, setup_env, teardown_env),
@@ -741,7 +802,5 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_secrets_not_logged, setup_env, teardown_env),
         cmocka_unit_test(test_cli),
     };
-    if (argc > 1)
-        cmocka_set_test_filter(argv[1]);
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return H_RUN_SUITE(tests, argc, argv);
 }

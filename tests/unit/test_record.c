@@ -96,7 +96,7 @@ static void test_headers(void **state)
         3);
 
     rd_kafka_headers_t *h = NULL;
-    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), 0);
+    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), 0);
     assert_non_null(h);
     assert_int_equal(rd_kafka_header_cnt(h), 4);
     const char *name;
@@ -122,7 +122,7 @@ static void test_headers_none_and_malformed(void **state)
     char keys[256], vals[256];
     struct obx_row row = {.id = 1, .topic = "t"};
     rd_kafka_headers_t *h = NULL;
-    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), 0);
+    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), 0);
     assert_int_equal(rd_kafka_header_cnt(h), 1);
     rd_kafka_headers_destroy(h);
 
@@ -132,13 +132,73 @@ static void test_headers_none_and_malformed(void **state)
     row.hdr_values = vals;
     row.hdr_values_len = make_array(vals, (const char *const[]){"1"}, 1);
     h = NULL;
-    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), -1);
+    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), -1);
     assert_null(h);
     assert_non_null(strstr(err, "row 1: malformed header arrays"));
 
     /* A NULL key element. */
     row.hdr_keys_len = make_array(keys, (const char *const[]){NULL}, 1);
-    assert_int_equal(obx_record_headers(&row, &h, err, sizeof(err)), -1);
+    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), -1);
+}
+
+/* The header named `name` at index `idx` (0-based) has `value`. */
+static void header_is(rd_kafka_headers_t *h, size_t idx, const char *name, const char *value)
+{
+    const char *n;
+    const void *v;
+    size_t len;
+    assert_int_equal(rd_kafka_header_get_all(h, idx, &n, &v, &len), 0);
+    assert_string_equal(n, name);
+    assert_int_equal(len, strlen(value));
+    assert_memory_equal(v, value, len);
+}
+
+/* record.format = cloudevents: outbox-id, then the CloudEvents attributes
+ * (id = the outbox id, source configured, type = the topic, time =
+ * created_at); a row's own ce_type and ce_source win, its ce_id does not. */
+static void test_headers_cloudevents(void **state)
+{
+    (void)state;
+    char keys[256], vals[256];
+    const struct obx_record_opts ce = {.format = OBX_RECORD_CLOUDEVENTS, .ce_source = "/orders"};
+    struct obx_row row = {.id = 77, .topic = "orders", .created_us = 1764589396123456};
+    rd_kafka_headers_t *h = NULL;
+    assert_int_equal(obx_record_headers(&row, &ce, &h, err, sizeof(err)), 0);
+    assert_int_equal(rd_kafka_header_cnt(h), 6);
+    header_is(h, 0, "outbox-id", "77");
+    header_is(h, 1, "ce_specversion", "1.0");
+    header_is(h, 2, "ce_id", "77");
+    header_is(h, 3, "ce_source", "/orders");
+    header_is(h, 4, "ce_type", "orders");
+    header_is(h, 5, "ce_time", "2025-12-01T11:43:16.123456Z");
+    rd_kafka_headers_destroy(h);
+
+    row.hdr_keys = keys;
+    row.hdr_keys_len =
+        make_array(keys, (const char *const[]){"ce_type", "ce_id", "content-type"}, 3);
+    row.hdr_values = vals;
+    row.hdr_values_len =
+        make_array(vals, (const char *const[]){"order.created", "forged", "application/json"}, 3);
+    row.created_us = 0; /* unknown: no ce_time */
+    assert_int_equal(obx_record_headers(&row, &ce, &h, err, sizeof(err)), 0);
+    assert_int_equal(rd_kafka_header_cnt(h), 6);
+    header_is(h, 2, "ce_id", "77");
+    header_is(h, 3, "ce_source", "/orders");
+    header_is(h, 4, "ce_type", "order.created");
+    header_is(h, 5, "content-type", "application/json");
+    rd_kafka_headers_destroy(h);
+}
+
+static void test_rfc3339(void **state)
+{
+    (void)state;
+    char buf[40];
+    assert_int_equal(obx_format_rfc3339(0, buf, sizeof(buf)), 27);
+    assert_string_equal(buf, "1970-01-01T00:00:00.000000Z");
+    obx_format_rfc3339(951782400000001, buf, sizeof(buf)); /* a leap day */
+    assert_string_equal(buf, "2000-02-29T00:00:00.000001Z");
+    obx_format_rfc3339(-1, buf, sizeof(buf));
+    assert_string_equal(buf, "1969-12-31T23:59:59.999999Z");
 }
 
 static void test_format_id(void **state)
@@ -230,6 +290,8 @@ int main(void)
         cmocka_unit_test(test_array_iter),
         cmocka_unit_test(test_headers),
         cmocka_unit_test(test_headers_none_and_malformed),
+        cmocka_unit_test(test_headers_cloudevents),
+        cmocka_unit_test(test_rfc3339),
         cmocka_unit_test(test_format_id),
         cmocka_unit_test(test_row_from_result),
     };
