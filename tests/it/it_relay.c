@@ -772,6 +772,9 @@ static void test_cloudevents(void **state)
         assert_int_equal(time ? strlen(time) : 0, 27);
         assert_true(time && time[4] == '-' && time[10] == 'T' && time[26] == 'Z');
         if (r->outbox_id == typed) {
+            for (size_t k = 0; k < r->nheaders; k++) /* the README shows them */
+                print_message("%s: %s\n", r->headers[k].name,
+                              r->headers[k].value ? r->headers[k].value : "(null)");
             assert_string_equal(header_of(r, "ce_type"), "order.created");
             assert_string_equal(header_of(r, "content-type"), "application/json");
         } else {
