@@ -19,6 +19,7 @@
 #include "outboxd/record.h"
 #include "outboxd/recovery.h"
 #include "outboxd/relay.h"
+#include "outboxd/tools.h"
 
 #include <getopt.h>
 #include <stddef.h>
@@ -276,7 +277,11 @@ static void on_teardown(uv_timer_t *t)
 
 static void usage(FILE *out)
 {
-    fprintf(out, "Usage: outboxd [--config FILE] [-X key=value]... [--check]\n"
+    fprintf(out, "Usage: outboxd [--config FILE] [-X key=value]... [--check [--live]]\n"
+                 "       outboxd status [--json] [--config FILE] [-X key=value]...\n"
+                 "       outboxd dead list [--json] | dead retry ID... | dead drop ID...\n"
+                 "       outboxd replay --topic T (--from-id N [--to-id M] | --since TIME) "
+                 "[--yes]\n"
                  "       outboxd --version | --help\n"
                  "\n"
                  "Relays committed rows of a PostgreSQL transactional outbox to Kafka.\n"
@@ -337,6 +342,33 @@ static int build_config(struct app *a, struct obx_config *cfg, char *err, size_t
     }
     if (rc != 0)
         obx_config_free(cfg);
+    return rc;
+}
+
+/* `outboxd status|dead|replay ...`: the operator's tools, on the same
+ * configuration as the relay. Returns the exit status. */
+static int run_tool(int argc, char **argv)
+{
+    static struct app a; /* only the configuration parts are used */
+    struct obx_tool_args t;
+    char err[512];
+    int rc = obx_tool_parse(argc, argv, &t);
+    if (rc != 0) {
+        obx_tool_args_free(&t);
+        return rc;
+    }
+    a.config_path = t.config_path;
+    a.xargs = t.xargs;
+    a.n_xargs = t.n_xargs;
+    if (build_config(&a, &a.cfg, err, sizeof(err)) != 0) {
+        fprintf(stderr, "outboxd %s: %s\n", t.tool, err);
+        obx_tool_args_free(&t);
+        return EXIT_USAGE;
+    }
+    obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
+    rc = obx_tool_run(&t, &a.cfg);
+    obx_config_free(&a.cfg);
+    obx_tool_args_free(&t);
     return rc;
 }
 
@@ -503,6 +535,8 @@ int main(int argc, char **argv)
     sigaction(SIGPIPE, &ign, NULL);
     srand((unsigned)time(NULL) ^ (unsigned)getpid());
 
+    if (argc > 1 && obx_tool_is(argv[1]))
+        return run_tool(argc - 1, argv + 1);
     rc = load_config(&a, argc, argv, &check_only, &live);
     if (rc == EXIT_DONE) {
         obx_free(a.xargs);

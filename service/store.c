@@ -202,3 +202,101 @@ const char *obx_store_sql_purge(void)
            "        (SELECT count(*) FROM batch"
            "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond')";
 }
+
+/* ---- the operator's tools ---- */
+
+#define UTC(col) "to_char((" col ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
+
+const char *obx_store_sql_relay_sessions(void)
+{
+    /* A standby's last statement is always its try of the lock (every
+     * 250 ms); the active relay holds the lock. */
+    return "SELECT a.pid, coalesce(a.application_name, ''),"
+           "       coalesce(host(a.client_addr), 'local socket'), " UTC(
+               "a.backend_start") ","
+                                  "       l.pid IS NOT NULL, extract(epoch FROM now() - "
+                                  "a.backend_start)::bigint"
+                                  " FROM pg_stat_activity a"
+                                  " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = "
+                                  "'advisory' AND l.granted"
+                                  "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid "
+                                  "= 2"
+                                  " WHERE l.pid IS NOT NULL"
+                                  "    OR a.query LIKE 'SELECT pg_try_advisory_lock(1868724338, "
+                                  "0)%'"
+                                  " ORDER BY 5 DESC, a.backend_start";
+}
+
+const char *obx_store_sql_dead_summary(void)
+{
+    return "SELECT count(*), coalesce(extract(epoch FROM now() - max(failed_at)), 0)::bigint"
+           " FROM outbox.dead_letters";
+}
+
+const char *obx_store_sql_oldest_xmin(void)
+{
+    return "SELECT pid, age(backend_xmin), coalesce(application_name, ''), coalesce(state, ''),"
+           "       coalesce(extract(epoch FROM now() - xact_start), 0)::bigint,"
+           "       left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), 60)"
+           " FROM pg_stat_activity"
+           " WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()"
+           " ORDER BY age(backend_xmin) DESC LIMIT 1";
+}
+
+const char *obx_store_sql_oldest_slot(void)
+{
+    return "SELECT slot_name, greatest(age(xmin), age(catalog_xmin)) FROM pg_replication_slots"
+           " WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY 2 DESC LIMIT 1";
+}
+
+const char *obx_store_sql_events_tuples(void)
+{
+    return "SELECT n_live_tup, n_dead_tup,"
+           "       coalesce(" UTC(
+               "greatest(last_autovacuum, last_vacuum)") ", 'never')"
+                                                         " FROM pg_stat_user_tables WHERE relid = "
+                                                         "'outbox.events'::regclass";
+}
+
+const char *obx_store_sql_dead_list(void)
+{
+    return "SELECT id, topic, coalesce(key, ''), key IS NULL, reason,"
+           "       extract(epoch FROM now() - failed_at)::bigint, coalesce(octet_length(payload), "
+           "0)"
+           " FROM outbox.dead_letters ORDER BY id LIMIT $1::int";
+}
+
+const char *obx_store_sql_dead_existing(void)
+{
+    return "SELECT id FROM outbox.dead_letters WHERE id = ANY ($1::bigint[]) ORDER BY id";
+}
+
+const char *obx_store_sql_dead_retry(void)
+{
+    return "WITH moved AS ("
+           "   DELETE FROM outbox.dead_letters WHERE id = ANY ($1::bigint[])"
+           "   RETURNING id, topic, key, payload, headers, created_at)"
+           " INSERT INTO outbox.events (id, topic, key, payload, headers, created_at)"
+           " OVERRIDING SYSTEM VALUE"
+           " SELECT id, topic, key, payload, headers, created_at FROM moved RETURNING id";
+}
+
+const char *obx_store_sql_dead_drop(void)
+{
+    return "DELETE FROM outbox.dead_letters WHERE id = ANY ($1::bigint[]) RETURNING id";
+}
+
+#define REPLAY_WHERE                                                                               \
+    " WHERE topic = $1 AND sent_at IS NOT NULL AND id BETWEEN $2::bigint AND $3::bigint"           \
+    "   AND created_at >= $4::timestamptz"
+
+const char *obx_store_sql_replay_plan(void)
+{
+    return "SELECT count(*), min(id), max(id), " UTC("min(created_at)") ", " UTC(
+        "max(created_at)") " FROM outbox.events" REPLAY_WHERE;
+}
+
+const char *obx_store_sql_replay(void)
+{
+    return "UPDATE outbox.events SET sent_at = NULL" REPLAY_WHERE;
+}

@@ -62,4 +62,39 @@ const char *obx_store_sql_waiting(void);
  * period. */
 const char *obx_store_sql_purge(void);
 
+/* ---- the operator's tools (tools.c) ---- */
+
+/* Relay sessions: the holder of the relay lock and the standbys trying it.
+ * Columns: pid, application_name, client, session start (UTC), active (t/f),
+ * seconds since the session started. */
+const char *obx_store_sql_relay_sessions(void);
+/* Dead letters: count, seconds since the newest. */
+const char *obx_store_sql_dead_summary(void);
+/* The session holding back the xmin horizon the most. Columns: pid, xmin
+ * age, application_name, state, seconds in its transaction, query (60
+ * characters). */
+const char *obx_store_sql_oldest_xmin(void);
+/* The replication slot holding back the horizon the most: name, age. */
+const char *obx_store_sql_oldest_slot(void);
+/* outbox.events' tuples: live, dead, last vacuum (UTC or "never"). */
+const char *obx_store_sql_events_tuples(void);
+/* Up to $1 dead letters: id, topic, key, key is null, reason, age in
+ * seconds, payload bytes. */
+const char *obx_store_sql_dead_list(void);
+/* Which of the ids $1 are dead letters. */
+const char *obx_store_sql_dead_existing(void);
+/* Puts the dead letters $1 back in outbox.events with their ids; returns
+ * their ids. */
+const char *obx_store_sql_dead_retry(void);
+/* Deletes the dead letters $1; returns their ids. */
+const char *obx_store_sql_dead_drop(void);
+/* Sent rows of topic $1 with id in [$2, $3] created at or after $4:
+ * count, lowest and highest id, first and last created_at (UTC). */
+const char *obx_store_sql_replay_plan(void);
+/* Marks those rows unsent again (the relay publishes them again, ids
+ * kept); returns how many. */
+const char *obx_store_sql_replay(void);
+/* Wakes the relay (its LISTEN channel). */
+#define OBX_STORE_SQL_WAKE "SELECT pg_notify('outboxd', '')"
+
 #endif

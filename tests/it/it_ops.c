@@ -7,6 +7,7 @@
 #include "harness.h"
 #include "scenario.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -522,6 +523,211 @@ static void test_standby(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 }
 
+/* Runs `outboxd TOOL ARGS...` against env (its Postgres, broker and the
+ * relay's http.listen); stdout and stderr into out. Returns the exit code. */
+static int tool(char *out, size_t outlen, const char *const *args)
+{
+    char ci[700], bs[600], http[64];
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s", env.conninfo);
+    snprintf(bs, sizeof(bs), "kafka.bootstrap.servers=%s", env.bootstrap);
+    snprintf(http, sizeof(http), "http.listen=127.0.0.1:%d", env.http_port);
+    char *argv[32];
+    int n = 0;
+    argv[n++] = "outboxd";
+    for (; *args && n < 24; args++)
+        argv[n++] = (char *)*args;
+    argv[n++] = "-X";
+    argv[n++] = ci;
+    argv[n++] = "-X";
+    argv[n++] = bs;
+    argv[n++] = "-X";
+    argv[n++] = http;
+    argv[n] = NULL;
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_RDONLY); /* stdin is no terminal */
+        dup2(devnull, 0);
+        dup2(p[1], 1);
+        dup2(p[1], 2);
+        close(p[0]);
+        char *const envp[] = {"PATH=/usr/bin:/bin", NULL};
+        execve(OBX_BINARY_DIR "/outboxd", argv, envp);
+        _exit(127);
+    }
+    close(p[1]);
+    size_t used = 0;
+    ssize_t r;
+    while (used + 1 < outlen && (r = read(p[0], out + used, outlen - 1 - used)) > 0)
+        used += (size_t)r;
+    out[used] = '\0';
+    close(p[0]);
+    int status;
+    waitpid(pid, &status, 0);
+    print_message("%s", out);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void expect_in(const char *out, const char *needle)
+{
+    if (!strstr(out, needle))
+        fail_msg("expected \"%s\" in:\n%s", needle, out);
+}
+
+/* outboxd status: healthy when caught up; with a backlog the relay cannot
+ * send (brokers down) and a transaction holding a snapshot, it names the
+ * backlog, the holder of the xmin horizon and exits 1; --json for scripts. */
+static void test_status(void **state)
+{
+    (void)state;
+    static char out[1 << 16];
+    h_env_start(&env, (const char *const[]){"it.a:2", "it.b:1", NULL});
+    h_relay_start(&env, NULL, NULL);
+    wait_http("/readyz", 200, "ready", 15000);
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", NULL}), 0);
+    expect_in(out, "outboxd status: healthy");
+    expect_in(out, "active  outboxd");
+    expect_in(out, "unsent:   0 rows");
+    expect_in(out, "ready, 0 rows in flight");
+
+    /* A backlog, and a stuck transaction. */
+    assert_true(h_broker_cmd(&env, "down all"));
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 40; i++)
+        h_enqueue(c, i % 4 ? "it.a" : "it.b", "k", "v", 1, NULL);
+    PGconn *stuck = h_connect(&env);
+    h_sql(stuck, "SET application_name = 'billing-report'");
+    h_sql(stuck, "BEGIN ISOLATION LEVEL REPEATABLE READ");
+    h_sql(stuck, "SELECT count(*) FROM outbox.events");
+    wait_http("/readyz", 503, "not ready", 30000);
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", NULL}), 1);
+    expect_in(out, "outboxd status: NOT HEALTHY");
+    expect_in(out, "problem: the relay is not ready");
+    expect_in(out, "unsent:   40 rows, oldest waiting");
+    expect_in(out, "it.a                           30");
+    expect_in(out, "xmin horizon: held by pid");
+    expect_in(out, "billing-report, idle in transaction");
+    expect_in(out, "SELECT count(*) FROM outbox.events");
+    expect_in(out, "outbox.events:");
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", "--json", NULL}), 1);
+    expect_in(out, "{\"healthy\":false,");
+    expect_in(out, "\"unsent_rows\":40,");
+    expect_in(out, "\"application_name\":\"billing-report\"");
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", "extra", NULL}), 2);
+    expect_in(out, "outboxd status: takes no arguments");
+
+    PQfinish(stuck);
+    assert_true(h_broker_cmd(&env, "up all"));
+    s_wait_drained(&env, 30000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    /* No relay: not healthy, and it says why. */
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", NULL}), 1);
+    expect_in(out, "problem: no outboxd holds the relay lock");
+    PQfinish(c);
+}
+
+/* outboxd dead list / retry / drop, and outboxd replay. */
+static void test_dead_and_replay(void **state)
+{
+    (void)state;
+    static char out[1 << 16];
+    h_env_start(&env, (const char *const[]){"it.a:2", "it.missing:1", NULL});
+    assert_true(h_broker_cmd(&env, "topic-error it.missing UNKNOWN_TOPIC_OR_PART"));
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_reject=dead_letter",
+                                        "kafka.topic.metadata.propagation.max.ms=1000", NULL});
+    PGconn *c = h_connect(&env);
+    int64_t d1 = h_enqueue(c, "it.missing", "m", "one", 3, NULL);
+    int64_t d2 = h_enqueue(c, "it.missing", NULL, "two", 3, NULL);
+    for (int i = 0; i < 20; i++)
+        h_enqueue(c, "it.a", "k", "v", 1, NULL);
+    s_wait_drained(&env, 60000);
+    int64_t deadline = h_now_ms() + 20000;
+    while (h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters") < 2 && h_now_ms() < deadline)
+        h_sleep_ms(100);
+
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"dead", "list", NULL}), 0);
+    expect_in(out, "reason");
+    expect_in(out, "it.missing");
+    expect_in(out, "(none)"); /* d2 has no key */
+    char id1[24], id2[24];
+    snprintf(id1, sizeof(id1), "%lld", (long long)d1);
+    snprintf(id2, sizeof(id2), "%lld", (long long)d2);
+    /* Unknown ids are refused, and nothing changes. */
+    assert_int_equal(
+        tool(out, sizeof(out), (const char *const[]){"dead", "retry", id1, "999999", NULL}), 1);
+    expect_in(out, "no dead letter has id 999999; nothing changed");
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"), 2);
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"dead", "retry", "x1", NULL}), 2);
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"dead", "bury", NULL}), 2);
+
+    /* The topic exists now: d1 goes back in line with its id and out.
+     * librdkafka may still hold "unknown topic" from its last metadata for
+     * a moment: then d1 is dead-lettered again and retried again, as an
+     * operator would. */
+    assert_true(h_broker_cmd(&env, "topic-error it.missing 0"));
+    assert_int_equal(tool(out, sizeof(out), (const char *const[]){"dead", "drop", id2, NULL}), 0);
+    expect_in(out, "dropped 1 dead letter");
+    bool sent = false;
+    for (int attempt = 0; attempt < 10 && !sent; attempt++) {
+        assert_int_equal(tool(out, sizeof(out), (const char *const[]){"dead", "retry", id1, NULL}),
+                         0);
+        expect_in(out, "retried 1 dead letter");
+        deadline = h_now_ms() + 10000;
+        while (!sent && h_now_ms() < deadline &&
+               h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters") == 0) {
+            sent = h_sql_int(c,
+                             "SELECT count(*) FROM outbox.events WHERE id = %lld"
+                             " AND sent_at IS NOT NULL",
+                             (long long)d1) == 1;
+            h_sleep_ms(100);
+        }
+        if (!sent)
+            h_sleep_ms(1000);
+    }
+    assert_true(sent);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"), 0);
+
+    /* Replay: confirmation needed without a terminal; then 10 rows again. */
+    int64_t first = h_sql_int(c, "SELECT min(id) FROM outbox.events WHERE topic = 'it.a'");
+    char from[24], to[24];
+    snprintf(from, sizeof(from), "%lld", (long long)first);
+    snprintf(to, sizeof(to), "%lld", (long long)first + 9);
+    assert_int_equal(tool(out, sizeof(out),
+                          (const char *const[]){"replay", "--topic", "it.a", "--from-id", from,
+                                                "--to-id", to, NULL}),
+                     2);
+    expect_in(out, "replay: 10 sent rows of topic it.a");
+    expect_in(out, "not confirmed: add --yes");
+    assert_int_equal(tool(out, sizeof(out),
+                          (const char *const[]){"replay", "--topic", "it.a", "--from-id", from,
+                                                "--to-id", to, "--yes", NULL}),
+                     0);
+    expect_in(out, "replay: 10 rows queued again");
+    assert_int_equal(
+        tool(out, sizeof(out), (const char *const[]){"replay", "--topic", "it.a", NULL}), 2);
+    expect_in(out, "give --from-id N [--to-id M] or --since TIME");
+    assert_int_equal(
+        tool(out, sizeof(out),
+             (const char *const[]){"replay", "--topic", "it.a", "--since", "yesterday", NULL}),
+        2);
+    s_wait_drained(&env, 30000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", "it.missing", NULL}, &recs);
+    size_t replayed = 0, retried = 0;
+    for (size_t i = 0; i < recs.n; i++) {
+        replayed += recs.v[i].outbox_id >= first && recs.v[i].outbox_id <= first + 9;
+        retried += recs.v[i].outbox_id == d1;
+    }
+    assert_int_equal(recs.n, 20 + 10 + 1);
+    assert_int_equal(replayed, 20); /* each of the 10 twice, ids kept */
+    assert_int_equal(retried, 1);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    PQfinish(c);
+}
+
 /* Whether `name` is a metric of the exposition: a "# TYPE" name, or a
  * histogram's _bucket, _sum or _count series. */
 static bool exported(const char *exposition, const char *name)
@@ -610,6 +816,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_tls, teardown_env),
         cmocka_unit_test_teardown(test_standby, teardown_env),
         cmocka_unit_test_teardown(test_dashboard, teardown_env),
+        cmocka_unit_test_teardown(test_status, teardown_env),
+        cmocka_unit_test_teardown(test_dead_and_replay, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }

@@ -1,0 +1,647 @@
+/*
+ * tools: see include/outboxd/tools.h.
+ */
+#include "outboxd/tools.h"
+#include "outboxd/alloc.h"
+#include "outboxd/http.h"
+#include "outboxd/log.h"
+#include "outboxd/store.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <libpq-fe.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXIT_UNHEALTHY 1
+#define EXIT_USAGE     2
+/* Older than this, the oldest unsent row makes the status "not healthy". */
+#define STATUS_MAX_LAG_S 300
+
+bool obx_tool_is(const char *name)
+{
+    return strcmp(name, "status") == 0 || strcmp(name, "dead") == 0 || strcmp(name, "replay") == 0;
+}
+
+static int usage_error(const char *tool, const char *what)
+{
+    fprintf(stderr, "outboxd %s: %s (see outboxd --help)\n", tool, what);
+    return EXIT_USAGE;
+}
+
+/* A positive decimal id, ASCII digits only. */
+static int parse_id(const char *s, int64_t *out)
+{
+    int64_t v = 0;
+    if (!*s)
+        return -1;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9' || v > (INT64_MAX - (*s - '0')) / 10)
+            return -1;
+        v = v * 10 + (*s - '0');
+    }
+    if (v <= 0)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+int obx_tool_parse(int argc, char **argv, struct obx_tool_args *t)
+{
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'},  {"json", no_argument, NULL, 'j'},
+        {"yes", no_argument, NULL, 'y'},           {"topic", required_argument, NULL, 't'},
+        {"from-id", required_argument, NULL, 'f'}, {"to-id", required_argument, NULL, 'T'},
+        {"since", required_argument, NULL, 's'},   {NULL, 0, NULL, 0},
+    };
+    memset(t, 0, sizeof(*t));
+    t->tool = argv[0];
+    t->xargs = obx_calloc((size_t)argc + 1, sizeof(char *));
+    if (!t->xargs) {
+        fprintf(stderr, "outboxd: out of memory\n");
+        return 1;
+    }
+    optind = 1;
+    int opt;
+    while ((opt = getopt_long(argc, argv, "c:X:", longopts, NULL)) != -1) {
+        bool status_ok = opt == 'c' || opt == 'X' || opt == 'j';
+        bool replay_ok = opt == 'c' || opt == 'X' || opt == 'y' || opt == 't' || opt == 'f' ||
+                         opt == 'T' || opt == 's';
+        bool dead_ok = opt == 'c' || opt == 'X' || opt == 'j';
+        if (opt == '?')
+            return usage_error(t->tool, "bad option");
+        if ((strcmp(t->tool, "status") == 0 && !status_ok) ||
+            (strcmp(t->tool, "replay") == 0 && !replay_ok) ||
+            (strcmp(t->tool, "dead") == 0 && !dead_ok))
+            return usage_error(t->tool, "option not known to this command");
+        switch (opt) {
+        case 'c':
+            t->config_path = optarg;
+            break;
+        case 'X':
+            t->xargs[t->n_xargs++] = optarg;
+            break;
+        case 'j':
+            t->json = true;
+            break;
+        case 'y':
+            t->yes = true;
+            break;
+        case 't':
+            t->topic = optarg;
+            break;
+        case 'f':
+            if (parse_id(optarg, &t->from_id) != 0)
+                return usage_error(t->tool, "--from-id takes a positive row id");
+            break;
+        case 'T':
+            if (parse_id(optarg, &t->to_id) != 0)
+                return usage_error(t->tool, "--to-id takes a positive row id");
+            break;
+        case 's':
+            t->since = optarg;
+            break;
+        }
+    }
+    t->words = argv + optind;
+    t->n_words = argc - optind;
+    if (strcmp(t->tool, "status") == 0 && t->n_words > 0)
+        return usage_error(t->tool, "takes no arguments");
+    if (strcmp(t->tool, "dead") == 0) {
+        if (t->n_words < 1 ||
+            (strcmp(t->words[0], "list") != 0 && strcmp(t->words[0], "retry") != 0 &&
+             strcmp(t->words[0], "drop") != 0))
+            return usage_error(t->tool, "say list, retry ID... or drop ID...");
+        if (strcmp(t->words[0], "list") == 0 && t->n_words > 1)
+            return usage_error(t->tool, "list takes no ids");
+        if (strcmp(t->words[0], "list") != 0 && t->n_words < 2)
+            return usage_error(t->tool, "name the dead letters' ids");
+        for (int i = 1; i < t->n_words; i++) {
+            int64_t id;
+            if (parse_id(t->words[i], &id) != 0) {
+                char what[160];
+                snprintf(what, sizeof(what), "'%.60s' is not a row id", t->words[i]);
+                return usage_error(t->tool, what);
+            }
+        }
+    }
+    if (strcmp(t->tool, "replay") == 0) {
+        if (t->n_words > 0)
+            return usage_error(t->tool, "takes options only");
+        if (!t->topic || !t->topic[0])
+            return usage_error(t->tool, "--topic is required");
+        if (!t->from_id == !t->since)
+            return usage_error(t->tool, "give --from-id N [--to-id M] or --since TIME");
+        if (t->to_id && !t->from_id)
+            return usage_error(t->tool, "--to-id goes with --from-id");
+        if (t->to_id && t->to_id < t->from_id)
+            return usage_error(t->tool, "--to-id is below --from-id");
+        if (t->since) {
+            /* Handed to Postgres as timestamptz: ISO 8601 characters only. */
+            for (const char *p = t->since; *p; p++)
+                if (!((*p >= '0' && *p <= '9') || strchr("-:T .Z+", *p)))
+                    return usage_error(t->tool, "--since takes an ISO 8601 time, e.g. "
+                                                "2026-12-01T10:00:00Z");
+            if (strlen(t->since) < 10)
+                return usage_error(t->tool, "--since takes an ISO 8601 time, e.g. "
+                                            "2026-12-01T10:00:00Z");
+        }
+    }
+    return 0;
+}
+
+void obx_tool_args_free(struct obx_tool_args *t)
+{
+    obx_free(t->xargs);
+    t->xargs = NULL;
+}
+
+/* ---- helpers ---- */
+
+static PGconn *tool_connect(const struct obx_config *cfg, const char *tool)
+{
+    char app[64];
+    snprintf(app, sizeof(app), "outboxd-%s", tool);
+    const char *const keys[] = {"application_name", "dbname", NULL};
+    const char *const values[] = {app, cfg->pg_conninfo, NULL};
+    PGconn *c = PQconnectdbParams(keys, values, 1);
+    if (!c || PQstatus(c) != CONNECTION_OK) {
+        char msg[300];
+        snprintf(msg, sizeof(msg), "%s", c ? PQerrorMessage(c) : "out of memory");
+        msg[strcspn(msg, "\n")] = '\0';
+        fprintf(stderr, "outboxd %s: cannot connect to Postgres: %s\n", tool, msg);
+        PQfinish(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* Runs `sql`; on failure prints the server's first line and returns NULL. */
+static PGresult *run(PGconn *c, const char *tool, const char *sql, int n, const char *const *v,
+                     ExecStatusType want)
+{
+    PGresult *r = PQexecParams(c, sql, n, NULL, v, NULL, NULL, 0);
+    if (PQresultStatus(r) != want) {
+        char msg[300];
+        snprintf(msg, sizeof(msg), "%s", PQresultErrorMessage(r));
+        msg[strcspn(msg, "\n")] = '\0';
+        fprintf(stderr, "outboxd %s: %s\n", tool, msg);
+        PQclear(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* "{1,2,3}" from the ids in words[1..n). */
+static char *id_array(char **words, int n)
+{
+    size_t len = 3;
+    for (int i = 1; i < n; i++)
+        len += strlen(words[i]) + 1;
+    char *a = obx_malloc(len);
+    if (!a)
+        return NULL;
+    size_t o = 0;
+    a[o++] = '{';
+    for (int i = 1; i < n; i++)
+        o += (size_t)snprintf(a + o, len - o, "%s%s", i > 1 ? "," : "", words[i]);
+    a[o++] = '}';
+    a[o] = '\0';
+    return a;
+}
+
+static void human_age(int64_t s, char *buf, size_t len)
+{
+    if (s < 120)
+        snprintf(buf, len, "%llds", (long long)s);
+    else if (s < 7200)
+        snprintf(buf, len, "%lldm", (long long)(s / 60));
+    else if (s < 172800)
+        snprintf(buf, len, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
+    else
+        snprintf(buf, len, "%lldd", (long long)(s / 86400));
+}
+
+/* A JSON string (ASCII control characters and non-ASCII escaped). */
+static void json_str(FILE *out, const char *s)
+{
+    fputc('"', out);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(out, "\\%c", *p);
+        else if (*p < 0x20 || *p >= 0x7f)
+            fprintf(out, "\\u%04x", *p);
+        else
+            fputc(*p, out);
+    }
+    fputc('"', out);
+}
+
+/* ---- status ---- */
+
+/* What the relay's own /metrics says (when http.listen answers). */
+struct relay_view {
+    bool reachable;
+    double keys_held_back, last_progress, ready, stalled, in_flight;
+};
+
+static double metric(const char *body, const char *name, double fallback)
+{
+    size_t n = strlen(name);
+    for (const char *p = body; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        if (strncmp(p, name, n) == 0 && p[n] == ' ')
+            return strtod(p + n + 1, NULL);
+    return fallback;
+}
+
+static void read_relay_view(const struct obx_config *cfg, struct relay_view *v)
+{
+    struct sockaddr_storage addr;
+    char err[200];
+    memset(v, 0, sizeof(*v));
+    if (!cfg->http_listen || !cfg->http_listen[0] ||
+        obx_http_parse_listen(cfg->http_listen, &addr, err, sizeof(err)) != 0)
+        return;
+    if (addr.ss_family == AF_INET) { /* a wildcard bind answers on loopback */
+        struct sockaddr_in *in = (struct sockaddr_in *)&addr;
+        if (in->sin_addr.s_addr == htonl(INADDR_ANY))
+            in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    }
+    int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return;
+    socklen_t alen =
+        addr.ss_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+    struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+    if ((connect(fd, (struct sockaddr *)&addr, alen) != 0 && errno != EINPROGRESS) ||
+        poll(&pfd, 1, 1000) != 1) {
+        close(fd);
+        return;
+    }
+    static const char req[] = "GET /metrics HTTP/1.0\r\nHost: outboxd\r\n\r\n";
+    if (write(fd, req, sizeof(req) - 1) != (ssize_t)(sizeof(req) - 1)) {
+        close(fd);
+        return;
+    }
+    static char body[1 << 18];
+    size_t used = 0;
+    pfd.events = POLLIN;
+    while (used + 1 < sizeof(body) && poll(&pfd, 1, 1000) == 1) {
+        ssize_t r = read(fd, body + used, sizeof(body) - 1 - used);
+        if (r <= 0)
+            break;
+        used += (size_t)r;
+    }
+    close(fd);
+    body[used] = '\0';
+    if (!strstr(body, "outboxd_ready"))
+        return;
+    v->reachable = true;
+    v->keys_held_back = metric(body, "outboxd_keys_held_back", 0);
+    v->last_progress = metric(body, "outboxd_last_progress_timestamp_seconds", 0);
+    v->ready = metric(body, "outboxd_ready", 0);
+    v->stalled = metric(body, "outboxd_stalled", 0);
+    v->in_flight = metric(body, "outboxd_rows_in_flight", 0);
+}
+
+static int status(const struct obx_tool_args *t, const struct obx_config *cfg)
+{
+    PGconn *c = tool_connect(cfg, t->tool);
+    if (!c)
+        return EXIT_UNHEALTHY;
+    PGresult *sessions = run(c, t->tool, obx_store_sql_relay_sessions(), 0, NULL, PGRES_TUPLES_OK);
+    PGresult *backlog = run(c, t->tool, obx_store_sql_backlog(), 0, NULL, PGRES_TUPLES_OK);
+    PGresult *topics = run(c, t->tool, obx_store_sql_waiting(), 0, NULL, PGRES_TUPLES_OK);
+    PGresult *dead = run(c, t->tool, obx_store_sql_dead_summary(), 0, NULL, PGRES_TUPLES_OK);
+    PGresult *xmin = run(c, t->tool, obx_store_sql_oldest_xmin(), 0, NULL, PGRES_TUPLES_OK);
+    PGresult *slot = run(c, t->tool, obx_store_sql_oldest_slot(), 0, NULL, PGRES_TUPLES_OK);
+    PGresult *tuples = run(c, t->tool, obx_store_sql_events_tuples(), 0, NULL, PGRES_TUPLES_OK);
+    int rc = 0;
+    if (!sessions || !backlog || !topics || !dead || !xmin || !slot || !tuples) {
+        rc = EXIT_UNHEALTHY;
+        goto done;
+    }
+    struct relay_view rv;
+    read_relay_view(cfg, &rv);
+
+    int n_active = 0;
+    for (int i = 0; i < PQntuples(sessions); i++)
+        n_active += strcmp(PQgetvalue(sessions, i, 4), "t") == 0;
+    long long unsent = strtoll(PQgetvalue(backlog, 0, 0), NULL, 10);
+    double lag = strtod(PQgetvalue(backlog, 0, 1), NULL);
+    long long n_dead = strtoll(PQgetvalue(dead, 0, 0), NULL, 10);
+    char problems[4][120];
+    int n_problems = 0;
+    if (n_active == 0)
+        snprintf(problems[n_problems++], sizeof(problems[0]), "no outboxd holds the relay lock");
+    if (lag > STATUS_MAX_LAG_S)
+        snprintf(problems[n_problems++], sizeof(problems[0]),
+                 "the oldest unsent row waits for %.0fs", lag);
+    if (rv.reachable && rv.stalled > 0)
+        snprintf(problems[n_problems++], sizeof(problems[0]), "the relay reports a stall");
+    if (rv.reachable && rv.ready == 0)
+        snprintf(problems[n_problems++], sizeof(problems[0]), "the relay is not ready");
+    rc = n_problems ? EXIT_UNHEALTHY : 0;
+
+    if (t->json) {
+        FILE *o = stdout;
+        fprintf(o, "{\"healthy\":%s,\"problems\":[", rc ? "false" : "true");
+        for (int i = 0; i < n_problems; i++) {
+            fputs(i ? "," : "", o);
+            json_str(o, problems[i]);
+        }
+        fputs("],\"relays\":[", o);
+        for (int i = 0; i < PQntuples(sessions); i++) {
+            fprintf(o, "%s{\"pid\":%s,\"application_name\":", i ? "," : "",
+                    PQgetvalue(sessions, i, 0));
+            json_str(o, PQgetvalue(sessions, i, 1));
+            fputs(",\"client\":", o);
+            json_str(o, PQgetvalue(sessions, i, 2));
+            fprintf(o, ",\"session_start\":\"%s\",\"active\":%s}", PQgetvalue(sessions, i, 3),
+                    strcmp(PQgetvalue(sessions, i, 4), "t") == 0 ? "true" : "false");
+        }
+        fprintf(o, "],\"unsent_rows\":%lld,\"oldest_unsent_seconds\":%.3f,\"unsent_by_topic\":{",
+                unsent, lag);
+        for (int i = 0; i < PQntuples(topics); i++) {
+            fputs(i ? "," : "", o);
+            json_str(o, PQgetvalue(topics, i, 0));
+            fprintf(o, ":%s", PQgetvalue(topics, i, 1));
+        }
+        fprintf(o, "},\"dead_letters\":%lld", n_dead);
+        if (rv.reachable)
+            fprintf(o,
+                    ",\"relay_metrics\":{\"keys_held_back\":%.0f,\"rows_in_flight\":%.0f,"
+                    "\"last_progress_unix\":%.3f,\"ready\":%s,\"stalled\":%s}",
+                    rv.keys_held_back, rv.in_flight, rv.last_progress,
+                    rv.ready > 0 ? "true" : "false", rv.stalled > 0 ? "true" : "false");
+        else
+            fputs(",\"relay_metrics\":null", o);
+        if (PQntuples(xmin) == 1) {
+            fprintf(o, ",\"oldest_xmin\":{\"pid\":%s,\"age\":%s,\"application_name\":",
+                    PQgetvalue(xmin, 0, 0), PQgetvalue(xmin, 0, 1));
+            json_str(o, PQgetvalue(xmin, 0, 2));
+            fputs(",\"state\":", o);
+            json_str(o, PQgetvalue(xmin, 0, 3));
+            fprintf(o, ",\"transaction_seconds\":%s,\"query\":", PQgetvalue(xmin, 0, 4));
+            json_str(o, PQgetvalue(xmin, 0, 5));
+            fputc('}', o);
+        } else {
+            fputs(",\"oldest_xmin\":null", o);
+        }
+        if (PQntuples(slot) == 1) {
+            fputs(",\"oldest_slot\":{\"name\":", o);
+            json_str(o, PQgetvalue(slot, 0, 0));
+            fprintf(o, ",\"age\":%s}", PQgetvalue(slot, 0, 1));
+        } else {
+            fputs(",\"oldest_slot\":null", o);
+        }
+        if (PQntuples(tuples) == 1)
+            fprintf(o,
+                    ",\"events_live_tuples\":%s,\"events_dead_tuples\":%s,\"last_vacuum\":\"%s\"",
+                    PQgetvalue(tuples, 0, 0), PQgetvalue(tuples, 0, 1), PQgetvalue(tuples, 0, 2));
+        fputs("}\n", o);
+        goto done;
+    }
+
+    char age[32];
+    printf("outboxd status: %s\n", rc ? "NOT HEALTHY" : "healthy");
+    for (int i = 0; i < n_problems; i++)
+        printf("  problem: %s\n", problems[i]);
+    printf("relays:\n");
+    if (PQntuples(sessions) == 0)
+        printf("  none connected\n");
+    for (int i = 0; i < PQntuples(sessions); i++) {
+        human_age(strtoll(PQgetvalue(sessions, i, 5), NULL, 10), age, sizeof(age));
+        printf("  %-7s %s from %s, pid %s, session since %s (%s)\n",
+               strcmp(PQgetvalue(sessions, i, 4), "t") == 0 ? "active" : "standby",
+               PQgetvalue(sessions, i, 1)[0] ? PQgetvalue(sessions, i, 1) : "(no name)",
+               PQgetvalue(sessions, i, 2), PQgetvalue(sessions, i, 0), PQgetvalue(sessions, i, 3),
+               age);
+    }
+    human_age((int64_t)lag, age, sizeof(age));
+    printf("unsent:   %lld rows%s%s\n", unsent, unsent ? ", oldest waiting " : "",
+           unsent ? age : "");
+    for (int i = 0; i < PQntuples(topics) && i < 10; i++)
+        printf("  %-30s %s\n", PQgetvalue(topics, i, 0), PQgetvalue(topics, i, 1));
+    if (PQntuples(topics) > 10)
+        printf("  (%d more topics)\n", PQntuples(topics) - 10);
+    human_age(strtoll(PQgetvalue(dead, 0, 1), NULL, 10), age, sizeof(age));
+    printf("dead letters: %lld%s%s%s\n", n_dead, n_dead ? " (newest " : "", n_dead ? age : "",
+           n_dead ? " ago; outboxd dead list)" : "");
+    if (rv.reachable) {
+        char since[32] = "never";
+        time_t now = time(NULL);
+        if (rv.last_progress > 0)
+            human_age((int64_t)((double)now - rv.last_progress), since, sizeof(since));
+        printf("relay (%s): %s%s, %.0f rows in flight, %.0f keys held back, last progress %s%s\n",
+               cfg->http_listen, rv.ready > 0 ? "ready" : "not ready",
+               rv.stalled > 0 ? ", STALLED" : "", rv.in_flight, rv.keys_held_back, since,
+               rv.last_progress > 0 ? " ago" : "");
+    } else {
+        printf("relay: its /metrics at %s does not answer from here (keys held back and the last "
+               "progress unknown)\n",
+               cfg->http_listen && cfg->http_listen[0] ? cfg->http_listen : "(http.listen off)");
+    }
+    if (PQntuples(xmin) == 1) {
+        human_age(strtoll(PQgetvalue(xmin, 0, 4), NULL, 10), age, sizeof(age));
+        printf("xmin horizon: held by pid %s (%s, %s, transaction open %s, xmin age %s): %s\n",
+               PQgetvalue(xmin, 0, 0),
+               PQgetvalue(xmin, 0, 2)[0] ? PQgetvalue(xmin, 0, 2) : "no application name",
+               PQgetvalue(xmin, 0, 3), age, PQgetvalue(xmin, 0, 1), PQgetvalue(xmin, 0, 5));
+    } else {
+        printf("xmin horizon: no session holds a snapshot\n");
+    }
+    if (PQntuples(slot) == 1)
+        printf("replication slot holding the horizon: %s (age %s)\n", PQgetvalue(slot, 0, 0),
+               PQgetvalue(slot, 0, 1));
+    if (PQntuples(tuples) == 1)
+        printf("outbox.events: %s live tuples, %s dead, last vacuum %s\n", PQgetvalue(tuples, 0, 0),
+               PQgetvalue(tuples, 0, 1), PQgetvalue(tuples, 0, 2));
+done:
+    PQclear(sessions);
+    PQclear(backlog);
+    PQclear(topics);
+    PQclear(dead);
+    PQclear(xmin);
+    PQclear(slot);
+    PQclear(tuples);
+    PQfinish(c);
+    return rc;
+}
+
+/* ---- dead letters ---- */
+
+static int dead_list(PGconn *c, const struct obx_tool_args *t)
+{
+    const char *const limit[] = {"1000"};
+    PGresult *r = run(c, t->tool, obx_store_sql_dead_list(), 1, limit, PGRES_TUPLES_OK);
+    if (!r)
+        return 1;
+    if (t->json)
+        fputs("[", stdout);
+    else if (PQntuples(r) == 0)
+        printf("no dead letters\n");
+    else
+        printf("%-12s %-24s %-16s %8s %7s  %s\n", "id", "topic", "key", "bytes", "age", "reason");
+    for (int i = 0; i < PQntuples(r); i++) {
+        char age[32];
+        human_age(strtoll(PQgetvalue(r, i, 5), NULL, 10), age, sizeof(age));
+        bool no_key = strcmp(PQgetvalue(r, i, 3), "t") == 0;
+        if (t->json) {
+            printf("%s{\"id\":%s,\"topic\":", i ? "," : "", PQgetvalue(r, i, 0));
+            json_str(stdout, PQgetvalue(r, i, 1));
+            fputs(",\"key\":", stdout);
+            if (no_key)
+                fputs("null", stdout);
+            else
+                json_str(stdout, PQgetvalue(r, i, 2));
+            fputs(",\"reason\":", stdout);
+            json_str(stdout, PQgetvalue(r, i, 4));
+            printf(",\"age_seconds\":%s,\"bytes\":%s}", PQgetvalue(r, i, 5), PQgetvalue(r, i, 6));
+        } else {
+            printf("%-12s %-24s %-16s %8s %7s  %s\n", PQgetvalue(r, i, 0), PQgetvalue(r, i, 1),
+                   no_key ? "(none)" : PQgetvalue(r, i, 2), PQgetvalue(r, i, 6), age,
+                   PQgetvalue(r, i, 4));
+        }
+    }
+    if (t->json)
+        fputs("]\n", stdout);
+    PQclear(r);
+    return 0;
+}
+
+/* retry or drop: every id must be a dead letter, or nothing happens. */
+static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
+{
+    char *ids = id_array(t->words, t->n_words);
+    if (!ids) {
+        fprintf(stderr, "outboxd dead: out of memory\n");
+        return 1;
+    }
+    const char *const v[] = {ids};
+    int rc = 1;
+    PGresult *r = NULL;
+    if (!run(c, t->tool, "BEGIN", 0, NULL, PGRES_COMMAND_OK))
+        goto out;
+    r = run(c, t->tool, obx_store_sql_dead_existing(), 1, v, PGRES_TUPLES_OK);
+    if (!r)
+        goto rollback;
+    for (int i = 1; i < t->n_words; i++) {
+        bool found = false;
+        for (int k = 0; k < PQntuples(r) && !found; k++)
+            found = strcmp(PQgetvalue(r, k, 0), t->words[i]) == 0;
+        if (!found) {
+            fprintf(stderr, "outboxd dead: no dead letter has id %s; nothing changed\n",
+                    t->words[i]);
+            goto rollback;
+        }
+    }
+    PQclear(r);
+    r = run(c, t->tool, retry ? obx_store_sql_dead_retry() : obx_store_sql_dead_drop(), 1, v,
+            PGRES_TUPLES_OK);
+    if (!r)
+        goto rollback;
+    if (retry)
+        PQclear(run(c, t->tool, OBX_STORE_SQL_WAKE, 0, NULL, PGRES_TUPLES_OK));
+    PGresult *done = run(c, t->tool, "COMMIT", 0, NULL, PGRES_COMMAND_OK);
+    if (!done)
+        goto out;
+    PQclear(done);
+    obx_info("dead: %s %d row%s: %s", retry ? "put back in line" : "dropped", PQntuples(r),
+             PQntuples(r) == 1 ? "" : "s", ids);
+    printf("%s %d dead letter%s%s\n", retry ? "retried" : "dropped", PQntuples(r),
+           PQntuples(r) == 1 ? "" : "s",
+           retry ? " (back in outbox.events with their ids; the relay publishes them)" : "");
+    rc = 0;
+    goto out;
+rollback:
+    PQclear(PQexec(c, "ROLLBACK"));
+out:
+    PQclear(r);
+    obx_free(ids);
+    return rc;
+}
+
+static int dead(const struct obx_tool_args *t, const struct obx_config *cfg)
+{
+    PGconn *c = tool_connect(cfg, "dead");
+    if (!c)
+        return 1;
+    int rc = strcmp(t->words[0], "list") == 0 ? dead_list(c, t)
+                                              : dead_act(c, t, strcmp(t->words[0], "retry") == 0);
+    PQfinish(c);
+    return rc;
+}
+
+/* ---- replay ---- */
+
+static int replay(const struct obx_tool_args *t, const struct obx_config *cfg)
+{
+    char from[24], to[24];
+    snprintf(from, sizeof(from), "%lld", (long long)(t->from_id ? t->from_id : 1));
+    snprintf(to, sizeof(to), "%lld", (long long)(t->to_id ? t->to_id : INT64_MAX));
+    const char *const v[] = {t->topic, from, to, t->since ? t->since : "-infinity"};
+    PGconn *c = tool_connect(cfg, "replay");
+    if (!c)
+        return 1;
+    int rc = 1;
+    PGresult *plan = run(c, t->tool, obx_store_sql_replay_plan(), 4, v, PGRES_TUPLES_OK);
+    if (!plan)
+        goto out;
+    long long n = strtoll(PQgetvalue(plan, 0, 0), NULL, 10);
+    if (n == 0) {
+        printf("nothing to replay: no sent row of topic %s in that range%s\n", t->topic,
+               cfg->on_sent == OBX_ON_SENT_DELETE ? " (relay.on_sent = delete keeps none)" : "");
+        rc = 0;
+        goto out;
+    }
+    printf("replay: %lld sent rows of topic %s, ids %s to %s, created %s to %s, will be published "
+           "again with their ids\n",
+           n, t->topic, PQgetvalue(plan, 0, 1), PQgetvalue(plan, 0, 2), PQgetvalue(plan, 0, 3),
+           PQgetvalue(plan, 0, 4));
+    if (!t->yes) {
+        if (!isatty(STDIN_FILENO)) {
+            fprintf(stderr, "outboxd replay: not confirmed: add --yes (stdin is not a terminal)\n");
+            rc = EXIT_USAGE;
+            goto out;
+        }
+        printf("type yes to go on: ");
+        fflush(stdout);
+        char answer[16] = "";
+        if (!fgets(answer, sizeof(answer), stdin) || strcmp(answer, "yes\n") != 0) {
+            printf("nothing changed\n");
+            rc = 1;
+            goto out;
+        }
+    }
+    PGresult *r = run(c, t->tool, obx_store_sql_replay(), 4, v, PGRES_COMMAND_OK);
+    if (!r)
+        goto out;
+    PQclear(run(c, t->tool, OBX_STORE_SQL_WAKE, 0, NULL, PGRES_TUPLES_OK));
+    obx_info("replay: %s rows of topic %s marked unsent for publishing again", PQcmdTuples(r),
+             t->topic);
+    printf("replay: %s rows queued again; the relay publishes them in id order\n", PQcmdTuples(r));
+    PQclear(r);
+    rc = 0;
+out:
+    PQclear(plan);
+    PQfinish(c);
+    return rc;
+}
+
+int obx_tool_run(const struct obx_tool_args *t, const struct obx_config *cfg)
+{
+    if (strcmp(t->tool, "status") == 0)
+        return status(t, cfg);
+    if (strcmp(t->tool, "dead") == 0)
+        return dead(t, cfg);
+    return replay(t, cfg);
+}
