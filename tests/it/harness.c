@@ -1007,3 +1007,30 @@ int h_run_suite(const char *group, const struct CMUnitTest *tests, size_t n, int
     }
     return _cmocka_run_group_tests(group, tests, n, NULL, NULL);
 }
+
+int h_run_outboxd(char *const argv[], char *const envp[], char *out, size_t outlen)
+{
+    int p[2];
+    if (pipe(p) != 0)
+        fail_msg("pipe: %s", strerror(errno));
+    pid_t pid = fork();
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_RDONLY); /* stdin is no terminal */
+        dup2(devnull, 0);
+        dup2(p[1], 1);
+        dup2(p[1], 2);
+        close(p[0]);
+        execve(OBX_BINARY_DIR "/outboxd", argv, envp);
+        _exit(127);
+    }
+    close(p[1]);
+    size_t used = 0;
+    ssize_t r;
+    while (used + 1 < outlen && (r = read(p[0], out + used, outlen - 1 - used)) > 0)
+        used += (size_t)r;
+    out[used] = '\0';
+    close(p[0]);
+    int status;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}

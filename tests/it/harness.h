@@ -125,6 +125,11 @@ void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_recor
 void h_records_free(struct h_records *r);
 const struct h_header *h_record_header(const struct h_record *r, const char *name);
 
+/* Runs the outboxd binary with argv and envp, stdin from /dev/null, and
+ * collects its stdout and stderr into out. Returns its exit status (-1 if
+ * killed by a signal). */
+int h_run_outboxd(char *const argv[], char *const envp[], char *out, size_t outlen);
+
 /* Runs the suite's tests, or only the one argv[1] names (as ctest does):
  * a name that is no test of the suite fails rather than running nothing. */
 int h_run_suite(const char *group, const struct CMUnitTest *tests, size_t n, int argc, char **argv);

@@ -543,30 +543,10 @@ static int tool(char *out, size_t outlen, const char *const *args)
     argv[n++] = "-X";
     argv[n++] = http;
     argv[n] = NULL;
-    int p[2];
-    assert_int_equal(pipe(p), 0);
-    pid_t pid = fork();
-    if (pid == 0) {
-        int devnull = open("/dev/null", O_RDONLY); /* stdin is no terminal */
-        dup2(devnull, 0);
-        dup2(p[1], 1);
-        dup2(p[1], 2);
-        close(p[0]);
-        char *const envp[] = {"PATH=/usr/bin:/bin", NULL};
-        execve(OBX_BINARY_DIR "/outboxd", argv, envp);
-        _exit(127);
-    }
-    close(p[1]);
-    size_t used = 0;
-    ssize_t r;
-    while (used + 1 < outlen && (r = read(p[0], out + used, outlen - 1 - used)) > 0)
-        used += (size_t)r;
-    out[used] = '\0';
-    close(p[0]);
-    int status;
-    waitpid(pid, &status, 0);
+    char *const envp[] = {"PATH=/usr/bin:/bin", NULL};
+    int rc = h_run_outboxd(argv, envp, out, outlen);
     print_message("%s", out);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return rc;
 }
 
 static void expect_in(const char *out, const char *needle)

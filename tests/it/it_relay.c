@@ -596,27 +596,8 @@ static void test_secrets_not_logged(void **state)
 /* Runs outboxd with args; returns its exit status and its output. */
 static int run_outboxd(char *out, size_t outlen, char *const argv[])
 {
-    int p[2];
-    assert_int_equal(pipe(p), 0);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(p[1], 1);
-        dup2(p[1], 2);
-        close(p[0]);
-        char *const envp[] = {"PATH=/usr/bin:/bin", "OUTBOXD_RELAY_BATCH_SIZE=500", NULL};
-        execve(OBX_BINARY_DIR "/outboxd", argv, envp);
-        _exit(127);
-    }
-    close(p[1]);
-    size_t used = 0;
-    ssize_t r;
-    while (used + 1 < outlen && (r = read(p[0], out + used, outlen - 1 - used)) > 0)
-        used += (size_t)r;
-    out[used] = '\0';
-    close(p[0]);
-    int status;
-    waitpid(pid, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    char *const envp[] = {"PATH=/usr/bin:/bin", "OUTBOXD_RELAY_BATCH_SIZE=500", NULL};
+    return h_run_outboxd(argv, envp, out, outlen);
 }
 
 /* The command line: --check, errors naming key and line, exit codes, and a
