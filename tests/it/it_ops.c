@@ -565,11 +565,21 @@ static void test_status(void **state)
     h_env_start(&env, (const char *const[]){"it.a:2", "it.b:1", NULL});
     h_relay_start(&env, NULL, NULL);
     wait_http("/readyz", 200, "ready", 15000);
+    struct h_env second = env; /* a standby, named in its conninfo */
+    second.http_port = h_free_port();
+    snprintf(second.relay_name, sizeof(second.relay_name), "second");
+    char ci[700];
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=relay-b", env.conninfo);
+    h_relay_start(&second, NULL, (const char *const[]){ci, NULL});
+    h_wait_log(&second, "standing by, trying the lock every", 10000);
+    h_sleep_ms(300); /* its last statement is a try of the lock */
     assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", NULL}), 0);
     expect_in(out, "outboxd status: healthy");
     expect_in(out, "active  outboxd");
+    expect_in(out, "standby relay-b");
     expect_in(out, "unsent:   0 rows");
     expect_in(out, "ready, 0 rows in flight");
+    assert_int_equal(h_relay_stop(&second, SIGTERM, 30000), 0);
 
     /* A backlog, and a stuck transaction. */
     assert_true(h_broker_cmd(&env, "down all"));
