@@ -7,8 +7,14 @@
  *   obx-bench --conninfo C --bootstrap B --outboxd PATH [--malloc-count LIB]
  *             [--rows N] [--latency-seconds S]
  *
- * 1. Postgres-side limit: outboxd's own fetch and mark statements (taken
+ * 0. The job's limit: the cheapest statement pair that does the job
+ *    (SELECT the unsent rows in id order, LIMIT 1000; UPDATE ... SET
+ *    sent_at, or DELETE, WHERE id = ANY), pipelined on one connection, no
+ *    Kafka. The drain is measured against it.
+ * 1. Postgres-side cost of outboxd's own fetch and mark statements (taken
  *    from its code), one connection, batches of 1000, no Kafka.
+ *    For 0, 1 and 3: Postgres WAL bytes per row and the backend's CPU per
+ *    1,000 rows.
  * 2. Kafka-side limit: a bare idempotent producer with the same records.
  * 3. outboxd drain: N pre-filled rows relayed by the real binary.
  * 4. Latency: one event per transaction at fixed rates; commit -> record
@@ -109,9 +115,111 @@ static void settle(PGconn *c)
     exec_ok(c, "CHECKPOINT");
 }
 
-/* ---- 1. Postgres-side limit ---- */
+/* What a run cost Postgres: WAL written and the serving backend's CPU. */
+struct pg_cost {
+    double rows_per_s;
+    double wal_per_row;   /* bytes */
+    double cpu_ms_per_1k; /* backend CPU per 1,000 rows */
+};
 
-static double pg_limit(const struct opts *o, int on_sent, int payload)
+static double backend_cpu_s(int pid);
+
+static char *wal_lsn(PGconn *c, char *buf, size_t len)
+{
+    PGresult *r = PQexec(c, "SELECT pg_current_wal_lsn()");
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        die("pg_current_wal_lsn", PQresultErrorMessage(r));
+    snprintf(buf, len, "%s", PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return buf;
+}
+
+static double wal_since(PGconn *c, const char *lsn)
+{
+    char sql[160];
+    snprintf(sql, sizeof(sql), "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '%s')::bigint", lsn);
+    return (double)query_int(c, sql);
+}
+
+/* ---- 0. the job's limit: the minimal statement pair ---- */
+
+static PGresult *next_result(PGconn *c)
+{
+    PGresult *r;
+    while (!(r = PQgetResult(c)))
+        ; /* pipeline: NULL separates the results of two statements */
+    return r;
+}
+
+static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
+{
+    static const char fetch[] = "SELECT id, topic, key, payload, headers, created_at"
+                                " FROM outbox.events WHERE sent_at IS NULL ORDER BY id LIMIT 1000";
+    const char *confirm = on_sent == OBX_ON_SENT_DELETE
+                              ? "DELETE FROM outbox.events WHERE id = ANY ($1::bigint[])"
+                              : "UPDATE outbox.events SET sent_at = now()"
+                                " WHERE id = ANY ($1::bigint[])";
+    PGconn *c = connect_db(o);
+    settle(c);
+    prefill(c, o->rows, payload);
+    exec_ok(c, "VACUUM ANALYZE outbox.events");
+    char lsn[64];
+    wal_lsn(c, lsn, sizeof(lsn));
+    double cpu0 = backend_cpu_s(PQbackendPID(c));
+    struct obx_pg_array ids = {0};
+    long done = 0;
+    double t0 = now_s();
+    if (PQenterPipelineMode(c) != 1)
+        die("pipeline mode", PQerrorMessage(c));
+    /* One round trip a batch: the mark of batch k and the fetch of k+1. */
+    PQsendQueryParams(c, fetch, 0, NULL, NULL, NULL, NULL, 1);
+    PQpipelineSync(c);
+    for (;;) {
+        PGresult *r = next_result(c);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("minimal fetch", PQresultErrorMessage(r));
+        int n = PQntuples(r);
+        obx_pg_array_reset(&ids);
+        for (int i = 0; i < n; i++) {
+            const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
+            int64_t id = 0;
+            for (int b = 0; b < 8; b++)
+                id = (id << 8) | p[b];
+            obx_pg_array_add_int(&ids, id);
+        }
+        PQclear(r);
+        r = next_result(c); /* the sync */
+        PQclear(r);
+        if (n == 0)
+            break;
+        const char *v[1] = {obx_pg_array_finish(&ids)};
+        PQsendQueryParams(c, "BEGIN", 0, NULL, NULL, NULL, NULL, 0);
+        PQsendQueryParams(c, confirm, 1, NULL, v, NULL, NULL, 0);
+        PQsendQueryParams(c, "COMMIT", 0, NULL, NULL, NULL, NULL, 0);
+        PQsendQueryParams(c, fetch, 0, NULL, NULL, NULL, NULL, 1);
+        PQpipelineSync(c);
+        for (int k = 0; k < 3; k++) {
+            r = next_result(c);
+            if (PQresultStatus(r) != PGRES_COMMAND_OK)
+                die("minimal mark", PQresultErrorMessage(r));
+            PQclear(r);
+        }
+        done += n;
+    }
+    PQexitPipelineMode(c);
+    double t = now_s() - t0;
+    struct pg_cost cost = {.rows_per_s = (double)done / t};
+    cost.cpu_ms_per_1k = (backend_cpu_s(PQbackendPID(c)) - cpu0) * 1e6 / (double)done;
+    cost.wal_per_row = wal_since(c, lsn) / (double)done;
+    obx_pg_array_free(&ids);
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    PQfinish(c);
+    return cost;
+}
+
+/* ---- 1. Postgres-side cost of outboxd's statements ---- */
+
+static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
 {
     PGconn *c = connect_db(o);
     char mark_sql[2048];
@@ -119,6 +227,9 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
     settle(c);
     prefill(c, o->rows, payload);
     exec_ok(c, "VACUUM ANALYZE outbox.events");
+    char lsn[64];
+    wal_lsn(c, lsn, sizeof(lsn));
+    double cpu0 = backend_cpu_s(PQbackendPID(c));
     struct obx_pg_array ids = {0};
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", BATCH);
@@ -160,10 +271,13 @@ static double pg_limit(const struct opts *o, int on_sent, int payload)
         done += n;
     }
     double t = now_s() - t0;
+    struct pg_cost cost = {.rows_per_s = (double)done / t};
+    cost.cpu_ms_per_1k = (backend_cpu_s(PQbackendPID(c)) - cpu0) * 1e6 / (double)done;
+    cost.wal_per_row = wal_since(c, lsn) / (double)done;
     obx_pg_array_free(&ids);
     exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
     PQfinish(c);
-    return (double)done / t;
+    return cost;
 }
 
 /* Retention: sent rows (2 days old) deleted by the purge statement outboxd
@@ -342,6 +456,13 @@ static void proc_stats(pid_t pid, struct proc_stats *st)
         fclose(f);
 }
 
+static double backend_cpu_s(int pid)
+{
+    struct proc_stats st = {0};
+    proc_stats((pid_t)pid, &st);
+    return st.cpu_s;
+}
+
 static void stop_outboxd(pid_t pid)
 {
     int status;
@@ -351,6 +472,8 @@ static void stop_outboxd(pid_t pid)
 
 struct drain_result {
     double rows_per_s;
+    double pg_cpu_ms_per_1k; /* the relay's Postgres backend */
+    double wal_per_row;
     double cpu_per_100k;
     long peak_kb;
     double idle_cpu_s; /* over 10 s */
@@ -396,16 +519,23 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     wait_drained(c, left_sql);
     sleep(1);
     struct proc_stats s0 = {0}, s1 = {0}, s2 = {0};
+    int relay_backend = (int)query_int(c, "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
+                                          " WHERE application_name = 'outboxd'");
+    char lsn[64];
     exec_ok(c, "BEGIN");
     prefill(c, rows, payload);
     exec_ok(c, "NOTIFY outboxd");
+    wal_lsn(c, lsn, sizeof(lsn)); /* after the rows' own WAL */
     proc_stats(pid, &s0);
     long a0 = count_file ? read_count(count_file) : 0;
+    double b0 = backend_cpu_s(relay_backend);
     double t0 = now_s();
     exec_ok(c, "COMMIT");
     wait_drained(c, left_sql);
     double t1 = now_s();
     proc_stats(pid, &s1);
+    res->pg_cpu_ms_per_1k = (backend_cpu_s(relay_backend) - b0) * 1e6 / rows;
+    res->wal_per_row = wal_since(c, lsn) / rows;
     if (allocs)
         *allocs = read_count(count_file) - a0;
     res->rows_per_s = rows / (t1 - t0);
@@ -429,9 +559,10 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
  * much less, so the table reports the median of the pairs' ratios. */
 #define PAIRS 3
 struct paired {
-    double limit, drain, ratio;  /* medians */
-    double ratio_min, ratio_max; /* spread of the pairs' ratios */
-    struct drain_result first;   /* footprint figures of the first drain */
+    double job, own, drain, ratio;     /* medians; ratio = drain / the job's limit */
+    double ratio_min, ratio_max;       /* spread of the pairs' ratios */
+    struct pg_cost job_cost, own_cost; /* of the first pair */
+    struct drain_result first;         /* footprint figures of the first drain */
 };
 
 static double median3(double a, double b, double c)
@@ -441,19 +572,28 @@ static double median3(double a, double b, double c)
 
 static void paired(const struct opts *o, int on_sent, int payload, bool idle, struct paired *p)
 {
-    double limit[PAIRS], drained[PAIRS], ratio[PAIRS];
+    double limit[PAIRS], own[PAIRS], drained[PAIRS], ratio[PAIRS];
     for (int i = 0; i < PAIRS; i++) {
         struct drain_result d;
-        limit[i] = pg_limit(o, on_sent, payload);
+        struct pg_cost job = job_limit(o, on_sent, payload);
+        struct pg_cost mine = pg_limit(o, on_sent, payload);
         drain(o, on_sent, o->rows, payload, idle && i == 0, &d, NULL);
-        if (i == 0)
+        if (i == 0) {
             p->first = d;
+            p->job_cost = job;
+            p->own_cost = mine;
+        }
+        limit[i] = job.rows_per_s;
+        own[i] = mine.rows_per_s;
         drained[i] = d.rows_per_s;
         ratio[i] = drained[i] / limit[i];
-        fprintf(stderr, "obx-bench:   pair %d: limit %.0f, drain %.0f rows/s = %.2f\n", i + 1,
-                limit[i], drained[i], ratio[i]);
+        fprintf(stderr,
+                "obx-bench:   pair %d: job's limit %.0f, outboxd's statements %.0f, drain %.0f "
+                "rows/s = %.2f\n",
+                i + 1, limit[i], own[i], drained[i], ratio[i]);
     }
-    p->limit = median3(limit[0], limit[1], limit[2]);
+    p->job = median3(limit[0], limit[1], limit[2]);
+    p->own = median3(own[0], own[1], own[2]);
     p->drain = median3(drained[0], drained[1], drained[2]);
     p->ratio = median3(ratio[0], ratio[1], ratio[2]);
     p->ratio_min = p->ratio_max = ratio[0];
@@ -659,11 +799,13 @@ int main(int argc, char **argv)
     PQfinish(c);
 
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: mark-mode drain vs its limit */
-        double limit = pg_limit(&o, OBX_ON_SENT_MARK, 200);
+        struct pg_cost job = job_limit(&o, OBX_ON_SENT_MARK, 200);
         struct drain_result d;
         drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d, NULL);
-        printf("limit %.0f rows/s, drain %.0f rows/s = %.2f, %.2f s CPU per 100k\n", limit,
-               d.rows_per_s, d.rows_per_s / limit, d.cpu_per_100k);
+        printf("job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows), drain %.0f rows/s = "
+               "%.2f (%.1f ms backend CPU per 1k rows), %.2f s outboxd CPU per 100k\n",
+               job.rows_per_s, job.cpu_ms_per_1k, d.rows_per_s, d.rows_per_s / job.rows_per_s,
+               d.pg_cpu_ms_per_1k, d.cpu_per_100k);
         return 0;
     }
     fprintf(stderr, "obx-bench: 1+3/5 Postgres-side limit and outboxd drain, paired...\n");
@@ -671,7 +813,7 @@ int main(int argc, char **argv)
     paired(&o, OBX_ON_SENT_MARK, 200, true, &p_mark);
     paired(&o, OBX_ON_SENT_DELETE, 200, false, &p_delete);
     struct drain_result d_mark = p_mark.first, d_4k, d_alloc;
-    double pg_mark_4k = pg_limit(&o, OBX_ON_SENT_MARK, 4096);
+    struct pg_cost job_4k = job_limit(&o, OBX_ON_SENT_MARK, 4096);
     drain(&o, OBX_ON_SENT_MARK, o.rows, 4096, false, &d_4k, NULL);
     double purge = purge_rate(&o, 1000);
     long allocs = -1;
@@ -703,24 +845,35 @@ int main(int argc, char **argv)
            date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str(), BATCH, o.rows,
            KEYS, PARTITIONS);
     printf("| # | measurement | result |\n| --- | --- | --- |\n");
-    printf("| 1 | Postgres-side limit, mark (outboxd's fetch + mark, 1 connection; median of %d) "
-           "| %.0f rows/s |\n",
-           PAIRS, p_mark.limit);
-    printf("| 1 | Postgres-side limit, delete (median of %d) | %.0f rows/s |\n", PAIRS,
-           p_delete.limit);
-    printf("| 1 | Postgres-side limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n", pg_mark_4k);
+    printf("| 0 | **the job's limit**, mark (minimal SELECT + UPDATE ... WHERE id = ANY, "
+           "pipelined, 1 connection; median of %d) | %.0f rows/s; %.0f WAL bytes/row; %.1f ms "
+           "backend CPU per 1k rows |\n",
+           PAIRS, p_mark.job, p_mark.job_cost.wal_per_row, p_mark.job_cost.cpu_ms_per_1k);
+    printf("| 0 | the job's limit, delete (minimal SELECT + DELETE ... WHERE id = ANY) | %.0f "
+           "rows/s; %.0f WAL bytes/row; %.1f ms backend CPU per 1k rows |\n",
+           p_delete.job, p_delete.job_cost.wal_per_row, p_delete.job_cost.cpu_ms_per_1k);
+    printf("| 0 | the job's limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n",
+           job_4k.rows_per_s);
+    printf("| 1 | outboxd's own fetch + mark statements in a plain loop, mark (median of %d) | "
+           "%.0f rows/s; %.0f WAL bytes/row; %.1f ms backend CPU per 1k rows |\n",
+           PAIRS, p_mark.own, p_mark.own_cost.wal_per_row, p_mark.own_cost.cpu_ms_per_1k);
+    printf("| 1 | outboxd's own statements, delete | %.0f rows/s; %.0f WAL bytes/row; %.1f ms "
+           "backend CPU per 1k rows |\n",
+           p_delete.own, p_delete.own_cost.wal_per_row, p_delete.own_cost.cpu_ms_per_1k);
     printf("| 1 | retention purge of sent rows (mark mode), batches of 1000 | %.0f rows/s |\n",
            purge);
     printf("| 2 | Kafka-side limit (bare idempotent producer, same records) | %.0f records/s |\n",
            kafka);
     printf("| 2 | Kafka-side limit, 4 KiB payloads | %.0f records/s |\n", kafka_4k);
-    printf("| 3 | outboxd drain, mark (median of %d) | %.0f rows/s = %.2f x limit (pairs "
-           "%.2f-%.2f) |\n",
-           PAIRS, p_mark.drain, p_mark.ratio, p_mark.ratio_min, p_mark.ratio_max);
-    printf("| 3 | outboxd drain, delete (median of %d) | %.0f rows/s = %.2f x limit (pairs "
-           "%.2f-%.2f) |\n",
-           PAIRS, p_delete.drain, p_delete.ratio, p_delete.ratio_min, p_delete.ratio_max);
-    double limit_4k = pg_mark_4k < kafka_4k ? pg_mark_4k : kafka_4k;
+    printf("| 3 | outboxd drain, mark (median of %d) | %.0f rows/s = **%.2f x the job's limit** "
+           "(pairs %.2f-%.2f); %.0f WAL bytes/row; its backend %.1f ms CPU per 1k rows |\n",
+           PAIRS, p_mark.drain, p_mark.ratio, p_mark.ratio_min, p_mark.ratio_max,
+           p_mark.first.wal_per_row, p_mark.first.pg_cpu_ms_per_1k);
+    printf("| 3 | outboxd drain, delete (median of %d) | %.0f rows/s = **%.2f x the job's "
+           "limit** (pairs %.2f-%.2f); %.0f WAL bytes/row; its backend %.1f ms CPU per 1k rows |\n",
+           PAIRS, p_delete.drain, p_delete.ratio, p_delete.ratio_min, p_delete.ratio_max,
+           p_delete.first.wal_per_row, p_delete.first.pg_cpu_ms_per_1k);
+    double limit_4k = job_4k.rows_per_s < kafka_4k ? job_4k.rows_per_s : kafka_4k;
     printf("| 3 | outboxd drain, mark, 4 KiB payloads | %.0f rows/s = %.2f x the lower limit |\n",
            d_4k.rows_per_s, d_4k.rows_per_s / limit_4k);
     for (int i = 0; i < 3; i++)
