@@ -34,6 +34,17 @@ enum step {
     STEP_MARK, /* the chunk's recovery transaction in flight */
 };
 
+static const char *const step_names[] = {"idle", "plan", "scan", "mark"};
+
+/* Which moves are possible: allowed[from] is a bit set of destinations. */
+#define STEP_BIT(s) (1u << (s))
+static const unsigned step_allowed[] = {
+    [STEP_IDLE] = STEP_BIT(STEP_PLAN),
+    [STEP_PLAN] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_SCAN),
+    [STEP_SCAN] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_MARK),
+    [STEP_MARK] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_SCAN),
+};
+
 /* One partition to read. */
 struct part {
     int topic; /* index into topics */
@@ -89,6 +100,18 @@ struct obx_recovery {
     struct obx_pg_array params[NPARAMS];
     const char *values[NPARAMS];
 };
+
+/* The one place the step changes; an impossible move is a bug. */
+static void set_step(struct obx_recovery *rec, enum step to, const char *why)
+{
+    if (rec->step == to)
+        return;
+    if (!(step_allowed[rec->step] & STEP_BIT(to)))
+        OBX_BUG("recovery: refused step change %s -> %s (%s)", step_names[rec->step],
+                step_names[to], why);
+    obx_debug("recovery: %s -> %s (%s)", step_names[rec->step], step_names[to], why);
+    rec->step = to;
+}
 
 int obx_sha256_hex(const void *data, size_t len, char out[65])
 {
@@ -203,7 +226,7 @@ int obx_recovery_start(struct obx_recovery *rec)
     atomic_store(&rec->cancel, false);
     if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result, rec) != 0)
         return -1;
-    rec->step = STEP_PLAN;
+    set_step(rec, STEP_PLAN, "plan sent");
     return 0;
 }
 
@@ -214,7 +237,7 @@ uint64_t obx_recovery_progress(const struct obx_recovery *rec)
 
 static void finish(struct obx_recovery *rec, bool ok)
 {
-    rec->step = STEP_IDLE;
+    set_step(rec, STEP_IDLE, ok ? "pass done" : "pass failed");
     clear_pass(rec);
     rec->cb.done(ok, rec->arg);
 }
@@ -547,7 +570,7 @@ static void send_mark(struct obx_recovery *rec)
         finish(rec, false); /* if the connection broke, `lost` follows */
         return;
     }
-    rec->step = STEP_MARK;
+    set_step(rec, STEP_MARK, "chunk's mark sent");
 }
 
 static void start_chunk(struct obx_recovery *rec);
@@ -563,12 +586,12 @@ static void free_recovery(struct obx_recovery *rec)
 static void scan_done(uv_work_t *w, int status)
 {
     struct obx_recovery *rec = w->data;
-    rec->step = STEP_IDLE;
     if (rec->closing) {
         free_recovery(rec);
         return;
     }
     if (rec->aborted || status != 0) {
+        set_step(rec, STEP_IDLE, "chunk of an abandoned pass");
         clear_pass(rec);
         return;
     }
@@ -588,7 +611,7 @@ static void scan_done(uv_work_t *w, int status)
 /* Reads the next chunk in the thread pool. */
 static void start_chunk(struct obx_recovery *rec)
 {
-    rec->step = STEP_SCAN;
+    set_step(rec, STEP_SCAN, "reading a chunk");
     if (uv_queue_work(rec->loop, &rec->work, scan_work, scan_done) != 0) {
         obx_error("recovery: cannot start the Kafka scan");
         finish(rec, false);
@@ -705,7 +728,7 @@ void obx_recovery_abort(struct obx_recovery *rec)
         atomic_store(&rec->cancel, true);
         return;
     }
-    rec->step = STEP_IDLE;
+    set_step(rec, STEP_IDLE, "pass abandoned");
     clear_pass(rec);
 }
 
