@@ -38,6 +38,7 @@ struct obx_kafka {
     int64_t max_message_bytes;
     char reason[160];                   /* the last refusal's reason */
     struct obx_record_opts record;      /* record.format and its settings */
+    struct obx_headers headers;         /* a row's parsed headers, reused */
     struct obx_labelled published;      /* records acknowledged, by topic */
     struct obx_labelled publish_errors; /* failed produce or delivery, by reason */
 };
@@ -469,7 +470,7 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
         *reason = k->reason;
         return OBX_PRODUCE_REJECTED;
     }
-    if (obx_record_headers(row, &k->record, &hdrs, err, sizeof(err)) != 0) {
+    if (obx_record_headers(row, &k->record, &k->headers, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
         obx_labelled_inc(&k->publish_errors, "HEADERS_INVALID");
         *reason = "headers could not be encoded";
@@ -501,6 +502,7 @@ static void unref(struct obx_kafka *k)
     rd_kafka_conf_destroy(k->conf_copy);
     obx_labelled_free(&k->published);
     obx_labelled_free(&k->publish_errors);
+    obx_headers_free(&k->headers);
     close(k->pipe_rd);
     close(k->pipe_wr);
     obx_free(k);

@@ -2,8 +2,10 @@
  * record: see include/outboxd/record.h.
  */
 #include "outboxd/record.h"
+#include "outboxd/alloc.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -90,14 +92,18 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
         }
         row->payload_len = be32(PQgetvalue(res, i, OBX_COL_PAYLOAD_LEN));
     }
-    if (PQgetisnull(res, i, OBX_COL_HDR_KEYS)) {
-        row->hdr_keys = row->hdr_values = NULL;
-        row->hdr_keys_len = row->hdr_values_len = 0;
-    } else {
-        row->hdr_keys = PQgetvalue(res, i, OBX_COL_HDR_KEYS);
-        row->hdr_keys_len = (size_t)PQgetlength(res, i, OBX_COL_HDR_KEYS);
-        row->hdr_values = PQgetvalue(res, i, OBX_COL_HDR_VALUES);
-        row->hdr_values_len = (size_t)PQgetlength(res, i, OBX_COL_HDR_VALUES);
+    row->headers = NULL;
+    row->headers_len = 0;
+    if (!PQgetisnull(res, i, OBX_COL_HEADERS)) {
+        /* jsonb's binary form: a version byte (1), then the text. */
+        const char *h = PQgetvalue(res, i, OBX_COL_HEADERS);
+        size_t hlen = (size_t)PQgetlength(res, i, OBX_COL_HEADERS);
+        if (hlen < 1 || h[0] != 1) {
+            snprintf(err, errlen, "fetch result row %d: headers are not jsonb version 1", i);
+            return -1;
+        }
+        row->headers = h + 1;
+        row->headers_len = hlen - 1;
     }
     /* timestamptz in binary: microseconds since 2000-01-01 UTC. Only for
      * the latency histogram, so a missing value is just 0. */
@@ -134,6 +140,267 @@ size_t obx_format_rfc3339(int64_t unix_us, char *buf, size_t len)
     return n > 0 && (size_t)n < len ? (size_t)n : 0;
 }
 
+/* ---- the headers object ---- */
+
+void obx_headers_free(struct obx_headers *h)
+{
+    obx_free(h->v);
+    obx_free(h->buf);
+    memset(h, 0, sizeof(*h));
+}
+
+struct json {
+    const char *p, *end;
+    struct obx_headers *h;
+    char *err;
+    size_t errlen;
+};
+
+static int json_fail(struct json *j, const char *what)
+{
+    snprintf(j->err, j->errlen, "headers: %s at byte %ld", what, (long)(j->end - j->p));
+    return -1;
+}
+
+static void skip_ws(struct json *j)
+{
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
+        j->p++;
+}
+
+static int reserve(struct json *j, size_t more)
+{
+    struct obx_headers *h = j->h;
+    if (h->buf_used + more <= h->buf_cap)
+        return 0;
+    /* Spans point into buf: grown only before a parse (see parse_into). */
+    return json_fail(j, "out of memory");
+}
+
+static int hex4(const char *p, unsigned *out)
+{
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9')
+            v |= (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            v |= (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F')
+            v |= (unsigned)(c - 'A' + 10);
+        else
+            return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* A string at j->p (its opening quote); its unescaped bytes go to the
+ * scratch buffer. */
+static int json_string(struct json *j, const char **out, size_t *out_len)
+{
+    struct obx_headers *h = j->h;
+    if (j->p >= j->end || *j->p != '"')
+        return json_fail(j, "a string expected");
+    j->p++;
+    char *dst = h->buf + h->buf_used;
+    size_t n = 0;
+    while (j->p < j->end && *j->p != '"') {
+        unsigned char c = (unsigned char)*j->p++;
+        if (c < 0x20)
+            return json_fail(j, "a control character in a string");
+        if (c != '\\') {
+            if (reserve(j, n + 1) != 0)
+                return -1;
+            dst[n++] = (char)c;
+            continue;
+        }
+        if (j->p >= j->end)
+            return json_fail(j, "an escape cut short");
+        char e = *j->p++;
+        unsigned cp;
+        switch (e) {
+        case '"':
+        case '\\':
+        case '/':
+            cp = (unsigned char)e;
+            break;
+        case 'b':
+            cp = '\b';
+            break;
+        case 'f':
+            cp = '\f';
+            break;
+        case 'n':
+            cp = '\n';
+            break;
+        case 'r':
+            cp = '\r';
+            break;
+        case 't':
+            cp = '\t';
+            break;
+        case 'u':
+            if (j->end - j->p < 4 || hex4(j->p, &cp) != 0)
+                return json_fail(j, "a bad \\u escape");
+            j->p += 4;
+            if (cp >= 0xd800 && cp <= 0xdbff) { /* a surrogate pair */
+                unsigned lo;
+                if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' ||
+                    hex4(j->p + 2, &lo) != 0 || lo < 0xdc00 || lo > 0xdfff)
+                    return json_fail(j, "a lone surrogate");
+                j->p += 6;
+                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            } else if (cp >= 0xdc00 && cp <= 0xdfff) {
+                return json_fail(j, "a lone surrogate");
+            }
+            break;
+        default:
+            return json_fail(j, "an unknown escape");
+        }
+        if (reserve(j, n + 4) != 0)
+            return -1;
+        if (cp < 0x80) {
+            dst[n++] = (char)cp;
+        } else if (cp < 0x800) {
+            dst[n++] = (char)(0xc0 | (cp >> 6));
+            dst[n++] = (char)(0x80 | (cp & 0x3f));
+        } else if (cp < 0x10000) {
+            dst[n++] = (char)(0xe0 | (cp >> 12));
+            dst[n++] = (char)(0x80 | ((cp >> 6) & 0x3f));
+            dst[n++] = (char)(0x80 | (cp & 0x3f));
+        } else {
+            dst[n++] = (char)(0xf0 | (cp >> 18));
+            dst[n++] = (char)(0x80 | ((cp >> 12) & 0x3f));
+            dst[n++] = (char)(0x80 | ((cp >> 6) & 0x3f));
+            dst[n++] = (char)(0x80 | (cp & 0x3f));
+        }
+    }
+    if (j->p >= j->end)
+        return json_fail(j, "a string not closed");
+    j->p++;
+    *out = dst;
+    *out_len = n;
+    h->buf_used += n;
+    return 0;
+}
+
+/* Any other value: skipped over (strings and nesting respected); its text
+ * is the value. */
+static int json_skip_value(struct json *j)
+{
+    if (j->p < j->end && (*j->p == '{' || *j->p == '[')) {
+        size_t depth = 0;
+        while (j->p < j->end) {
+            char c = *j->p++;
+            if (c == '"') {
+                while (j->p < j->end && *j->p != '"')
+                    j->p += (*j->p == '\\' && j->p + 1 < j->end) ? 2 : 1;
+                if (j->p >= j->end)
+                    return json_fail(j, "a string not closed");
+                j->p++;
+            } else if (c == '{' || c == '[') {
+                depth++;
+            } else if ((c == '}' || c == ']') && --depth == 0) {
+                return 0;
+            }
+        }
+        return json_fail(j, "an array or object not closed");
+    }
+    const char *start = j->p; /* a number, true, false or null */
+    while (j->p < j->end && ((*j->p >= '0' && *j->p <= '9') || (*j->p >= 'a' && *j->p <= 'z') ||
+                             *j->p == '-' || *j->p == '+' || *j->p == '.' || *j->p == 'E'))
+        j->p++;
+    return j->p > start ? 0 : json_fail(j, "a value expected");
+}
+
+static int span_cmp(const void *a, const void *b)
+{
+    const struct obx_header_span *x = a, *y = b;
+    size_t n = x->key_len < y->key_len ? x->key_len : y->key_len;
+    int c = memcmp(x->key, y->key, n);
+    if (c != 0)
+        return c;
+    return x->key_len < y->key_len ? -1 : x->key_len > y->key_len;
+}
+
+int obx_headers_parse(const char *json, size_t len, struct obx_headers *h, char *err, size_t errlen)
+{
+    /* Unescaped text is never longer than the JSON, and every member takes
+     * at least 6 bytes ("":1,): size both once, so spans stay valid. */
+    size_t max_members = len / 4 + 1;
+    if (h->buf_cap < len + 1) {
+        char *grown = obx_realloc(h->buf, len + 1);
+        if (!grown) {
+            snprintf(err, errlen, "headers: out of memory");
+            return -1;
+        }
+        h->buf = grown;
+        h->buf_cap = len + 1;
+    }
+    if (h->cap < max_members) {
+        struct obx_header_span *grown = obx_realloc(h->v, max_members * sizeof(*grown));
+        if (!grown) {
+            snprintf(err, errlen, "headers: out of memory");
+            return -1;
+        }
+        h->v = grown;
+        h->cap = max_members;
+    }
+    h->n = 0;
+    h->buf_used = 0;
+    struct json j = {.p = json, .end = json + len, .h = h, .err = err, .errlen = errlen};
+    skip_ws(&j);
+    if (j.p >= j.end || *j.p != '{')
+        return json_fail(&j, "not an object");
+    j.p++;
+    skip_ws(&j);
+    if (j.p < j.end && *j.p == '}') {
+        j.p++;
+    } else {
+        for (;;) {
+            struct obx_header_span *m = &h->v[h->n];
+            skip_ws(&j);
+            if (h->n == h->cap)
+                return json_fail(&j, "too many members");
+            if (json_string(&j, &m->key, &m->key_len) != 0)
+                return -1;
+            skip_ws(&j);
+            if (j.p >= j.end || *j.p != ':')
+                return json_fail(&j, "':' expected");
+            j.p++;
+            skip_ws(&j);
+            if (j.p < j.end && *j.p == '"') {
+                if (json_string(&j, &m->value, &m->value_len) != 0)
+                    return -1;
+            } else {
+                const char *start = j.p;
+                if (json_skip_value(&j) != 0)
+                    return -1;
+                m->value = start;
+                m->value_len = (size_t)(j.p - start);
+            }
+            h->n++;
+            skip_ws(&j);
+            if (j.p < j.end && *j.p == ',') {
+                j.p++;
+                continue;
+            }
+            if (j.p < j.end && *j.p == '}') {
+                j.p++;
+                break;
+            }
+            return json_fail(&j, "',' or '}' expected");
+        }
+    }
+    skip_ws(&j);
+    if (j.p != j.end)
+        return json_fail(&j, "bytes after the object");
+    qsort(h->v, h->n, sizeof(*h->v), span_cmp);
+    return 0;
+}
+
 static bool name_is(const char *k, size_t klen, const char *name)
 {
     return klen == strlen(name) && memcmp(k, name, klen) == 0;
@@ -147,36 +414,29 @@ static bool ce_reserved(const char *k, size_t klen)
 }
 
 int obx_record_headers(const struct obx_row *row, const struct obx_record_opts *opts,
-                       rd_kafka_headers_t **out, char *err, size_t errlen)
+                       struct obx_headers *scratch, rd_kafka_headers_t **out, char *err,
+                       size_t errlen)
 {
-    struct obx_array_iter keys, values;
-    int nkeys = 0, nvalues = 0;
     char idbuf[24];
     size_t idlen = obx_format_id(row->id, idbuf);
     bool ce = opts && opts->format == OBX_RECORD_CLOUDEVENTS;
     bool own_source = false, own_type = false;
+    size_t n = 0;
 
-    if (row->hdr_keys) {
-        nkeys = obx_array_iter_init(&keys, row->hdr_keys, row->hdr_keys_len);
-        nvalues = row->hdr_values
-                      ? obx_array_iter_init(&values, row->hdr_values, row->hdr_values_len)
-                      : -1;
-        if (nkeys < 0 || nvalues != nkeys) {
-            snprintf(err, errlen, "row %lld: malformed header arrays from the fetch query",
-                     (long long)row->id);
+    if (row->headers_len > 0) {
+        char why[160];
+        if (obx_headers_parse(row->headers, row->headers_len, scratch, why, sizeof(why)) != 0) {
+            snprintf(err, errlen, "row %lld: %s", (long long)row->id, why);
             return -1;
         }
-        if (ce) { /* a first pass: does the row name its own source and type? */
-            struct obx_array_iter scan = keys;
-            const char *k;
-            size_t klen;
-            while (obx_array_iter_next(&scan, &k, &klen) == 1) {
-                own_source = own_source || (k && name_is(k, klen, "ce_source"));
-                own_type = own_type || (k && name_is(k, klen, "ce_type"));
-            }
+        n = scratch->n;
+        for (size_t i = 0; ce && i < n; i++) {
+            own_source =
+                own_source || name_is(scratch->v[i].key, scratch->v[i].key_len, "ce_source");
+            own_type = own_type || name_is(scratch->v[i].key, scratch->v[i].key_len, "ce_type");
         }
     }
-    rd_kafka_headers_t *hdrs = rd_kafka_headers_new((size_t)nkeys + (ce ? 6 : 1));
+    rd_kafka_headers_t *hdrs = rd_kafka_headers_new(n + (ce ? 6 : 1));
     if (!hdrs) {
         snprintf(err, errlen, "row %lld: out of memory for headers", (long long)row->id);
         return -1;
@@ -195,18 +455,11 @@ int obx_record_headers(const struct obx_row *row, const struct obx_record_opts *
         if (wlen > 0)
             rd_kafka_header_add(hdrs, "ce_time", -1, when, (ssize_t)wlen);
     }
-    for (int i = 0; i < nkeys; i++) {
-        const char *k, *v;
-        size_t klen, vlen;
-        if (obx_array_iter_next(&keys, &k, &klen) != 1 ||
-            obx_array_iter_next(&values, &v, &vlen) != 1 || !k) {
-            rd_kafka_headers_destroy(hdrs);
-            snprintf(err, errlen, "row %lld: malformed header element %d", (long long)row->id, i);
-            return -1;
-        }
-        if (ce && ce_reserved(k, klen))
+    for (size_t i = 0; i < n; i++) {
+        const struct obx_header_span *m = &scratch->v[i];
+        if (ce && ce_reserved(m->key, m->key_len))
             continue;
-        rd_kafka_header_add(hdrs, k, (ssize_t)klen, v, v ? (ssize_t)vlen : 0);
+        rd_kafka_header_add(hdrs, m->key, (ssize_t)m->key_len, m->value, (ssize_t)m->value_len);
     }
     *out = hdrs;
     return 0;

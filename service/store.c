@@ -46,8 +46,8 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
 }
 
 /* The fetch: committed unsent rows in id order, skipping rows in flight.
- * Postgres splits the headers object into two text[] (keys, values; string
- * values verbatim, other JSON values as JSON text), so C never parses JSON.
+ * The headers object comes as it is stored (jsonb, binary: its text):
+ * splitting it is C's work (record.c), not a per-row jsonb_each here.
  * Rows of transactions that commit late (lower ids) are found by the next
  * fetch: nothing is skipped because a higher id was seen first.
  *
@@ -56,20 +56,15 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
  * octet_length (which reads the TOAST pointer, not the value), and the
  * batch ends once its payloads reach $6 bytes (at least one row). */
 static const char SQL_FETCH[] =
-    "SELECT b.id, b.topic, b.key, b.payload, b.keys, b.vals, b.created_at, b.payload_len"
+    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len"
     " FROM (SELECT e.id, e.topic, e.key,"
     "         CASE WHEN octet_length(e.payload) <= $7::int THEN e.payload END AS payload,"
-    "         h.keys, h.vals, e.created_at, octet_length(e.payload) AS payload_len,"
+    "         e.headers,"
+    "         e.created_at, octet_length(e.payload) AS payload_len,"
     "         sum(CASE WHEN octet_length(e.payload) <= $7::int THEN octet_length(e.payload)"
     "             ELSE 0 END) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto,"
     "         row_number() OVER (ORDER BY e.id) AS n"
     "  FROM outbox.events e"
-    "  LEFT JOIN LATERAL ("
-    "    SELECT array_agg(j.k ORDER BY j.k COLLATE \"C\") AS keys,"
-    "           array_agg(CASE jsonb_typeof(j.v) WHEN 'string' THEN j.v #>> '{}'"
-    "                     ELSE j.v::text END ORDER BY j.k COLLATE \"C\") AS vals"
-    "    FROM jsonb_each(CASE jsonb_typeof(e.headers) WHEN 'object' THEN e.headers END)"
-    "         AS j(k, v)) h ON true"
     "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
     /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
     "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("

@@ -2,8 +2,9 @@
  * record: one outbox row and the Kafka record made from it (DESIGN 1.2).
  *
  * Rows come from the fetch query in binary result format, so payloads need
- * no hex decoding and the headers jsonb arrives already split by Postgres
- * into two text[] arrays (keys, values) in binary array format.
+ * no hex decoding. The headers jsonb comes as jsonb's text output, which C
+ * splits into Kafka headers (Postgres spends no per-row JSON work): keys in
+ * byte order, string values unescaped, other values as their JSON text.
  */
 #ifndef OUTBOXD_RECORD_H
 #define OUTBOXD_RECORD_H
@@ -24,8 +25,7 @@ enum {
     OBX_COL_TOPIC,
     OBX_COL_KEY,
     OBX_COL_PAYLOAD,
-    OBX_COL_HDR_KEYS,
-    OBX_COL_HDR_VALUES,
+    OBX_COL_HEADERS, /* jsonb, binary: version byte 1, then its text */
     OBX_COL_CREATED_AT,
     OBX_COL_PAYLOAD_LEN, /* octet_length(payload); the payload itself is NULL if too large */
     OBX_COL_COUNT
@@ -53,6 +53,26 @@ int obx_array_iter_init(struct obx_array_iter *it, const char *data, size_t len)
  * end, -1 on malformed data. */
 int obx_array_iter_next(struct obx_array_iter *it, const char **elem, size_t *len);
 
+/* The members of a headers object, parsed: reusable between rows. */
+struct obx_header_span {
+    const char *key, *value;
+    size_t key_len, value_len;
+};
+struct obx_headers {
+    struct obx_header_span *v; /* sorted by key bytes */
+    size_t n, cap;
+    char *buf; /* unescaped strings */
+    size_t buf_used, buf_cap;
+};
+void obx_headers_free(struct obx_headers *h);
+
+/* Splits a JSON object (as jsonb prints it, or any valid JSON object) into
+ * h: key -> value, string values unescaped, other values (numbers, true,
+ * false, null, arrays, objects) as their JSON text; keys in byte order, as
+ * Postgres' COLLATE "C". Returns 0, or -1 with a sentence in err. */
+int obx_headers_parse(const char *json, size_t len, struct obx_headers *h, char *err,
+                      size_t errlen) OBX_WARN_UNUSED;
+
 /* How records are made (record.format). */
 struct obx_record_opts {
     int format;            /* enum obx_record_format */
@@ -68,7 +88,8 @@ struct obx_record_opts {
  * (rd_kafka_producev takes it over on success). Returns 0, or -1 with a
  * sentence in err. */
 int obx_record_headers(const struct obx_row *row, const struct obx_record_opts *opts,
-                       rd_kafka_headers_t **out, char *err, size_t errlen) OBX_WARN_UNUSED;
+                       struct obx_headers *scratch, rd_kafka_headers_t **out, char *err,
+                       size_t errlen) OBX_WARN_UNUSED;
 
 /* Writes Unix microseconds as RFC 3339 UTC ("2026-12-01T11:43:16.123456Z")
  * into buf (at least 28 bytes); returns the length. */

@@ -16,14 +16,12 @@ struct obx_row {
     const char *topic; /* NUL-terminated */
     const char *key;   /* NULL = no key */
     size_t key_len;
-    const void *payload;  /* NULL = tombstone, or oversize */
-    size_t payload_len;   /* the stored length, also when oversize */
-    bool oversize;        /* larger than the producer's limit: not fetched, cannot be sent */
-    const char *hdr_keys; /* binary text[]; NULL = no headers */
-    size_t hdr_keys_len;
-    const char *hdr_values; /* binary text[], same length as hdr_keys */
-    size_t hdr_values_len;
-    int64_t created_us; /* created_at, Unix microseconds (0 if unknown) */
+    const void *payload; /* NULL = tombstone, or oversize */
+    size_t payload_len;  /* the stored length, also when oversize */
+    bool oversize;       /* larger than the producer's limit: not fetched, cannot be sent */
+    const char *headers; /* the headers object as JSON text (jsonb's own output) */
+    size_t headers_len;  /* 0 = no headers */
+    int64_t created_us;  /* created_at, Unix microseconds (0 if unknown) */
 };
 
 #endif

@@ -1,8 +1,7 @@
 /*
- * libFuzzer target: a fetched row's header arrays -> Kafka headers
- * (DESIGN 1.2). The input is split in two at its first byte's value: the
- * keys array and the values array, as the fetch would deliver them. An odd
- * first byte makes the record a CloudEvent (record.format = cloudevents).
+ * libFuzzer target: a row's headers object (jsonb's text) -> Kafka headers
+ * (DESIGN 1.2). The first byte picks the record format (odd: CloudEvents);
+ * the rest is the JSON text, as the fetch delivers it.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -16,29 +15,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
-    size_t split = data[0] < size ? data[0] : size - 1;
-    const uint8_t *rest = data + 1;
-    size_t rest_len = size - 1;
-    if (split > rest_len)
-        split = rest_len;
-    char *keys = malloc(split ? split : 1), *vals = malloc(rest_len - split ? rest_len - split : 1);
-    if (!keys || !vals) {
-        free(keys);
-        free(vals);
+    /* An exact-size copy: a read past the text is caught. */
+    char *json = malloc(size - 1 ? size - 1 : 1);
+    if (!json)
         return 0;
-    }
-    memcpy(keys, rest, split);
-    memcpy(vals, rest + split, rest_len - split);
+    memcpy(json, data + 1, size - 1);
     struct obx_row row = {.id = 42, .topic = "t", .created_us = 1764589396123456};
+    row.headers = json;
+    row.headers_len = size - 1;
     const struct obx_record_opts ce = {.format = OBX_RECORD_CLOUDEVENTS, .ce_source = "/fuzz"};
     const struct obx_record_opts *opts = (data[0] & 1) ? &ce : NULL;
-    row.hdr_keys = keys;
-    row.hdr_keys_len = split;
-    row.hdr_values = vals;
-    row.hdr_values_len = rest_len - split;
+    struct obx_headers scratch = {0};
     rd_kafka_headers_t *hdrs = NULL;
     char err[256];
-    if (obx_record_headers(&row, opts, &hdrs, err, sizeof(err)) == 0) {
+    if (obx_record_headers(&row, opts, &scratch, &hdrs, err, sizeof(err)) == 0) {
         const void *v;
         size_t vlen;
         /* The relay's own header always comes first. */
@@ -50,9 +40,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             (rd_kafka_header_get(hdrs, 0, "ce_id", &v, &vlen) != RD_KAFKA_RESP_ERR_NO_ERROR ||
              vlen != 2 || memcmp(v, "42", 2) != 0))
             abort();
+        /* Keys come in byte order. */
+        for (size_t i = 1; i < scratch.n; i++) {
+            const struct obx_header_span *a = &scratch.v[i - 1], *b = &scratch.v[i];
+            size_t n = a->key_len < b->key_len ? a->key_len : b->key_len;
+            int c = memcmp(a->key, b->key, n);
+            if (c > 0 || (c == 0 && a->key_len > b->key_len))
+                abort();
+        }
         rd_kafka_headers_destroy(hdrs);
     }
-    free(keys);
-    free(vals);
+    obx_headers_free(&scratch);
+    free(json);
     return 0;
 }

@@ -714,6 +714,75 @@ static void test_cli(void **state)
     unlink(path);
 }
 
+/* DESIGN 1.2, byte for byte: the relay splits the headers jsonb in C; every
+ * record's headers must equal what Postgres itself makes of the object
+ * (jsonb_each in COLLATE "C" order; strings unescaped, other values as
+ * jsonb's text) for objects with escapes, non-ASCII and astral characters,
+ * numbers, booleans, null, nesting and keys that sort past their prefixes. */
+static void test_headers_as_postgres_splits_them(void **state)
+{
+    (void)state;
+    static const char *const objects[] = {
+        "{}",
+        "{\"traceparent\": \"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\"}",
+        "{\"b\": \"x\\\"y\\\\z\\n\\t\\r\\b\\f\\u0001\", \"a\": \"caf\\u00e9 \\ud83d\\ude00\"}",
+        "{\"n\": 42, \"f\": -1.5e+10, \"z\": 0.000001, \"t\": true, \"no\": false, \"nil\": null}",
+        "{\"nested\": {\"k\": [1, \"]\", {\"x\": \"}\\\"\"}], \"e\": {}}, \"arr\": [], \"s\": "
+        "\"\"}",
+        "{\"a\": 1, \"ab\": 2, \"a\\u00e9\": 3, \"\\u00c9\": 4, \"A\": 5, \"_\": 6, \"\": 7}",
+        "{\"\\u65e5\\u672c\": \"\\u8a9e\", \"emoji \\ud83c\\udf89\": \"\\ud83c\\udf89\"}",
+    };
+    size_t n_objects = sizeof(objects) / sizeof(objects[0]);
+    h_env_start(&env, (const char *const[]){"it.a:2", "it.b:1", "it.c:1", NULL});
+    PGconn *c = h_connect(&env);
+    for (size_t i = 0; i < n_objects; i++) {
+        const char *v[1] = {objects[i]};
+        PGresult *r = PQexecParams(c, "SELECT outbox.enqueue('it.a', 'k', 'v'::bytea, $1::jsonb)",
+                                   1, NULL, v, NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            fail_msg("enqueue %s: %s", objects[i], PQresultErrorMessage(r));
+        PQclear(r);
+    }
+    h_relay_start(&env, NULL, NULL);
+    s_wait_drained(&env, 20000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(recs.n, n_objects);
+    size_t compared = 0;
+    for (size_t i = 0; i < recs.n; i++) {
+        const struct h_record *rec = &recs.v[i];
+        char id[24];
+        snprintf(id, sizeof(id), "%lld", (long long)rec->outbox_id);
+        const char *v[1] = {id};
+        /* What the fetch of before computed in SQL, as the expectation. */
+        PGresult *r = PQexecParams(
+            c,
+            "SELECT j.k, CASE jsonb_typeof(j.v) WHEN 'string' THEN j.v #>> '{}' ELSE j.v::text END"
+            " FROM outbox.events e, jsonb_each(e.headers) AS j(k, v)"
+            " WHERE e.id = $1::bigint ORDER BY j.k COLLATE \"C\"",
+            1, NULL, v, NULL, NULL, 0);
+        assert_int_equal(PQresultStatus(r), PGRES_TUPLES_OK);
+        assert_int_equal(rec->nheaders, (size_t)PQntuples(r) + 1);
+        assert_string_equal(rec->headers[0].name, "outbox-id");
+        for (int k = 0; k < PQntuples(r); k++) {
+            const struct h_header *h = &rec->headers[k + 1];
+            if (strcmp(h->name, PQgetvalue(r, k, 0)) != 0 || !h->value ||
+                h->value_len != (size_t)PQgetlength(r, k, 1) ||
+                memcmp(h->value, PQgetvalue(r, k, 1), h->value_len) != 0)
+                fail_msg("row %s header %d: Kafka has %s=%.*s, Postgres says %s=%s", id, k + 1,
+                         h->name, (int)h->value_len, h->value ? h->value : "", PQgetvalue(r, k, 0),
+                         PQgetvalue(r, k, 1));
+            compared++;
+        }
+        PQclear(r);
+    }
+    print_message("%zu headers of %zu rows equal Postgres' own split\n", compared, recs.n);
+    assert_int_equal(compared, 21); /* every member of every object */
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    PQfinish(c);
+}
+
 static const char *header_of(const struct h_record *r, const char *name)
 {
     const struct h_header *h = h_record_header(r, name);
@@ -773,6 +842,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_delivery, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_cloudevents, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_headers_as_postgres_splits_them, setup_env,
+                                        teardown_env),
         cmocka_unit_test_setup_teardown(test_rollback, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_late_commit, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_key_race, setup_env, teardown_env),

@@ -82,21 +82,22 @@ static void test_array_iter(void **state)
     assert_int_equal(obx_array_iter_init(&it, buf, n), -1);
 }
 
+/* The row's headers as jsonb prints them. */
+static void with_headers(struct obx_row *row, const char *json)
+{
+    row->headers = json;
+    row->headers_len = strlen(json);
+}
+
 static void test_headers(void **state)
 {
     (void)state;
-    char keys[256], vals[256];
+    struct obx_headers scratch = {0};
     struct obx_row row = {.id = 9007199254740993LL, .topic = "t"};
-    row.hdr_keys = keys;
-    row.hdr_keys_len = make_array(keys, (const char *const[]){"traceparent", "n", "empty"}, 3);
-    row.hdr_values = vals;
-    row.hdr_values_len = make_array(
-        vals,
-        (const char *const[]){"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "42", ""},
-        3);
-
+    with_headers(&row, "{\"n\": 42, \"empty\": \"\", \"traceparent\": "
+                       "\"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\"}");
     rd_kafka_headers_t *h = NULL;
-    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), 0);
+    assert_int_equal(obx_record_headers(&row, NULL, &scratch, &h, err, sizeof(err)), 0);
     assert_non_null(h);
     assert_int_equal(rd_kafka_header_cnt(h), 4);
     const char *name;
@@ -107,38 +108,80 @@ static void test_headers(void **state)
     assert_string_equal(name, "outbox-id");
     assert_int_equal(len, strlen("9007199254740993"));
     assert_memory_equal(val, "9007199254740993", len);
+    /* Then the members in byte order of their keys (COLLATE "C"). */
+    assert_int_equal(rd_kafka_header_get_all(h, 1, &name, &val, &len), 0);
+    assert_string_equal(name, "empty");
+    assert_int_equal(len, 0);
+    assert_int_equal(rd_kafka_header_get_all(h, 2, &name, &val, &len), 0);
+    assert_string_equal(name, "n");
+    assert_memory_equal(val, "42", 2);
     assert_int_equal(rd_kafka_header_get_last(h, "traceparent", &val, &len), 0);
     assert_memory_equal(val, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", len);
-    assert_int_equal(rd_kafka_header_get_last(h, "n", &val, &len), 0);
-    assert_memory_equal(val, "42", 2);
-    assert_int_equal(rd_kafka_header_get_last(h, "empty", &val, &len), 0);
-    assert_int_equal(len, 0);
     rd_kafka_headers_destroy(h);
+    obx_headers_free(&scratch);
+}
+
+/* Every JSON shape jsonb prints: escapes unescaped (\u with surrogate
+ * pairs too), non-string values as their JSON text, nesting kept as text,
+ * keys sorted by bytes, also past shorter prefixes. */
+static void test_headers_parse(void **state)
+{
+    (void)state;
+    struct obx_headers h = {0};
+    static const char json[] =
+        "{\"b\": \"x\\\"y\\\\z\\n\\t\\u0001\\u00e9\\ud83d\\ude00/\", \"a\": null, \"ab\": true,"
+        " \"a\\u00e9\": 1.5e+10, \"nested\": {\"k\": [1, \"]\", {\"x\": \"}\"}]}, \"arr\": [],"
+        " \"\\u00c9\": -0.25}";
+    assert_int_equal(obx_headers_parse(json, strlen(json), &h, err, sizeof(err)), 0);
+    assert_int_equal(h.n, 7);
+    static const char *const keys[] = {"a", "ab", "arr", "a\xc3\xa9", "b", "nested", "\xc3\x89"};
+    static const char *const vals[] = {"null",
+                                       "true",
+                                       "[]",
+                                       "1.5e+10",
+                                       "x\"y\\z\n\t\x01\xc3\xa9\xf0\x9f\x98\x80/",
+                                       "{\"k\": [1, \"]\", {\"x\": \"}\"}]}",
+                                       "-0.25"};
+    for (size_t i = 0; i < 7; i++) {
+        assert_int_equal(h.v[i].key_len, strlen(keys[i]));
+        assert_memory_equal(h.v[i].key, keys[i], h.v[i].key_len);
+        assert_int_equal(h.v[i].value_len, strlen(vals[i]));
+        assert_memory_equal(h.v[i].value, vals[i], h.v[i].value_len);
+    }
+    assert_int_equal(obx_headers_parse("{}", 2, &h, err, sizeof(err)), 0);
+    assert_int_equal(h.n, 0);
+    static const char *const bad[] = {"",
+                                      "[]",
+                                      "{",
+                                      "{\"a\"}",
+                                      "{\"a\": }",
+                                      "{\"a\": 1,}",
+                                      "{\"a\": \"x}",
+                                      "{\"a\": \"\\ud800\"}",
+                                      "{\"a\": [1}",
+                                      "{} x",
+                                      "{\"a\": \"\\q\"}"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        if (obx_headers_parse(bad[i], strlen(bad[i]), &h, err, sizeof(err)) != -1)
+            fail_msg("accepted malformed headers %s", bad[i]);
+    obx_headers_free(&h);
 }
 
 static void test_headers_none_and_malformed(void **state)
 {
     (void)state;
-    char keys[256], vals[256];
+    struct obx_headers scratch = {0};
     struct obx_row row = {.id = 1, .topic = "t"};
     rd_kafka_headers_t *h = NULL;
-    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), 0);
+    assert_int_equal(obx_record_headers(&row, NULL, &scratch, &h, err, sizeof(err)), 0);
     assert_int_equal(rd_kafka_header_cnt(h), 1);
     rd_kafka_headers_destroy(h);
-
-    /* Keys and values of different lengths. */
-    row.hdr_keys = keys;
-    row.hdr_keys_len = make_array(keys, (const char *const[]){"a", "b"}, 2);
-    row.hdr_values = vals;
-    row.hdr_values_len = make_array(vals, (const char *const[]){"1"}, 1);
+    with_headers(&row, "{\"a\": 1");
     h = NULL;
-    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), -1);
+    assert_int_equal(obx_record_headers(&row, NULL, &scratch, &h, err, sizeof(err)), -1);
     assert_null(h);
-    assert_non_null(strstr(err, "row 1: malformed header arrays"));
-
-    /* A NULL key element. */
-    row.hdr_keys_len = make_array(keys, (const char *const[]){NULL}, 1);
-    assert_int_equal(obx_record_headers(&row, NULL, &h, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "row 1: headers:"));
+    obx_headers_free(&scratch);
 }
 
 /* The header named `name` at index `idx` (0-based) has `value`. */
@@ -159,11 +202,11 @@ static void header_is(rd_kafka_headers_t *h, size_t idx, const char *name, const
 static void test_headers_cloudevents(void **state)
 {
     (void)state;
-    char keys[256], vals[256];
+    struct obx_headers scratch = {0};
     const struct obx_record_opts ce = {.format = OBX_RECORD_CLOUDEVENTS, .ce_source = "/orders"};
     struct obx_row row = {.id = 77, .topic = "orders", .created_us = 1764589396123456};
     rd_kafka_headers_t *h = NULL;
-    assert_int_equal(obx_record_headers(&row, &ce, &h, err, sizeof(err)), 0);
+    assert_int_equal(obx_record_headers(&row, &ce, &scratch, &h, err, sizeof(err)), 0);
     assert_int_equal(rd_kafka_header_cnt(h), 6);
     header_is(h, 0, "outbox-id", "77");
     header_is(h, 1, "ce_specversion", "1.0");
@@ -173,20 +216,17 @@ static void test_headers_cloudevents(void **state)
     header_is(h, 5, "ce_time", "2025-12-01T11:43:16.123456Z");
     rd_kafka_headers_destroy(h);
 
-    row.hdr_keys = keys;
-    row.hdr_keys_len =
-        make_array(keys, (const char *const[]){"ce_type", "ce_id", "content-type"}, 3);
-    row.hdr_values = vals;
-    row.hdr_values_len =
-        make_array(vals, (const char *const[]){"order.created", "forged", "application/json"}, 3);
+    with_headers(&row, "{\"ce_id\": \"forged\", \"ce_type\": \"order.created\","
+                       " \"content-type\": \"application/json\"}");
     row.created_us = 0; /* unknown: no ce_time */
-    assert_int_equal(obx_record_headers(&row, &ce, &h, err, sizeof(err)), 0);
+    assert_int_equal(obx_record_headers(&row, &ce, &scratch, &h, err, sizeof(err)), 0);
     assert_int_equal(rd_kafka_header_cnt(h), 6);
     header_is(h, 2, "ce_id", "77");
     header_is(h, 3, "ce_source", "/orders");
     header_is(h, 4, "ce_type", "order.created");
     header_is(h, 5, "content-type", "application/json");
     rd_kafka_headers_destroy(h);
+    obx_headers_free(&scratch);
 }
 
 static void test_rfc3339(void **state)
@@ -217,8 +257,8 @@ static void test_row_from_result(void **state)
     (void)state;
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
     PGresAttDesc attrs[OBX_COL_COUNT];
-    static const char *names[] = {"id",   "topic", "key",        "payload",
-                                  "keys", "vals",  "created_at", "payload_len"};
+    static const char *names[] = {"id",      "topic",      "key",        "payload",
+                                  "headers", "created_at", "payload_len"};
     memset(attrs, 0, sizeof(attrs));
     for (int i = 0; i < OBX_COL_COUNT; i++) {
         attrs[i].name = (char *)names[i];
@@ -227,14 +267,12 @@ static void test_row_from_result(void **state)
     assert_int_equal(PQsetResultAttrs(res, OBX_COL_COUNT, attrs), 1);
     char id[8] = {0, 0, 0, 1, 0, 0, 0, 2}; /* 4294967298 */
     char payload[3] = {'a', 0, 'b'};
-    char keys[64];
-    size_t klen = make_array(keys, (const char *const[]){"h"}, 1);
+    static const char headers[] = "\x01{\"h\": \"v\"}"; /* jsonb binary: version 1 */
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_TOPIC, "orders", 6), 1);
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_KEY, NULL, -1), 1);
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_PAYLOAD, payload, 3), 1);
-    assert_int_equal(PQsetvalue(res, 0, OBX_COL_HDR_KEYS, keys, (int)klen), 1);
-    assert_int_equal(PQsetvalue(res, 0, OBX_COL_HDR_VALUES, keys, (int)klen), 1);
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_HEADERS, (char *)headers, (int)strlen(headers)), 1);
     /* 2026-01-01T00:00:00Z as Postgres sends it: microseconds since 2000. */
     char created[8] = {(char)0x00, (char)0x02, (char)0xea, (char)0x47,
                        (char)0x0a, (char)0xe8, (char)0x60, (char)0x00};
@@ -249,7 +287,8 @@ static void test_row_from_result(void **state)
     assert_null(row.key);
     assert_int_equal(row.payload_len, 3);
     assert_memory_equal(row.payload, payload, 3);
-    assert_int_equal(row.hdr_keys_len, klen);
+    assert_int_equal(row.headers_len, strlen(headers) - 1);
+    assert_memory_equal(row.headers, "{\"h\": \"v\"}", row.headers_len);
     assert_int_equal(row.created_us, 1767225600000000LL);
     assert_false(row.oversize);
 
@@ -262,7 +301,7 @@ static void test_row_from_result(void **state)
     assert_null(row.payload);
     assert_int_equal(row.payload_len, 0);
     assert_false(row.oversize);
-    assert_null(row.hdr_keys);
+    assert_null(row.headers);
 
     /* A NULL payload beside its length: too large, not fetched. */
     char len40m[4] = {0x02, 0x62, 0x5a, 0x00}; /* 40,000,000 */
@@ -289,6 +328,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_array_iter),
         cmocka_unit_test(test_headers),
+        cmocka_unit_test(test_headers_parse),
         cmocka_unit_test(test_headers_none_and_malformed),
         cmocka_unit_test(test_headers_cloudevents),
         cmocka_unit_test(test_rfc3339),
