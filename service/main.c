@@ -235,6 +235,25 @@ static void on_signal(uv_signal_t *s, int signum)
     obx_relay_shutdown(a->relay, (int64_t)uv_now(&a->loop));
 }
 
+/* SIGTERM or SIGINT before the loop's handlers are in place (a supervisor
+ * that stops a relay it has just started): remembered, and raised again
+ * once they are, so it still ends in an orderly stop with exit 0. */
+static volatile sig_atomic_t early_signal;
+
+static void on_early_signal(int signum)
+{
+    early_signal = signum;
+}
+
+static void catch_early_signals(bool on)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on ? on_early_signal : SIG_DFL;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+}
+
 /* Closes the modules that are open (each frees itself through the loop). */
 static void close_parts(struct app *a)
 {
@@ -507,6 +526,8 @@ static int start(struct app *a)
     uv_signal_start(&a->sigterm, on_signal, SIGTERM);
     uv_signal_start(&a->sigint, on_signal, SIGINT);
     uv_signal_start(&a->sighup, on_signal, SIGHUP);
+    if (early_signal)
+        raise(early_signal); /* now handled by the loop */
     uv_timer_init(&a->loop, &a->housekeeping);
     uv_timer_init(&a->loop, &a->teardown);
     uv_timer_init(&a->loop, &a->last_exit);
@@ -537,6 +558,7 @@ int main(int argc, char **argv)
 
     if (argc > 1 && obx_tool_is(argv[1]))
         return run_tool(argc - 1, argv + 1);
+    catch_early_signals(true);
     rc = load_config(&a, argc, argv, &check_only, &live);
     if (rc == EXIT_DONE) {
         obx_free(a.xargs);
@@ -548,6 +570,9 @@ int main(int argc, char **argv)
         rc = EXIT_USAGE;
     }
     if (rc != 0 || check_only) {
+        catch_early_signals(false); /* --check --live may wait on the network */
+        if (early_signal)
+            raise(early_signal);
         for (size_t i = 0; rc == 0 && i < a.n_weakened; i++)
             printf("outboxd: warning: %s\n", a.weakened[i]);
         if (rc == 0)

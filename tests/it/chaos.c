@@ -532,6 +532,14 @@ static void apply(struct run *x, const struct fault *f, int phase)
         break;
     case F_SIGTERM:
         if (phase == 0 && rl->alive && !rl->stopped) {
+            /* A signal that comes before the process reaches main() (the
+             * loader still mapping libraries) kills any program: wait for
+             * this start's first line, as a supervisor's stop would come
+             * after its start. */
+            int64_t wait_until = h_now_ms() + 5000;
+            while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts &&
+                   h_now_ms() < wait_until)
+                h_sleep_ms(10);
             int64_t t0 = h_now_ms();
             int rc = h_relay_stop(&rl->env, SIGTERM, (SHUTDOWN_S + 3) * 1000);
             rl->alive = false;
