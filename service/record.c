@@ -15,58 +15,6 @@ static uint32_t be32(const char *p)
     return ((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) | u[3];
 }
 
-/* Binary array layout (PostgreSQL array_send): int32 ndim, int32 has-nulls
- * flag, uint32 element type oid, then per dimension int32 size and int32
- * lower bound, then per element int32 length (-1 = NULL) and its bytes. */
-int obx_array_iter_init(struct obx_array_iter *it, const char *data, size_t len)
-{
-    int32_t ndim, count;
-    if (len < 12)
-        return -1;
-    ndim = (int32_t)be32(data);
-    if (ndim == 0) {
-        it->p = data + 12;
-        it->end = data + len;
-        it->remaining = 0;
-        return 0;
-    }
-    if (ndim != 1 || len < 20)
-        return -1;
-    count = (int32_t)be32(data + 12);
-    /* Every element takes at least its 4-byte length: a count the bytes
-     * cannot hold is malformed (and would make callers size buffers by it;
-     * found by fuzz_headers). */
-    if (count < 0 || (size_t)count > (len - 20) / 4)
-        return -1;
-    it->p = data + 20;
-    it->end = data + len;
-    it->remaining = count;
-    return count;
-}
-
-int obx_array_iter_next(struct obx_array_iter *it, const char **elem, size_t *len)
-{
-    int32_t n;
-    if (it->remaining == 0)
-        return 0;
-    if (it->end - it->p < 4)
-        return -1;
-    n = (int32_t)be32(it->p);
-    it->p += 4;
-    if (n == -1) {
-        *elem = NULL;
-        *len = 0;
-    } else {
-        if (n < 0 || it->end - it->p < n)
-            return -1;
-        *elem = it->p;
-        *len = (size_t)n;
-        it->p += n;
-    }
-    it->remaining--;
-    return 1;
-}
-
 int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *err, size_t errlen)
 {
     if (PQnfields(res) != OBX_COL_COUNT || PQfformat(res, OBX_COL_ID) != 1 ||

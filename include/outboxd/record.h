@@ -39,20 +39,6 @@ enum {
 int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *err,
                         size_t errlen) OBX_WARN_UNUSED;
 
-/* Iterates the elements of a one-dimensional binary-format array. */
-struct obx_array_iter {
-    const char *p, *end;
-    int32_t remaining;
-};
-
-/* Starts iterating; returns the element count, or -1 if the bytes are not a
- * one-dimensional (or empty) array. */
-int obx_array_iter_init(struct obx_array_iter *it, const char *data, size_t len);
-
-/* Next element: 1 with elem and len set (elem NULL for SQL NULL), 0 at the
- * end, -1 on malformed data. */
-int obx_array_iter_next(struct obx_array_iter *it, const char **elem, size_t *len);
-
 /* The members of a headers object, parsed: reusable between rows. */
 struct obx_header_span {
     const char *key, *value;

@@ -1,5 +1,5 @@
 /*
- * Unit tests of the row -> Kafka record mapping: binary array decoding,
+ * Unit tests of the row -> Kafka record mapping: the headers object,
  * header encoding (DESIGN 1.2) and reading rows of a binary fetch result.
  */
 #include <stdarg.h>
@@ -14,73 +14,6 @@
 #include "outboxd/record.h"
 
 static char err[256];
-
-/* Builds a one-dimensional binary text[] (NULL element = SQL NULL). */
-static size_t make_array(char *buf, const char *const *elems, int n)
-{
-    size_t o = 0;
-    uint32_t words[5] = {n ? 1 : 0, 0, 25 /* text oid */, (uint32_t)n, 1};
-    for (int i = 0; i < (n ? 5 : 3); i++) {
-        buf[o++] = (char)(words[i] >> 24);
-        buf[o++] = (char)(words[i] >> 16);
-        buf[o++] = (char)(words[i] >> 8);
-        buf[o++] = (char)words[i];
-    }
-    for (int i = 0; i < n; i++) {
-        uint32_t len = elems[i] ? (uint32_t)strlen(elems[i]) : 0xffffffffu;
-        buf[o++] = (char)(len >> 24);
-        buf[o++] = (char)(len >> 16);
-        buf[o++] = (char)(len >> 8);
-        buf[o++] = (char)len;
-        if (elems[i]) {
-            memcpy(buf + o, elems[i], len);
-            o += len;
-        }
-    }
-    return o;
-}
-
-static void test_array_iter(void **state)
-{
-    (void)state;
-    char buf[256];
-    struct obx_array_iter it;
-    const char *e;
-    size_t len;
-    size_t n = make_array(buf, (const char *const[]){"a", "", NULL, "xyz"}, 4);
-    assert_int_equal(obx_array_iter_init(&it, buf, n), 4);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
-    assert_int_equal(len, 1);
-    assert_memory_equal(e, "a", 1);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
-    assert_int_equal(len, 0);
-    assert_non_null(e);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
-    assert_null(e);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), 1);
-    assert_memory_equal(e, "xyz", 3);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), 0);
-
-    /* Empty array (ndim 0). */
-    n = make_array(buf, NULL, 0);
-    assert_int_equal(obx_array_iter_init(&it, buf, n), 0);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), 0);
-
-    /* Truncated data is refused, never read past the end. */
-    n = make_array(buf, (const char *const[]){"abcdef"}, 1);
-    assert_int_equal(obx_array_iter_init(&it, buf, n - 3), 1);
-    assert_int_equal(obx_array_iter_next(&it, &e, &len), -1);
-    assert_int_equal(obx_array_iter_init(&it, buf, 10), -1);
-    /* A count the bytes cannot hold (found by fuzz_headers: it made the
-     * header list preallocate 2 GB). */
-    n = make_array(buf, (const char *const[]){"a"}, 1);
-    buf[12] = 0x7f; /* count 2,130,706,433 */
-    assert_int_equal(obx_array_iter_init(&it, buf, n), -1);
-    buf[12] = 0;
-    /* Two dimensions are not headers. */
-    buf[3] = 2;
-    assert_int_equal(obx_array_iter_init(&it, buf, n), -1);
-}
 
 /* The row's headers as jsonb prints them. */
 static void with_headers(struct obx_row *row, const char *json)
@@ -326,7 +259,6 @@ int main(void)
 {
     use_cmocka_allocator();
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_array_iter),
         cmocka_unit_test(test_headers),
         cmocka_unit_test(test_headers_parse),
         cmocka_unit_test(test_headers_none_and_malformed),
