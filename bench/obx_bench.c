@@ -235,9 +235,10 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     snprintf(limit, sizeof(limit), "%d", BATCH);
     long done = 0;
     double t0 = now_s();
+    char after[24] = "0"; /* keyset, as the relay fetches during a drain */
     for (;;) {
-        const char *fv[7] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000"};
-        PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 7, NULL, fv, NULL, NULL, 1);
+        const char *fv[8] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000", after};
+        PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 8, NULL, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int n = PQntuples(r);
@@ -252,6 +253,7 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
             for (int b = 0; b < 8; b++)
                 id = (id << 8) | p[b];
             obx_pg_array_add_int(&ids, id);
+            snprintf(after, sizeof(after), "%lld", (long long)id);
         }
         PQclear(r);
         /* One offset per partition, as outboxd stores them. */

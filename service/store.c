@@ -65,7 +65,7 @@ static const char SQL_FETCH[] =
     "             ELSE 0 END) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto,"
     "         row_number() OVER (ORDER BY e.id) AS n"
     "  FROM outbox.events e"
-    "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
+    "  WHERE e.sent_at IS NULL AND e.id > $8::bigint AND NOT (e.id = ANY ($1::bigint[]))"
     /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
     "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
     "         SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"
