@@ -54,17 +54,18 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
  * Memory is bounded by bytes as well as rows: a payload larger than $7
  * (the producer's message.max.bytes) is not fetched at all, only its
  * octet_length (which reads the TOAST pointer, not the value), and the
- * batch ends once its payloads reach $6 bytes (at least one row). */
+ * batch ends with the row whose payload makes it reach $6 bytes (one window
+ * sum; at least one row). */
 static const char SQL_FETCH[] =
     "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len"
     " FROM (SELECT e.id, e.topic, e.key,"
     "         CASE WHEN octet_length(e.payload) <= $7::int THEN e.payload END AS payload,"
     "         e.headers,"
-    "         e.created_at, octet_length(e.payload) AS payload_len,"
-    "         sum(CASE WHEN octet_length(e.payload) <= $7::int THEN octet_length(e.payload)"
-    "             ELSE 0 END) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto,"
-    "         row_number() OVER (ORDER BY e.id) AS n"
-    "  FROM outbox.events e"
+    "         e.created_at, octet_length(e.payload) AS payload_len, f.len,"
+    "         sum(f.len) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto"
+    "  FROM outbox.events e,"
+    "       LATERAL (SELECT CASE WHEN octet_length(e.payload) <= $7::int"
+    "                       THEN octet_length(e.payload) ELSE 0 END AS len) f"
     "  WHERE e.sent_at IS NULL AND e.id > $8::bigint AND NOT (e.id = ANY ($1::bigint[]))"
     /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
     "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
@@ -72,7 +73,8 @@ static const char SQL_FETCH[] =
     "         WHERE b.topic = e.topic AND b.key = e.key AND e.id > b.id))"
     "  ORDER BY e.id"
     "  LIMIT $2::int) b"
-    " WHERE b.n = 1 OR b.upto <= $6::bigint"
+    /* Bytes fetched before the row: the first row always comes. */
+    " WHERE b.upto - b.len < $6::bigint"
     " ORDER BY b.id";
 
 const char *obx_store_sql_fetch(void)
