@@ -141,6 +141,51 @@ static double wal_since(PGconn *c, const char *lsn)
     return (double)query_int(c, sql);
 }
 
+/* A Postgres-side run: a prefilled, analyzed table, and the starting WAL
+ * position and backend CPU of the connection that will drain it. */
+static PGconn *cost_start(const struct opts *o, int payload, char *lsn, size_t lsn_len,
+                          double *cpu0)
+{
+    PGconn *c = connect_db(o);
+    settle(c);
+    prefill(c, o->rows, payload);
+    exec_ok(c, "VACUUM ANALYZE outbox.events");
+    wal_lsn(c, lsn, lsn_len);
+    *cpu0 = backend_cpu_s(PQbackendPID(c));
+    return c;
+}
+
+static struct pg_cost cost_finish(PGconn *c, long done, double t0, const char *lsn, double cpu0,
+                                  struct obx_pg_array *ids)
+{
+    double t = now_s() - t0;
+    struct pg_cost cost = {.rows_per_s = (double)done / t};
+    cost.cpu_ms_per_1k = (backend_cpu_s(PQbackendPID(c)) - cpu0) * 1e6 / (double)done;
+    cost.wal_per_row = wal_since(c, lsn) / (double)done;
+    obx_pg_array_free(ids);
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    PQfinish(c);
+    return cost;
+}
+
+/* The ids (binary int8, column 0) of a fetch result into ids; the last
+ * one into after (the keyset position). */
+static int collect_ids(PGresult *r, struct obx_pg_array *ids, char *after, size_t after_len)
+{
+    int n = PQntuples(r);
+    obx_pg_array_reset(ids);
+    for (int i = 0; i < n; i++) {
+        const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
+        int64_t id = 0;
+        for (int b = 0; b < 8; b++)
+            id = (id << 8) | p[b];
+        obx_pg_array_add_int(ids, id);
+        if (after)
+            snprintf(after, after_len, "%lld", (long long)id);
+    }
+    return n;
+}
+
 /* ---- 0. the job's limit: the minimal statement pair ---- */
 
 static PGresult *next_result(PGconn *c)
@@ -159,13 +204,9 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
                               ? "DELETE FROM outbox.events WHERE id = ANY ($1::bigint[])"
                               : "UPDATE outbox.events SET sent_at = now()"
                                 " WHERE id = ANY ($1::bigint[])";
-    PGconn *c = connect_db(o);
-    settle(c);
-    prefill(c, o->rows, payload);
-    exec_ok(c, "VACUUM ANALYZE outbox.events");
     char lsn[64];
-    wal_lsn(c, lsn, sizeof(lsn));
-    double cpu0 = backend_cpu_s(PQbackendPID(c));
+    double cpu0;
+    PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
     struct obx_pg_array ids = {0};
     long done = 0;
     double t0 = now_s();
@@ -178,15 +219,7 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
         PGresult *r = next_result(c);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("minimal fetch", PQresultErrorMessage(r));
-        int n = PQntuples(r);
-        obx_pg_array_reset(&ids);
-        for (int i = 0; i < n; i++) {
-            const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
-            int64_t id = 0;
-            for (int b = 0; b < 8; b++)
-                id = (id << 8) | p[b];
-            obx_pg_array_add_int(&ids, id);
-        }
+        int n = collect_ids(r, &ids, NULL, 0);
         PQclear(r);
         r = next_result(c); /* the sync */
         PQclear(r);
@@ -207,29 +240,18 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
         done += n;
     }
     PQexitPipelineMode(c);
-    double t = now_s() - t0;
-    struct pg_cost cost = {.rows_per_s = (double)done / t};
-    cost.cpu_ms_per_1k = (backend_cpu_s(PQbackendPID(c)) - cpu0) * 1e6 / (double)done;
-    cost.wal_per_row = wal_since(c, lsn) / (double)done;
-    obx_pg_array_free(&ids);
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
-    PQfinish(c);
-    return cost;
+    return cost_finish(c, done, t0, lsn, cpu0, &ids);
 }
 
 /* ---- 1. Postgres-side cost of outboxd's statements ---- */
 
 static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
 {
-    PGconn *c = connect_db(o);
     char mark_sql[2048];
     obx_store_sql_mark(on_sent, mark_sql, sizeof(mark_sql));
-    settle(c);
-    prefill(c, o->rows, payload);
-    exec_ok(c, "VACUUM ANALYZE outbox.events");
     char lsn[64];
-    wal_lsn(c, lsn, sizeof(lsn));
-    double cpu0 = backend_cpu_s(PQbackendPID(c));
+    double cpu0;
+    PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
     struct obx_pg_array ids = {0};
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", BATCH);
@@ -241,21 +263,10 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
         PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 8, NULL, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
-        int n = PQntuples(r);
-        if (n == 0) {
-            PQclear(r);
-            break;
-        }
-        obx_pg_array_reset(&ids);
-        for (int i = 0; i < n; i++) {
-            const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
-            int64_t id = 0;
-            for (int b = 0; b < 8; b++)
-                id = (id << 8) | p[b];
-            obx_pg_array_add_int(&ids, id);
-            snprintf(after, sizeof(after), "%lld", (long long)id);
-        }
+        int n = collect_ids(r, &ids, after, sizeof(after));
         PQclear(r);
+        if (n == 0)
+            break;
         /* One offset per partition, as outboxd stores them. */
         const char *mv[6] = {obx_pg_array_finish(&ids),
                              "{bench,bench,bench,bench,bench,bench,bench,bench,bench,bench,bench,"
@@ -272,14 +283,7 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
         exec_ok(c, "COMMIT");
         done += n;
     }
-    double t = now_s() - t0;
-    struct pg_cost cost = {.rows_per_s = (double)done / t};
-    cost.cpu_ms_per_1k = (backend_cpu_s(PQbackendPID(c)) - cpu0) * 1e6 / (double)done;
-    cost.wal_per_row = wal_since(c, lsn) / (double)done;
-    obx_pg_array_free(&ids);
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
-    PQfinish(c);
-    return cost;
+    return cost_finish(c, done, t0, lsn, cpu0, &ids);
 }
 
 /* Retention: sent rows (2 days old) deleted by the purge statement outboxd
@@ -752,6 +756,13 @@ static void machine(char *buf, size_t len)
         fclose(f);
 }
 
+/* One table row of a Postgres-side measurement and what it cost. */
+static void cost_row(const char *num, const char *what, double rate, const struct pg_cost *c)
+{
+    printf("| %s | %s | %.0f rows/s; %.0f WAL bytes/row; %.1f ms backend CPU per 1k rows |\n", num,
+           what, rate, c->wal_per_row, c->cpu_ms_per_1k);
+}
+
 int main(int argc, char **argv)
 {
     struct opts o = {.rows = 200000, .latency_seconds = 5};
@@ -847,21 +858,17 @@ int main(int argc, char **argv)
            date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str(), BATCH, o.rows,
            KEYS, PARTITIONS);
     printf("| # | measurement | result |\n| --- | --- | --- |\n");
-    printf("| 0 | **the job's limit**, mark (minimal SELECT + UPDATE ... WHERE id = ANY, "
-           "pipelined, 1 connection; median of %d) | %.0f rows/s; %.0f WAL bytes/row; %.1f ms "
-           "backend CPU per 1k rows |\n",
-           PAIRS, p_mark.job, p_mark.job_cost.wal_per_row, p_mark.job_cost.cpu_ms_per_1k);
-    printf("| 0 | the job's limit, delete (minimal SELECT + DELETE ... WHERE id = ANY) | %.0f "
-           "rows/s; %.0f WAL bytes/row; %.1f ms backend CPU per 1k rows |\n",
-           p_delete.job, p_delete.job_cost.wal_per_row, p_delete.job_cost.cpu_ms_per_1k);
+    cost_row("0",
+             "**the job's limit**, mark (minimal SELECT + UPDATE ... WHERE id = ANY, pipelined, "
+             "1 connection; median of 3)",
+             p_mark.job, &p_mark.job_cost);
+    cost_row("0", "the job's limit, delete (minimal SELECT + DELETE ... WHERE id = ANY)",
+             p_delete.job, &p_delete.job_cost);
     printf("| 0 | the job's limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n",
            job_4k.rows_per_s);
-    printf("| 1 | outboxd's own fetch + mark statements in a plain loop, mark (median of %d) | "
-           "%.0f rows/s; %.0f WAL bytes/row; %.1f ms backend CPU per 1k rows |\n",
-           PAIRS, p_mark.own, p_mark.own_cost.wal_per_row, p_mark.own_cost.cpu_ms_per_1k);
-    printf("| 1 | outboxd's own statements, delete | %.0f rows/s; %.0f WAL bytes/row; %.1f ms "
-           "backend CPU per 1k rows |\n",
-           p_delete.own, p_delete.own_cost.wal_per_row, p_delete.own_cost.cpu_ms_per_1k);
+    cost_row("1", "outboxd's own fetch + mark statements in a plain loop, mark (median of 3)",
+             p_mark.own, &p_mark.own_cost);
+    cost_row("1", "outboxd's own statements, delete", p_delete.own, &p_delete.own_cost);
     printf("| 1 | retention purge of sent rows (mark mode), batches of 1000 | %.0f rows/s |\n",
            purge);
     printf("| 2 | Kafka-side limit (bare idempotent producer, same records) | %.0f records/s |\n",
