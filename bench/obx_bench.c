@@ -168,9 +168,8 @@ static struct pg_cost cost_finish(PGconn *c, long done, double t0, const char *l
     return cost;
 }
 
-/* The ids (binary int8, column 0) of a fetch result into ids; the last
- * one into after (the keyset position). */
-static int collect_ids(PGresult *r, struct obx_pg_array *ids, char *after, size_t after_len)
+/* The ids (binary int8, column 0) of a fetch result into ids. */
+static int collect_ids(PGresult *r, struct obx_pg_array *ids)
 {
     int n = PQntuples(r);
     obx_pg_array_reset(ids);
@@ -180,8 +179,6 @@ static int collect_ids(PGresult *r, struct obx_pg_array *ids, char *after, size_
         for (int b = 0; b < 8; b++)
             id = (id << 8) | p[b];
         obx_pg_array_add_int(ids, id);
-        if (after)
-            snprintf(after, after_len, "%lld", (long long)id);
     }
     return n;
 }
@@ -219,7 +216,7 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
         PGresult *r = next_result(c);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("minimal fetch", PQresultErrorMessage(r));
-        int n = collect_ids(r, &ids, NULL, 0);
+        int n = collect_ids(r, &ids);
         PQclear(r);
         r = next_result(c); /* the sync */
         PQclear(r);
@@ -257,13 +254,12 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     snprintf(limit, sizeof(limit), "%d", BATCH);
     long done = 0;
     double t0 = now_s();
-    char after[24] = "0"; /* keyset, as the relay fetches during a drain */
     for (;;) {
-        const char *fv[8] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000", after};
-        PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 8, NULL, fv, NULL, NULL, 1);
+        const char *fv[7] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000"};
+        PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 7, NULL, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
-        int n = collect_ids(r, &ids, after, sizeof(after));
+        int n = collect_ids(r, &ids);
         PQclear(r);
         if (n == 0)
             break;

@@ -66,8 +66,7 @@ static const struct key_def keys[] = {
     {"relay.max_in_flight", KEY_INT, OFF(max_in_flight), "10000", 1, 1000000, NULL, 0,
      "most rows handed to Kafka and not yet marked (back-pressure)"},
     {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
-     "fallback poll when no NOTIFY arrives (NOTIFY is only an optimisation); also the "
-     "longest a late commit waits while a backlog drains"},
+     "fallback poll when no NOTIFY arrives (NOTIFY is only an optimisation)"},
     {"relay.retry_backoff", KEY_DURATION, OFF(retry_backoff_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
      "pause before fetching again after a failed fetch or a failed delivery"},
     {"relay.stall_timeout", KEY_DURATION, OFF(stall_timeout_ms), "60s", 0, MS_PER_HOUR, NULL, 0,

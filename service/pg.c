@@ -69,7 +69,7 @@ struct obx_pg {
     struct obx_pg_array params[6]; /* reused parameter buffers */
     const char *param_values[6];   /* must outlive a wrapped transaction's BEGIN */
     char limit_text[16];
-    char max_bytes_text[24], max_payload_text[24], after_text[24];
+    char max_bytes_text[24], max_payload_text[24];
     char mark_sql[2048];
 };
 
@@ -872,7 +872,7 @@ int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *
 
 int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
 {
-    const char *values[8];
+    const char *values[7];
     struct obx_pg_array *a = pg->params;
     obx_pg_array_reset(&a[0]);
     for (size_t i = 0; i < f->n_exclude; i++)
@@ -887,10 +887,8 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
     snprintf(pg->limit_text, sizeof(pg->limit_text), "%d", f->limit);
     snprintf(pg->max_bytes_text, sizeof(pg->max_bytes_text), "%lld", (long long)f->max_bytes);
     snprintf(pg->max_payload_text, sizeof(pg->max_payload_text), "%lld", (long long)f->max_payload);
-    snprintf(pg->after_text, sizeof(pg->after_text), "%lld", (long long)f->after_id);
     values[5] = pg->max_bytes_text;
     values[6] = pg->max_payload_text;
-    values[7] = pg->after_text;
     values[0] = obx_pg_array_finish(&a[0]);
     values[1] = pg->limit_text;
     values[2] = obx_pg_array_finish(&a[1]);
@@ -901,7 +899,7 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         return -1;
     }
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
-    return start_request(pg, &req, obx_store_sql_fetch(), 8, values, 1);
+    return start_request(pg, &req, obx_store_sql_fetch(), 7, values, 1);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)

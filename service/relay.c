@@ -77,18 +77,7 @@ struct obx_relay {
     struct obx_blocked_key keys[MAX_BLOCKED];
     int64_t key_ids[MAX_BLOCKED];
 
-    struct slot **batch; /* slots of the rows of the fetch being produced */
-    /* Keyset fetches: during a backlog, fetch only above the highest id
-     * handed out, so the cost does not grow with the rows in flight. A full
-     * fetch (every unsent row, minus those in flight) runs whenever rows
-     * below it may be waiting: after one came back unsent, once a batch was
-     * not full, and at least every poll interval for late commits. */
-    int64_t hwm;          /* highest id fetched so far */
-    bool need_full;       /* rows below hwm may be unsent and not in flight */
-    bool fetch_keyset;    /* the fetch in flight is a keyset fetch */
-    int fetch_limit;      /* its row limit */
-    bool last_batch_full; /* the last fetch filled its limit */
-    int64_t last_full_at; /* when the last full fetch was sent */
+    struct slot **batch;  /* slots of the rows of the fetch being produced */
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
@@ -296,7 +285,6 @@ static void unblock(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
-    r->need_full = true; /* its key's later rows may be waiting below hwm */
     obx_info("relay: row %lld delivered after %d refusals; its key goes on", (long long)id,
              b->attempts);
     obx_free(b->key);
@@ -309,7 +297,6 @@ static void drop_block(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
-    r->need_full = true;
     obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
@@ -364,7 +351,6 @@ static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *k
         delay = MAX_REJECT_BACKOFF_MS;
     b->attempts++;
     b->retry_at = now + delay;
-    r->need_full = true;
 }
 
 /* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
@@ -509,18 +495,12 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
     f.limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
     if (f.limit <= 0)
         return false;
-    bool keyset = r->hwm > 0 && !r->need_full && r->last_batch_full &&
-                  now - r->last_full_at < r->set.poll_interval_ms;
-    if (keyset) {
-        f.after_id = r->hwm; /* everything in flight is at or below it */
-    } else {
-        for (int i = 0; i < r->set.max_in_flight; i++)
-            if (r->slots[i].state != SLOT_FREE)
-                r->ids[f.n_exclude++] = r->slots[i].id;
-    }
+    for (int i = 0; i < r->set.max_in_flight; i++)
+        if (r->slots[i].state != SLOT_FREE)
+            r->ids[f.n_exclude++] = r->slots[i].id;
     for (size_t i = 0; i < r->n_blocked; i++) {
         const struct blocked *b = &r->blocked[i];
-        if (b->retry_at > now && !keyset)
+        if (b->retry_at > now)
             r->ids[f.n_exclude++] = b->id; /* not due yet */
         if (b->key) {
             r->keys[f.n_blocked] =
@@ -530,12 +510,6 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
     }
     if (r->ops->fetch(r->io, &f) != 0)
         return false;
-    r->fetch_keyset = keyset;
-    r->fetch_limit = f.limit;
-    if (!keyset) {
-        r->need_full = false;
-        r->last_full_at = now;
-    }
     r->want_fetch = false;
     r->last_fetch_at = now;
     set_state(r, OBX_RELAY_FETCHING, "rows may be waiting");
@@ -618,7 +592,6 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
     set_state(r, OBX_RELAY_IDLE, "postgres ready");
     progress(r, now); /* the lock was just acquired: the clock starts now */
     r->want_fetch = true;
-    r->need_full = true;
     r->not_before = 0;
     kick(r, now);
 }
@@ -632,7 +605,6 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
      * after the reconnect (the statement is idempotent). */
     unmark(r);
     r->discard_fetch = false; /* the fetch in flight, if any, is gone */
-    r->need_full = true;
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -649,7 +621,6 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
     if (ok) {
         r->recovered = true;
         r->want_fetch = true;
-        r->need_full = true; /* it may have marked rows, or left some */
         progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -666,7 +637,6 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
             slot_release(r, r->batch[j]);
     if (r->state == OBX_RELAY_FETCHING)
         r->discard_fetch = true;
-    r->need_full = true; /* they are below hwm now */
 }
 
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now)
@@ -676,15 +646,11 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     if (r->state != OBX_RELAY_FETCHING)
         return;
     set_state(r, OBX_RELAY_IDLE, "fetch done");
-    if (n > 0 && rows[n - 1].id > r->hwm)
-        r->hwm = rows[n - 1].id; /* rows come in id order */
-    r->last_batch_full = n > 0 && n >= (size_t)r->fetch_limit;
     if (r->discard_fetch) {
         /* Sent while the batch before it was produced, and that batch did not
          * all go out: these rows would overtake the ones it left behind. */
         r->discard_fetch = false;
         r->want_fetch = true;
-        r->need_full = true;
         kick(r, now);
         return;
     }
@@ -697,14 +663,12 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     if (failpoint(r, OBX_FP_FETCH_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         r->want_fetch = true;
-        r->need_full = true;
         return;
     }
     /* A probe that was due when the fetch was sent: rows before it go as
      * usual; it goes alone. If the fetch passed its place without it, it
      * is no longer unsent (marked by the recovery pass, or deleted). */
-    const struct blocked *probe =
-        r->n_blocked > 0 && !r->fetch_keyset ? due_probe(r, r->last_fetch_at) : NULL;
+    const struct blocked *probe = r->n_blocked > 0 ? due_probe(r, r->last_fetch_at) : NULL;
     int64_t probe_id = probe ? probe->id : 0;
     if (probe_id != 0 && (n == 0 || rows[n - 1].id > probe_id)) {
         bool fetched = false;
@@ -729,10 +693,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             obx_error("relay: out of memory for topic names");
             break;
         }
-        if (r->n_blocked > 0 && held_back(r, row, (uint32_t)topic)) {
-            r->need_full = true; /* fetched, not taken: below hwm */
-            continue;            /* a refused row of its key comes first */
-        }
+        if (r->n_blocked > 0 && held_back(r, row, (uint32_t)topic))
+            continue; /* a refused row of its key comes first */
         struct slot *s = slot_alloc(r, row->id, (uint32_t)topic);
         if (!s) { /* cannot happen: the fetch limit was the free slot count */
             obx_error("relay: no free slot for row %lld", (long long)row->id);
@@ -753,7 +715,6 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             continue;
         if (r->n_blocked > 0 && held_back(r, row, s->topic)) {
             slot_release(r, s); /* its key was refused earlier in this batch */
-            r->need_full = true;
             continue;
         }
         bool alone = row->id == probe_id;
@@ -900,7 +861,6 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         }
         slot_release(r, s);
         r->want_fetch = true;
-        r->need_full = true;
         r->not_before = now + r->set.retry_backoff_ms;
         break;
     }
@@ -929,10 +889,8 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
     if (now - r->last_fetch_at >= r->set.poll_interval_ms)
         r->want_fetch = true;
     for (size_t i = 0; i < r->n_blocked; i++)
-        if (r->blocked[i].retry_at <= now) {
+        if (r->blocked[i].retry_at <= now)
             r->want_fetch = true; /* a refused row is due for another try */
-            r->need_full = true;
-        }
     kick(r, now);
 }
 

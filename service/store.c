@@ -66,7 +66,7 @@ static const char SQL_FETCH[] =
     "  FROM outbox.events e,"
     "       LATERAL (SELECT CASE WHEN octet_length(e.payload) <= $7::int"
     "                       THEN octet_length(e.payload) ELSE 0 END AS len) f"
-    "  WHERE e.sent_at IS NULL AND e.id > $8::bigint AND NOT (e.id = ANY ($1::bigint[]))"
+    "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
     /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
     "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
     "         SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"

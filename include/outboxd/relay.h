@@ -76,7 +76,6 @@ struct obx_fetch {
     int limit;           /* most rows */
     int64_t max_bytes;   /* the batch ends once its payloads reach this (at least one row) */
     int64_t max_payload; /* larger payloads are not fetched: the row comes as oversize */
-    int64_t after_id;    /* > 0: a keyset fetch, only ids above it (exclude is empty) */
 };
 
 /* What one mark transaction confirms. Arrays are the relay's. */

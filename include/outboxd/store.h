@@ -31,8 +31,7 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
 
 /* The fetch. $1 bigint[] ids in flight, $2 most rows, $3 text[] / $4 text[] /
  * $5 bigint[] keys held back (topic, key, behind id), $6 most bytes, $7 most
- * payload bytes (larger ones come as NULL with their length), $8 only ids
- * above this one (0: all; then $1 excludes what is in flight). */
+ * payload bytes (larger ones come as NULL with their length). */
 const char *obx_store_sql_fetch(void);
 
 /* The mark transaction's statement (inside BEGIN ... COMMIT). $1 bigint[]

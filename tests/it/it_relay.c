@@ -173,49 +173,6 @@ static PGresult *wait_result(PGconn *c, int timeout_ms)
 /* G1 + G3: a transaction holding a low id commits after higher ids were
  * published; it is published too, and a same-key writer that waited for it
  * comes after it in the key's partition. */
-/* A late commit during a backlog: the relay fetches above the highest id it
- * handed out while batches are full, but a full fetch at least every poll
- * interval finds a row committed late below it while the backlog drains,
- * not only once it is drained. */
-static void test_late_commit_during_backlog(void **state)
-{
-    (void)state;
-    h_env_start(&env, (const char *const[]){"it.a:4", "it.late:1", NULL});
-    PGconn *a = h_connect(&env), *b = h_connect(&env);
-    h_sql(a, "BEGIN");
-    int64_t low = h_enqueue(a, "it.late", "L", "late", 4, NULL);
-    s_prefill(&env, "it.a", 30000); /* committed, all above `low` */
-    /* Slow acknowledgements keep the drain going for seconds. */
-    assert_true(h_broker_cmd(&env, "rtt all 100"));
-    h_relay_start(
-        &env, NULL,
-        (const char *const[]){"relay.poll_interval=200ms", "relay.max_in_flight=2000", NULL});
-    s_wait_sent(&env, 2000, 30000); /* draining, in full batches */
-    h_sql(a, "COMMIT");
-    int64_t deadline = h_now_ms() + 20000;
-    int64_t unsent_then = -1;
-    while (h_now_ms() < deadline) {
-        if (h_sql_int(b,
-                      "SELECT count(*) FROM outbox.events WHERE id = %lld AND sent_at IS NOT NULL",
-                      (long long)low) == 1) {
-            unsent_then = h_sql_int(b, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL");
-            break;
-        }
-        h_sleep_ms(20);
-    }
-    print_message("late row published with %lld rows still waiting\n", (long long)unsent_then);
-    assert_true(unsent_then > 1000); /* found mid-drain */
-    assert_true(h_broker_cmd(&env, "rtt all 0"));
-    s_wait_drained(&env, 60000);
-    struct h_records recs = {0};
-    h_kafka_read_all(&env, (const char *const[]){"it.a", "it.late", NULL}, &recs);
-    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
-    h_records_free(&recs);
-    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    PQfinish(a);
-    PQfinish(b);
-}
-
 static void test_late_commit(void **state)
 {
     (void)state;
@@ -889,7 +846,6 @@ int main(int argc, char **argv)
                                         teardown_env),
         cmocka_unit_test_setup_teardown(test_rollback, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_late_commit, setup_env, teardown_env),
-        cmocka_unit_test_setup_teardown(test_late_commit_during_backlog, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_key_race, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_pg_restart, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_brokers_down, setup_env, teardown_env),

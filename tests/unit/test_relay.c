@@ -26,7 +26,6 @@ struct fake {
     int64_t exclude[MAX_CALLS];
     size_t n_exclude;
     int limit;
-    int64_t after_id; /* > 0: a keyset fetch */
     int fetch_rc;
     size_t n_blocked;
     char blocked_key[64];
@@ -66,7 +65,6 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     memcpy(fk->exclude, f->exclude, f->n_exclude * sizeof(*f->exclude));
     fk->n_exclude = f->n_exclude;
     fk->limit = f->limit;
-    fk->after_id = f->after_id;
     fk->n_blocked = f->n_blocked;
     if (f->n_blocked > 0) {
         snprintf(fk->blocked_key, sizeof(fk->blocked_key), "%s/%.*s", f->blocked[0].topic,
@@ -261,12 +259,12 @@ static void test_exclusion_and_backpressure(void **state)
 {
     struct ctx *c = *state;
     ready(c, 0);
-    assert_int_equal(c->f.after_id, 0); /* the first fetch: everything unsent */
-    fetched(c, 1, 4, 0);                /* full batch: fetch again at once, above it */
+    fetched(c, 1, 4, 0); /* full batch: fetch again at once */
     assert_int_equal(c->f.fetches, 2);
-    assert_int_equal(c->f.limit, 2);    /* 6 slots, 4 in flight */
-    assert_int_equal(c->f.after_id, 4); /* keyset: nothing to exclude */
-    assert_int_equal(c->f.n_exclude, 0);
+    assert_int_equal(c->f.limit, 2); /* 6 slots, 4 in flight */
+    assert_int_equal(c->f.n_exclude, 4);
+    for (int64_t id = 1; id <= 4; id++)
+        assert_true(excluded(c, id));
 
     fetched(c, 5, 2, 0);
     assert_int_equal(obx_relay_in_flight(c->r), 6);
@@ -279,61 +277,8 @@ static void test_exclusion_and_backpressure(void **state)
     obx_relay_wakeup(c->r, 12);
     assert_int_equal(c->f.fetches, 3);
     assert_int_equal(c->f.limit, 1);
-    assert_int_equal(c->f.after_id, 6); /* the last batch was full too */
-
-    /* A batch short of its limit: caught up, so the next fetch looks at
-     * everything unsent again (a late commit below may be waiting),
-     * excluding what is in flight. */
-    fetched(c, 7, 0, 13);
-    obx_relay_wakeup(c->r, 14);
-    assert_int_equal(c->f.fetches, 4);
-    assert_int_equal(c->f.after_id, 0);
     assert_false(excluded(c, 1)); /* marked: no longer in flight */
-    for (int64_t id = 2; id <= 6; id++)
-        assert_true(excluded(c, id));
-}
-
-/* During a backlog the relay fetches above the highest id it handed out;
- * a row coming back unsent, or a poll interval gone by (late commits),
- * makes the next fetch a full one. */
-static void test_keyset_fetch(void **state)
-{
-    struct ctx *c = *state;
-    ready(c, 0);
-    fetched(c, 1, 4, 0); /* rows 1-4; full: a keyset fetch above 4 */
-    assert_int_equal(c->f.after_id, 4);
-    fetched(c, 5, 2, 1); /* rows 5-6: all 6 slots taken */
-    assert_int_equal(c->f.fetches, 2);
-    /* Row 2 comes back unsent: the next fetch must see it. */
-    ack_as(c, 1, OBX_DELIVERY_RETRY, 2);
-    ack(c, 0, true, 3);
-    obx_relay_tick(c->r, 600); /* after the back-off: the mark of row 1 */
-    obx_relay_on_marked(c->r, 601);
-    assert_int_equal(c->f.fetches, 3);
-    assert_int_equal(c->f.after_id, 0);
-    assert_false(excluded(c, 2));
-    for (int64_t id = 3; id <= 6; id++)
-        assert_true(excluded(c, id));
-    fetched(c, 2, 1, 602); /* row 2 again; short of the limit (2) */
-    for (int k = 2; k <= 6; k++)
-        ack(c, k, true, 603 + k);
-    obx_relay_on_marked(c->r, 699); /* the first ack's mark */
-    obx_relay_on_marked(c->r, 700); /* the others' */
-    obx_relay_wakeup(c->r, 701);    /* a NOTIFY */
-    assert_int_equal(c->f.fetches, 4);
-    assert_int_equal(c->f.after_id, 0); /* the batch before was not full */
-    fetched(c, 10, 4, 710);
-    assert_int_equal(c->f.fetches, 5);
-    assert_int_equal(c->f.after_id, 13);
-    fetched(c, 14, 2, 720);
-    /* A full fetch at least every poll interval (1 s), for late commits. */
-    for (int k = 7; k <= 12; k++)
-        ack(c, k, true, 1800 + k);
-    obx_relay_on_marked(c->r, 1899);
-    obx_relay_on_marked(c->r, 1900);
-    obx_relay_wakeup(c->r, 1901);
-    assert_int_equal(c->f.fetches, 6);
-    assert_int_equal(c->f.after_id, 0);
+    assert_true(excluded(c, 6));
 }
 
 static void test_notify_and_poll(void **state)
@@ -468,8 +413,8 @@ static void test_produce_busy_discards_early_fetch(void **state)
     fetched(c, 1, 4, 0); /* full batch; row 2 finds the queue full */
     assert_int_equal(c->f.fetches, 2);
     assert_int_equal(c->f.produced, 1);
-    assert_int_equal(c->f.after_id, 4); /* the early fetch skipped rows 2-4 */
-    fetched(c, 5, 2, 10);               /* its answer: must not run ahead of rows 2-4 */
+    assert_true(excluded(c, 2)); /* the early fetch skipped rows 2-4 */
+    fetched(c, 5, 2, 10);        /* its answer: must not run ahead of rows 2-4 */
     assert_int_equal(c->f.produced, 1);
     obx_relay_tick(c->r, 1200);
     assert_int_equal(c->f.fetches, 3);
@@ -902,7 +847,6 @@ static void test_fatal_without_postgres(void **state)
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
-    X(test_keyset_fetch)                                                                           \
     X(test_notify_and_poll)                                                                        \
     X(test_pg_lost_remarks_first)                                                                  \
     X(test_query_failed_backs_off)                                                                 \
