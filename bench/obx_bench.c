@@ -245,7 +245,7 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
 static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
 {
     char mark_sql[2048];
-    obx_store_sql_mark(on_sent, mark_sql, sizeof(mark_sql));
+    obx_store_sql_mark_plain(on_sent, mark_sql, sizeof(mark_sql)); /* no dead letters here */
     char lsn[64];
     double cpu0;
     PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
@@ -272,7 +272,7 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
                              "{}",
                              "{}"};
         exec_ok(c, "BEGIN");
-        r = PQexecParams(c, mark_sql, 6, NULL, mv, NULL, NULL, 0);
+        r = PQexecParams(c, mark_sql, 4, NULL, mv, NULL, NULL, 0);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("mark", PQresultErrorMessage(r));
         PQclear(r);

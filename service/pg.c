@@ -71,6 +71,7 @@ struct obx_pg {
     char limit_text[16];
     char max_bytes_text[24], max_payload_text[24];
     char mark_sql[2048];
+    char mark_plain_sql[1024]; /* without dead letters */
 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
@@ -739,6 +740,7 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
         return -1;
     }
     obx_store_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
+    obx_store_sql_mark_plain(cfg->on_sent, pg->mark_plain_sql, sizeof(pg->mark_plain_sql));
     uv_timer_init(loop, &pg->timer);
     uv_timer_init(loop, &pg->deferred);
     pg->timer.data = pg->deferred.data = pg;
@@ -926,6 +928,9 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
             return -1;
         }
     }
+    if (m->n_dead == 0)
+        return obx_pg_send_tx(pg, pg->mark_plain_sql, 4, values, OBX_FP_MARK_BEFORE_COMMIT, done,
+                              arg);
     return obx_pg_send_tx(pg, pg->mark_sql, 6, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
 }
 

@@ -142,6 +142,17 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
     return buf;
 }
 
+const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len)
+{
+    size_t o = 0;
+    append(buf, len, &o, "WITH confirmed AS (");
+    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])");
+    append(buf, len, &o, ")," OFFSETS_UPSERT_FMT, 2, 3, 4);
+    append(buf, len, &o,
+           " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM offsets), 0");
+    return buf;
+}
+
 const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
 {
     size_t o = 0;

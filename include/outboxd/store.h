@@ -39,6 +39,9 @@ const char *obx_store_sql_fetch(void);
  * partition; $5 bigint[] / $6 text[] dead letters and reasons. One row:
  * confirmed, offsets stored, dead-lettered. `on_sent` is OBX_ON_SENT_*. */
 const char *obx_store_sql_mark(int on_sent, char *buf, size_t len);
+/* The same without dead letters (the usual case): $1..$4 only, and no
+ * dead-letter branches for Postgres to run. */
+const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len);
 
 /* The recovery pass's marking of one chunk. $1 bigint[] / $2 text[] / $3
  * text[] / $4 text[] records found (outbox id, topic, key, sha256 hex of the
