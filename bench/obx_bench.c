@@ -607,7 +607,8 @@ static void paired(const struct opts *o, int on_sent, int payload, bool idle, st
     }
 }
 
-static double *commit_at; /* by outbox id: when the writer sent the commit */
+static double *commit_at; /* by outbox id - id_base: when the writer sent the commit */
+static long long id_base; /* ids keep growing over the runs (TRUNCATE keeps the identity) */
 static atomic_int writers_done;
 
 struct lat_writer {
@@ -636,8 +637,8 @@ static void *lat_writer_main(void *arg)
             die("enqueue", PQresultErrorMessage(r));
         long long id = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
         PQclear(r);
-        if (id > 0 && id < MAX_IDS)
-            commit_at[id] = t;
+        if (id > id_base && id - id_base < MAX_IDS)
+            commit_at[id - id_base] = t;
         next += period;
     }
     PQfinish(c);
@@ -702,8 +703,9 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
                 memcpy(buf, val, len);
                 buf[len] = '\0';
                 long long id = strtoll(buf, NULL, 10);
-                if (id > 0 && id < MAX_IDS && commit_at[id] > 0 && n < cap)
-                    samples[n++] = now - commit_at[id];
+                if (id > id_base && id - id_base < MAX_IDS && commit_at[id - id_base] > 0 &&
+                    n < cap)
+                    samples[n++] = now - commit_at[id - id_base];
             }
             rd_kafka_message_destroy(m);
             quiet_since = 0;
@@ -838,6 +840,9 @@ int main(int argc, char **argv)
     exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
     PQfinish(c);
     sleep(2);
+    c = connect_db(&o);
+    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+    PQfinish(c);
     for (int i = 0; i < 3; i++)
         latency(&o, rates[i], &lat[i]);
     stop_outboxd(relay);
