@@ -529,8 +529,10 @@ static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
     const char *const v[] = {ids};
     int rc = 1;
     PGresult *r = NULL;
-    if (!run(c, t->tool, "BEGIN", 0, NULL, PGRES_COMMAND_OK))
+    PGresult *begun = run(c, t->tool, "BEGIN", 0, NULL, PGRES_COMMAND_OK);
+    if (!begun)
         goto out;
+    PQclear(begun);
     r = run(c, t->tool, obx_store_sql_dead_existing(), 1, v, PGRES_TUPLES_OK);
     if (!r)
         goto rollback;
