@@ -252,6 +252,10 @@ static void catch_early_signals(bool on)
     sa.sa_handler = on ? on_early_signal : SIG_DFL;
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
+    /* A reload asked for before the configuration is even read: nothing
+     * to reload yet (its default action would kill the process). */
+    sa.sa_handler = on ? SIG_IGN : SIG_DFL;
+    sigaction(SIGHUP, &sa, NULL);
 }
 
 /* Closes the modules that are open (each frees itself through the loop). */
