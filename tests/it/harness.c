@@ -915,7 +915,7 @@ size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
                      " ORDER BY id",
                      0, NULL, NULL, NULL, NULL, 1);
     if (PQresultStatus(r) != PGRES_TUPLES_OK)
-        fail_msg("reading outbox.events: %s", PQresultErrorMessage(r));
+        fail_msg("reading obx_test.committed: %s", PQresultErrorMessage(r));
     int nrows = PQntuples(r);
 
     /* Kafka records sorted by outbox id, to walk both in id order. */
