@@ -169,18 +169,35 @@ static struct pg_cost cost_finish(PGconn *c, long done, double t0, const char *l
 }
 
 /* The ids (binary int8, column 0) of a fetch result into ids. */
-static int collect_ids(PGresult *r, struct obx_pg_array *ids)
+/* The ids of a fetch result into `ids`; outboxd's fetches also bring a row
+ * without an id that carries their snapshot (copied into `snap` if given).
+ * Returns the number of ids, and the highest one in *top (if given). */
+static int collect_ids_top(PGresult *r, struct obx_pg_array *ids, char *snap, size_t snap_len,
+                           int64_t *top)
 {
-    int n = PQntuples(r);
+    int n = PQntuples(r), got = 0;
     obx_pg_array_reset(ids);
     for (int i = 0; i < n; i++) {
+        if (PQgetisnull(r, i, 0)) {
+            if (snap && PQnfields(r) > 7)
+                snprintf(snap, snap_len, "%s", PQgetvalue(r, i, 7));
+            continue;
+        }
         const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
         int64_t id = 0;
         for (int b = 0; b < 8; b++)
             id = (id << 8) | p[b];
         obx_pg_array_add_int(ids, id);
+        if (top && id > *top)
+            *top = id;
+        got++;
     }
-    return n;
+    return got;
+}
+
+static int collect_ids(PGresult *r, struct obx_pg_array *ids)
+{
+    return collect_ids_top(r, ids, NULL, 0, NULL);
 }
 
 /* ---- 0. the job's limit: the minimal statement pair ---- */
@@ -254,12 +271,19 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     snprintf(limit, sizeof(limit), "%d", BATCH);
     long done = 0;
     double t0 = now_s();
+    /* A full fetch first, then keyset fetches from its cursor, as the relay
+     * does while nothing comes back unsent. */
+    char snap[4096] = "", after[24];
+    int64_t hwm = 0;
     for (;;) {
-        const char *fv[7] = {"{}", limit, "{}", "{}", "{}", "8388608", "1000000"};
-        PGresult *r = PQexecParams(c, obx_store_sql_fetch(), 7, NULL, fv, NULL, NULL, 1);
+        snprintf(after, sizeof(after), "%lld", (long long)hwm);
+        const char *fv[7] = {hwm > 0 ? after : "{}", limit, "{}", "{}", "{}", "8388", snap};
+        PGresult *r =
+            hwm > 0 ? PQexecParams(c, obx_store_sql_fetch_keyset(), 7, NULL, fv, NULL, NULL, 1)
+                    : PQexecParams(c, obx_store_sql_fetch(), 6, NULL, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
-        int n = collect_ids(r, &ids);
+        int n = collect_ids_top(r, &ids, snap, sizeof(snap), &hwm);
         PQclear(r);
         if (n == 0)
             break;

@@ -73,14 +73,15 @@ struct app {
 
 /* ---- relay commands ---- */
 
-static void fetched(void *arg, const struct obx_row *rows, size_t n, const char *error)
+static void fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
+                    const char *error)
 {
     struct app *a = arg;
     int64_t now = (int64_t)uv_now(&a->loop);
     if (error)
         obx_relay_on_query_failed(a->relay, error, now);
     else
-        obx_relay_on_fetched(a->relay, rows, n, now);
+        obx_relay_on_fetched(a->relay, rows, n, snapshot, now);
 }
 
 static void marked(void *arg, const PGresult *res, const char *error)

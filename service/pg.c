@@ -69,7 +69,7 @@ struct obx_pg {
     struct obx_pg_array params[6]; /* reused parameter buffers */
     const char *param_values[6];   /* must outlive a wrapped transaction's BEGIN */
     char limit_text[16];
-    char max_bytes_text[24], max_payload_text[24];
+    char max_bytes_text[24], after_text[24];
     char mark_sql[2048];
     char mark_plain_sql[1024]; /* without dead letters */
 };
@@ -469,26 +469,36 @@ static const char *result_error(const PGresult *res)
     return *msg ? msg : "the statement returned no result";
 }
 
-/* Decodes a fetch result into pg->rows and reports it. */
+/* Decodes a fetch result into pg->rows and reports it. The one row without
+ * an id carries the statement's snapshot. */
 static void report_rows(struct obx_pg *pg, obx_pg_rows_fn done, void *arg, const PGresult *res,
                         const char *error)
 {
     char err[256];
     if (error) {
-        done(arg, NULL, 0, error);
+        done(arg, NULL, 0, NULL, error);
         return;
     }
-    int n = PQntuples(res);
-    if (n > pg->max_rows)
-        n = pg->max_rows;
-    obx_histogram_observe(&pg->batch_rows, n);
+    int n = PQntuples(res), taken = 0;
+    const char *snapshot = NULL;
     for (int i = 0; i < n; i++) {
-        if (obx_row_from_result(res, i, &pg->rows[i], err, sizeof(err)) != 0) {
-            done(arg, NULL, 0, err);
+        if (PQnfields(res) == OBX_COL_COUNT && PQgetisnull(res, i, OBX_COL_ID) &&
+            !PQgetisnull(res, i, OBX_COL_SNAPSHOT) && !snapshot) {
+            snapshot = PQgetvalue(res, i, OBX_COL_SNAPSHOT);
+            continue;
+        }
+        if (taken == pg->max_rows) {
+            done(arg, NULL, 0, NULL, "the fetch returned more rows than it asked for");
             return;
         }
+        if (obx_row_from_result(res, i, &pg->rows[taken], err, sizeof(err)) != 0) {
+            done(arg, NULL, 0, NULL, err);
+            return;
+        }
+        taken++;
     }
-    done(arg, pg->rows, (size_t)n, NULL);
+    obx_histogram_observe(&pg->batch_rows, taken);
+    done(arg, pg->rows, (size_t)taken, snapshot, NULL);
 }
 
 /* The request is complete: READY again, then its callback. */
@@ -876,8 +886,9 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
 {
     const char *values[7];
     struct obx_pg_array *a = pg->params;
+    bool keyset = f->after_id > 0 && f->snapshot;
     obx_pg_array_reset(&a[0]);
-    for (size_t i = 0; i < f->n_exclude; i++)
+    for (size_t i = 0; i < f->n_exclude && !keyset; i++)
         obx_pg_array_add_int(&a[0], f->exclude[i]);
     for (int k = 1; k <= 3; k++)
         obx_pg_array_reset(&a[k]);
@@ -887,21 +898,23 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         obx_pg_array_add_int(&a[3], f->blocked_ids[i]);
     }
     snprintf(pg->limit_text, sizeof(pg->limit_text), "%d", f->limit);
-    snprintf(pg->max_bytes_text, sizeof(pg->max_bytes_text), "%lld", (long long)f->max_bytes);
-    snprintf(pg->max_payload_text, sizeof(pg->max_payload_text), "%lld", (long long)f->max_payload);
-    values[5] = pg->max_bytes_text;
-    values[6] = pg->max_payload_text;
-    values[0] = obx_pg_array_finish(&a[0]);
+    snprintf(pg->max_bytes_text, sizeof(pg->max_bytes_text), "%lld", (long long)f->max_row_bytes);
+    snprintf(pg->after_text, sizeof(pg->after_text), "%lld", (long long)f->after_id);
+    values[0] = keyset ? pg->after_text : obx_pg_array_finish(&a[0]);
     values[1] = pg->limit_text;
     values[2] = obx_pg_array_finish(&a[1]);
     values[3] = obx_pg_array_finish(&a[2]);
     values[4] = obx_pg_array_finish(&a[3]);
+    values[5] = pg->max_bytes_text;
+    values[6] = f->snapshot;
     if (!values[0] || !values[2] || !values[3] || !values[4]) {
         obx_error("postgres: out of memory building the fetch");
         return -1;
     }
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
-    return start_request(pg, &req, obx_store_sql_fetch(), 7, values, 1);
+    if (keyset)
+        return start_request(pg, &req, obx_store_sql_fetch_keyset(), 7, values, 1);
+    return start_request(pg, &req, obx_store_sql_fetch(), 6, values, 1);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)

@@ -77,7 +77,28 @@ struct obx_relay {
     struct obx_blocked_key keys[MAX_BLOCKED];
     int64_t key_ids[MAX_BLOCKED];
 
-    struct slot **batch;  /* slots of the rows of the fetch being produced */
+    struct slot **batch; /* slots of the rows of the fetch being produced */
+
+    /* The fetch cursor. While it holds, every unsent row with an id up to
+     * `hwm` whose transaction is visible in snapshot `snap` has been handed
+     * out by this session (or is held back behind a refused row, or waits
+     * as a refused row itself), and no row in flight lies above `hwm`. The
+     * keyset fetch then asks only for ids above `hwm` and for the rows below
+     * it that `snap` did not see yet (late commits), and nothing in flight
+     * can be among them. Whatever may break that (a row back unsent, a
+     * fetch ignored, a new session) clears `cursor_ok`; the next fetch is
+     * then a full one, which excludes what is in flight and sets it again. */
+    bool cursor_ok;
+    int64_t hwm;
+    char *snap;
+    size_t snap_cap;
+    int64_t top_id;       /* highest id handed out in this session */
+    bool fetch_keyset;    /* the fetch in flight is a keyset fetch ... */
+    int64_t fetch_after;  /* ... above this id */
+    int fetch_limit;      /* its row limit */
+    int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
+    int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
+
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
@@ -177,6 +198,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
         r->slots[i].next_free = i + 1 < s->max_in_flight ? i + 1 : -1;
     r->free_head = 0;
     r->want_fetch = true;
+    r->bytes_limit = s->batch_size;
     *out = r;
     return 0;
 }
@@ -193,6 +215,7 @@ void obx_relay_free(struct obx_relay *r)
     for (size_t i = 0; i < r->n_topics; i++)
         obx_free(r->topics[i]);
     obx_free(r->topics);
+    obx_free(r->snap);
     obx_free(r->slots);
     obx_free(r->ids);
     obx_free(r->dead_ids);
@@ -285,6 +308,7 @@ static void unblock(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
+    r->cursor_ok = false; /* its key's later rows may be waiting below hwm */
     obx_info("relay: row %lld delivered after %d refusals; its key goes on", (long long)id,
              b->attempts);
     obx_free(b->key);
@@ -297,6 +321,7 @@ static void drop_block(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
+    r->cursor_ok = false;
     obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
@@ -326,6 +351,7 @@ static struct blocked *due_probe(struct obx_relay *r, int64_t now)
 static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
                   int64_t now)
 {
+    r->cursor_ok = false; /* it is below hwm, and comes back by a full fetch */
     struct blocked *b = find_block_by_id(r, id);
     if (!b) {
         if (r->n_blocked == MAX_BLOCKED) {
@@ -486,30 +512,49 @@ static void unmark(struct obx_relay *r)
 
 static bool start_fetch(struct obx_relay *r, int64_t now)
 {
-    struct obx_fetch f = {.exclude = r->ids,
-                          .blocked = r->keys,
-                          .blocked_ids = r->key_ids,
-                          .max_bytes = r->set.fetch_max_bytes,
-                          .max_payload = r->set.max_payload};
+    struct obx_fetch f = {.exclude = r->ids, .blocked = r->keys, .blocked_ids = r->key_ids};
     int free_slots = r->set.max_in_flight - (int)r->in_use;
     f.limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
+    if (f.limit > r->bytes_limit)
+        f.limit = r->bytes_limit;
     if (f.limit <= 0)
         return false;
-    for (int i = 0; i < r->set.max_in_flight; i++)
-        if (r->slots[i].state != SLOT_FREE)
-            r->ids[f.n_exclude++] = r->slots[i].id;
+    /* limit x this <= relay.fetch_max_bytes; a row asked for alone comes
+     * whole if Kafka could take it at all. */
+    f.max_row_bytes = f.limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f.limit;
+    if (f.max_row_bytes > r->set.max_payload)
+        f.max_row_bytes = r->set.max_payload;
+    bool keyset = r->cursor_ok;
+    for (size_t i = 0; i < r->n_blocked && keyset; i++)
+        keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
+    int64_t max_ex = 0;
+    if (keyset) {
+        f.after_id = r->hwm;
+        f.snapshot = r->snap;
+    } else {
+        for (int i = 0; i < r->set.max_in_flight; i++)
+            if (r->slots[i].state != SLOT_FREE)
+                r->ids[f.n_exclude++] = r->slots[i].id;
+    }
     for (size_t i = 0; i < r->n_blocked; i++) {
         const struct blocked *b = &r->blocked[i];
-        if (b->retry_at > now)
-            r->ids[f.n_exclude++] = b->id; /* not due yet */
+        if (b->retry_at > now && !keyset)
+            r->ids[f.n_exclude++] = b->id; /* not due yet (a keyset fetch is above it) */
         if (b->key) {
             r->keys[f.n_blocked] =
                 (struct obx_blocked_key){r->topics[b->topic], b->key, b->key_len};
             r->key_ids[f.n_blocked++] = b->id;
         }
     }
+    for (size_t i = 0; i < f.n_exclude; i++)
+        if (r->ids[i] > max_ex)
+            max_ex = r->ids[i];
     if (r->ops->fetch(r->io, &f) != 0)
         return false;
+    r->fetch_keyset = keyset;
+    r->fetch_after = f.after_id;
+    r->fetch_limit = f.limit;
+    r->fetch_max_ex = max_ex;
     r->want_fetch = false;
     r->last_fetch_at = now;
     set_state(r, OBX_RELAY_FETCHING, "rows may be waiting");
@@ -592,6 +637,7 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
     set_state(r, OBX_RELAY_IDLE, "postgres ready");
     progress(r, now); /* the lock was just acquired: the clock starts now */
     r->want_fetch = true;
+    r->cursor_ok = false; /* another relay may have sent or left rows meanwhile */
     r->not_before = 0;
     kick(r, now);
 }
@@ -605,6 +651,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
      * after the reconnect (the statement is idempotent). */
     unmark(r);
     r->discard_fetch = false; /* the fetch in flight, if any, is gone */
+    r->cursor_ok = false;
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -621,6 +668,7 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
     if (ok) {
         r->recovered = true;
         r->want_fetch = true;
+        r->cursor_ok = false; /* it may have marked rows, or left some */
         progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -637,9 +685,69 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
             slot_release(r, r->batch[j]);
     if (r->state == OBX_RELAY_FETCHING)
         r->discard_fetch = true;
+    r->cursor_ok = false; /* they are below hwm now */
 }
 
-void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now)
+/* Keeps a copy of the fetch's snapshot for the next keyset fetch. */
+static bool keep_snapshot(struct obx_relay *r, const char *snapshot)
+{
+    size_t len = strlen(snapshot) + 1;
+    if (len > r->snap_cap) {
+        char *p = obx_realloc(r->snap, len);
+        if (!p)
+            return false;
+        r->snap = p;
+        r->snap_cap = len;
+    }
+    memcpy(r->snap, snapshot, len);
+    return true;
+}
+
+/* The fetch in flight brought `n` rows in id order, of which the first
+ * `n_take` were taken (the rest are left: see withheld()). Moves the cursor
+ * on, or clears it when the rows taken do not cover everything it claims. */
+static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size_t n, size_t n_take,
+                           const char *snapshot)
+{
+    bool cut = n_take < n || n >= (size_t)r->fetch_limit; /* rows may lie beyond */
+    int64_t last = n_take > 0 ? rows[n_take - 1].id : 0;
+    bool ok;
+    if (r->fetch_keyset) {
+        /* Late rows (at or below fetch_after) come first: all of them are
+         * in if the first row not taken, or the last one taken, is above. */
+        int64_t beyond = n_take < n ? rows[n_take].id : last;
+        ok = !cut || beyond > r->fetch_after;
+        if (ok && last > r->hwm)
+            r->hwm = last;
+    } else if (!cut) {
+        /* Every unsent row but those excluded was taken: any hwm will do
+         * that is at or above everything in flight or waiting. */
+        ok = true;
+        r->hwm = r->top_id > last ? r->top_id : last;
+        if (r->fetch_max_ex > r->hwm)
+            r->hwm = r->fetch_max_ex;
+    } else {
+        /* Rows above `last` were not looked at: only a cursor at `last`
+         * holds, and only if nothing in flight or waiting lies above it. */
+        ok = n_take > 0 && last >= r->fetch_max_ex;
+        if (ok)
+            r->hwm = last;
+    }
+    if (last > r->top_id)
+        r->top_id = last;
+    r->cursor_ok = ok && snapshot && keep_snapshot(r, snapshot);
+}
+
+/* A row whose payload the fetch left out for the byte budget: it and the
+ * rows after it wait for the next fetch, which asks for fewer rows. (A
+ * payload above the producer's limit is refused instead: oversize.) */
+static bool withheld(const struct obx_relay *r, const struct obx_row *row)
+{
+    return row->oversize && (int64_t)row->payload_len <= r->set.max_payload;
+}
+
+void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
+                          const char *snapshot, int64_t now)
 {
     size_t produced = 0, taken = 0;
     r->now = now;
@@ -651,6 +759,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
          * all go out: these rows would overtake the ones it left behind. */
         r->discard_fetch = false;
         r->want_fetch = true;
+        r->cursor_ok = false;
         kick(r, now);
         return;
     }
@@ -682,22 +791,42 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             r->want_fetch = true;
         }
     }
+    size_t n_take = 0;
+    while (n_take < n && !withheld(r, &rows[n_take]))
+        n_take++;
+    /* The next fetch asks for as many rows as fit in relay.fetch_max_bytes
+     * if they are as large as the largest payload seen now (the one left
+     * out, else the largest taken). */
+    size_t largest = n_take < n ? rows[n_take].payload_len : 1;
+    for (size_t i = 0; i < n_take && n_take == n; i++)
+        if (rows[i].payload_len > largest)
+            largest = rows[i].payload_len;
+    int64_t fit = r->set.fetch_max_bytes / (int64_t)largest;
+    r->bytes_limit = fit < 1 ? 1 : fit < r->set.batch_size ? (int)fit : r->set.batch_size;
+    if (n_take < n)
+        obx_debug("relay: row %lld has %zu payload bytes: fetching %d rows at a time",
+                  (long long)rows[n_take].id, rows[n_take].payload_len, r->bytes_limit);
+    cursor_advance(r, rows, n, n_take, snapshot);
     /* Take a slot for every row first, so that the next statement can go to
-     * Postgres now (its exclusions include these rows) and run while we hand
-     * the rows to Kafka: Postgres does not wait for our CPU. */
-    for (size_t i = 0; i < n; i++) {
+     * Postgres now (its exclusions, or the cursor, cover these rows) and run
+     * while we hand the rows to Kafka: Postgres does not wait for our CPU. */
+    for (size_t i = 0; i < n_take; i++) {
         const struct obx_row *row = &rows[i];
         int64_t topic = topic_index(r, row->topic);
         r->batch[i] = NULL;
         if (topic < 0) {
             obx_error("relay: out of memory for topic names");
+            r->cursor_ok = false; /* the rest was not taken */
             break;
         }
-        if (r->n_blocked > 0 && held_back(r, row, (uint32_t)topic))
-            continue; /* a refused row of its key comes first */
+        if (r->n_blocked > 0 && held_back(r, row, (uint32_t)topic)) {
+            r->cursor_ok = false; /* fetched, not taken: below hwm */
+            continue;             /* a refused row of its key comes first */
+        }
         struct slot *s = slot_alloc(r, row->id, (uint32_t)topic);
         if (!s) { /* cannot happen: the fetch limit was the free slot count */
             obx_error("relay: no free slot for row %lld", (long long)row->id);
+            r->cursor_ok = false;
             break;
         }
         s->created_us = row->created_us;
@@ -705,7 +834,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         taken = i + 1;
     }
     /* A full batch means more rows are likely waiting. */
-    if (n > 0 && n == (size_t)r->set.batch_size)
+    if (n > 0 && (n == (size_t)r->set.batch_size || n_take < n ||
+                  (n >= (size_t)r->fetch_limit && r->fetch_limit >= r->bytes_limit)))
         r->want_fetch = true;
     kick(r, now);
     for (size_t i = 0; i < taken; i++) {
@@ -715,6 +845,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             continue;
         if (r->n_blocked > 0 && held_back(r, row, s->topic)) {
             slot_release(r, s); /* its key was refused earlier in this batch */
+            r->cursor_ok = false;
             continue;
         }
         bool alone = row->id == probe_id;
@@ -797,6 +928,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         obx_warn("relay: fetch failed: %s", reason);
         r->discard_fetch = false;
         r->want_fetch = true;
+        r->cursor_ok = false; /* the next one is a full fetch, whatever went wrong */
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);
         unmark(r);
@@ -860,6 +992,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
                      reason ? reason : "unknown error");
         }
         slot_release(r, s);
+        r->cursor_ok = false; /* unsent below hwm: a full fetch finds it */
         r->want_fetch = true;
         r->not_before = now + r->set.retry_backoff_ms;
         break;

@@ -12,6 +12,7 @@ static const char *const migrations[] = {
     [1] = "sql/001_outbox.sql",
     [2] = "sql/002_recovery.sql",
     [3] = "sql/003_reserved_header.sql",
+    [4] = "sql/004_fetch_cursor.sql",
 };
 _Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
                "every schema version up to OBX_SCHEMA_VERSION names its migration file");
@@ -45,41 +46,78 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
     return -1;
 }
 
-/* The fetch: committed unsent rows in id order, skipping rows in flight.
- * The headers object comes as it is stored (jsonb, binary: its text):
- * splitting it is C's work (record.c), not a per-row jsonb_each here.
- * Rows of transactions that commit late (lower ids) are found by the next
- * fetch: nothing is skipped because a higher id was seen first.
+/* The fetches: committed unsent rows in id order. The headers object comes
+ * as it is stored (jsonb, binary: its text): splitting it is C's work
+ * (record.c), not a per-row jsonb_each here.
  *
- * Memory is bounded by bytes as well as rows: a payload larger than $7
- * (the producer's message.max.bytes) is not fetched at all, only its
- * octet_length (which reads the TOAST pointer, not the value), and the
- * batch ends with the row whose payload makes it reach $6 bytes (one window
- * sum; at least one row). */
-static const char SQL_FETCH[] =
-    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len"
-    " FROM (SELECT e.id, e.topic, e.key,"
-    "         CASE WHEN octet_length(e.payload) <= $7::int THEN e.payload END AS payload,"
-    "         e.headers,"
-    "         e.created_at, octet_length(e.payload) AS payload_len, f.len,"
-    "         sum(f.len) OVER (ORDER BY e.id ROWS UNBOUNDED PRECEDING) AS upto"
-    "  FROM outbox.events e,"
-    "       LATERAL (SELECT CASE WHEN octet_length(e.payload) <= $7::int"
-    "                       THEN octet_length(e.payload) ELSE 0 END AS len) f"
+ * Memory is bounded by bytes as well as rows without a running sum: a
+ * payload above $6 (the relay passes fetch_max_bytes / limit, or the
+ * producer's limit when it asks for one row) comes as NULL beside its
+ * octet_length, which reads the TOAST pointer, not the value. So a batch
+ * holds at most limit x $6 payload bytes.
+ *
+ * Each result has one more row, without an id, that carries the statement's
+ * snapshot: what the next keyset fetch asks about (see relay.c, "cursor"). */
+#define FETCH_SELECT                                                                               \
+    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len, b.snap"
+#define FETCH_SNAPSHOT_ROW                                                                         \
+    " FROM (SELECT NULL::bigint AS id, NULL::text AS topic, NULL::text AS key,"                    \
+    "         NULL::bytea AS payload, NULL::jsonb AS headers, NULL::timestamptz AS created_at,"    \
+    "         NULL::int AS payload_len, pg_current_snapshot()::text AS snap"                       \
+    "       UNION ALL"
+#define FETCH_COLUMNS(t)                                                                           \
+    " SELECT " t ".id, " t ".topic, " t ".key,"                                                    \
+    "   CASE WHEN octet_length(" t ".payload) <= $6::int THEN " t ".payload END,"                  \
+    "   " t ".headers, " t ".created_at, octet_length(" t ".payload), NULL::text"
+/* Rows of a key held back behind a refused row (relay.on_reject = retry).
+ * With no key held back, Postgres folds it away. */
+#define FETCH_HELD_BACK(t)                                                                         \
+    " AND (cardinality($3::text[]) = 0 OR " t ".key IS NULL OR NOT EXISTS ("                       \
+    "      SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS h(topic, key, id)"          \
+    "      WHERE h.topic = " t ".topic AND h.key = " t ".key AND " t ".id > h.id))"
+
+/* One clause a line; clang-format would pack them. */
+/* clang-format off */
+/* Every unsent row but those in flight ($1). Its cost grows with them: the
+ * relay runs it only when rows below its cursor may be waiting. */
+static const char SQL_FETCH_FULL[] =
+    FETCH_SELECT FETCH_SNAPSHOT_ROW
+    " (" FETCH_COLUMNS("e")
+    "  FROM outbox.events e"
     "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
-    /* Rows of a key held back behind a refused row (relay.on_reject = retry). */
-    "    AND (cardinality($3::text[]) = 0 OR e.key IS NULL OR NOT EXISTS ("
-    "         SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS b(topic, key, id)"
-    "         WHERE b.topic = e.topic AND b.key = e.key AND e.id > b.id))"
-    "  ORDER BY e.id"
-    "  LIMIT $2::int) b"
-    /* Bytes fetched before the row: the first row always comes. */
-    " WHERE b.upto - b.len < $6::bigint"
-    " ORDER BY b.id";
+         FETCH_HELD_BACK("e")
+    "  ORDER BY e.id LIMIT $2::int)) b";
+
+/* The keyset fetch: rows above $1 (the highest id handed out), and the rows
+ * below it whose transaction was still running in snapshot $7 (the previous
+ * fetch's), i.e. late commits, found by the partial index on xid. Nothing in
+ * flight can be among them, so nothing is excluded and the cost does not
+ * grow with the rows in flight. */
+static const char SQL_FETCH_KEYSET[] =
+    FETCH_SELECT FETCH_SNAPSHOT_ROW
+    " (" FETCH_COLUMNS("e")
+    "  FROM ((SELECT * FROM outbox.events u"
+    "         WHERE u.sent_at IS NULL AND u.id > $1::bigint"
+                FETCH_HELD_BACK("u")
+    "         ORDER BY u.id LIMIT $2::int)"
+    "        UNION ALL"
+    "        (SELECT * FROM outbox.events l"
+    "         WHERE l.sent_at IS NULL AND l.id <= $1::bigint"
+    "           AND l.xid >= pg_snapshot_xmin($7::pg_snapshot)"
+    "           AND NOT pg_visible_in_snapshot(l.xid, $7::pg_snapshot)"
+                FETCH_HELD_BACK("l")
+    "         ORDER BY l.id LIMIT $2::int)) e"
+    "  ORDER BY e.id LIMIT $2::int)) b";
+/* clang-format on */
 
 const char *obx_store_sql_fetch(void)
 {
-    return SQL_FETCH;
+    return SQL_FETCH_FULL;
+}
+
+const char *obx_store_sql_fetch_keyset(void)
+{
+    return SQL_FETCH_KEYSET;
 }
 
 /* Each partition's highest acknowledged offset, for crash recovery; never

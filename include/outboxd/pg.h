@@ -78,9 +78,10 @@ struct obx_pg_callbacks {
  * is READY again before the call, so the callback may send the next
  * request. */
 typedef void (*obx_pg_done_fn)(void *arg, const PGresult *res, const char *error);
-/* Completion of a fetch: the rows decoded (borrowed; valid during the call),
- * or `error` with rows NULL. */
-typedef void (*obx_pg_rows_fn)(void *arg, const struct obx_row *rows, size_t n, const char *error);
+/* Completion of a fetch: the rows decoded and the statement's snapshot
+ * (borrowed; valid during the call), or `error` with rows NULL. */
+typedef void (*obx_pg_rows_fn)(void *arg, const struct obx_row *rows, size_t n,
+                               const char *snapshot, const char *error);
 
 struct obx_pg;
 

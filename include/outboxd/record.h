@@ -19,7 +19,7 @@
 #include "outboxd/config.h"
 #include "outboxd/row.h"
 
-/* Column order of the fetch query (see pg.c OBX_SQL_FETCH). */
+/* Column order of the fetch queries (store.c). */
 enum {
     OBX_COL_ID = 0,
     OBX_COL_TOPIC,
@@ -28,6 +28,7 @@ enum {
     OBX_COL_HEADERS, /* jsonb, binary: version byte 1, then its text */
     OBX_COL_CREATED_AT,
     OBX_COL_PAYLOAD_LEN, /* octet_length(payload); the payload itself is NULL if too large */
+    OBX_COL_SNAPSHOT,    /* NULL, but in the one row without an id: the snapshot's text */
     OBX_COL_COUNT
 };
 

@@ -2,7 +2,8 @@
  * relay: the relay cycle as an explicit state machine (DESIGN 3.2).
  *
  *   recover once (rows a crashed run published are marked, not republished)
- *   -> fetch committed unsent rows in id order (excluding rows in flight)
+ *   -> fetch committed unsent rows in id order (above the highest id handed
+ *      out plus late commits, or all but the rows in flight)
  *   -> produce each one -> collect acknowledgements from delivery reports
  *   -> mark them sent, with each partition's last offset, in one
  *      transaction -> repeat.
@@ -73,9 +74,10 @@ struct obx_fetch {
     const struct obx_blocked_key *blocked; /* rows of these keys wait ... */
     const int64_t *blocked_ids;            /* ... behind these ids (allowed themselves) */
     size_t n_blocked;
-    int limit;           /* most rows */
-    int64_t max_bytes;   /* the batch ends once its payloads reach this (at least one row) */
-    int64_t max_payload; /* larger payloads are not fetched: the row comes as oversize */
+    int limit;             /* most rows */
+    int64_t max_row_bytes; /* a larger payload is left out: the row comes as oversize */
+    int64_t after_id;      /* > 0: a keyset fetch, ids above it and late commits (no exclude) */
+    const char *snapshot;  /* keyset: the snapshot of the fetch that handed out after_id */
 };
 
 /* What one mark transaction confirms. Arrays are the relay's. */
@@ -146,7 +148,10 @@ void obx_relay_free(struct obx_relay *r);
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now);
 void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now);
 void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now);
-void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n, int64_t now);
+/* `snapshot`: the fetch statement's snapshot (pg_snapshot text), NULL if
+ * unknown (the next fetch is then a full one). */
+void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
+                          const char *snapshot, int64_t now);
 void obx_relay_on_marked(struct obx_relay *r, int64_t now);
 /* The fetch or mark failed but the connection is still usable. */
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now);

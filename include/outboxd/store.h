@@ -12,7 +12,7 @@
 #include <stddef.h>
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 3
+#define OBX_SCHEMA_VERSION 4
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -29,10 +29,14 @@ const char *obx_store_next_migration(long version);
  * the database (NULL: "this database"). Returns 0 if usable. */
 int obx_store_schema_problem(long version, const char *db, char *buf, size_t len);
 
-/* The fetch. $1 bigint[] ids in flight, $2 most rows, $3 text[] / $4 text[] /
- * $5 bigint[] keys held back (topic, key, behind id), $6 most bytes, $7 most
- * payload bytes (larger ones come as NULL with their length). */
+/* The fetches (binary results: see record.h for the columns, and one extra
+ * row without an id that carries the snapshot as text). Both: $2 most rows,
+ * $3 text[] / $4 text[] / $5 bigint[] keys held back (topic, key, behind id),
+ * $6 most payload bytes per row (larger ones come as NULL with their length).
+ * The full fetch: $1 bigint[] ids in flight. The keyset fetch: $1 the
+ * highest id handed out, $7 the snapshot of the fetch that handed it out. */
 const char *obx_store_sql_fetch(void);
+const char *obx_store_sql_fetch_keyset(void);
 
 /* The mark transaction's statement (inside BEGIN ... COMMIT). $1 bigint[]
  * acknowledged ids; $2 text[] / $3 int[] / $4 bigint[] highest offset per

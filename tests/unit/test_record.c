@@ -190,8 +190,8 @@ static void test_row_from_result(void **state)
     (void)state;
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
     PGresAttDesc attrs[OBX_COL_COUNT];
-    static const char *names[] = {"id",      "topic",      "key",        "payload",
-                                  "headers", "created_at", "payload_len"};
+    static const char *names[] = {"id",      "topic",      "key",         "payload",
+                                  "headers", "created_at", "payload_len", "snapshot"};
     memset(attrs, 0, sizeof(attrs));
     for (int i = 0; i < OBX_COL_COUNT; i++) {
         attrs[i].name = (char *)names[i];

@@ -26,6 +26,9 @@ struct fake {
     int64_t exclude[MAX_CALLS];
     size_t n_exclude;
     int limit;
+    int64_t after_id;      /* of the last fetch: > 0 for a keyset fetch */
+    char snapshot[32];     /* ... and the snapshot it asked about */
+    int64_t max_row_bytes; /* of the last fetch */
     int fetch_rc;
     size_t n_blocked;
     char blocked_key[64];
@@ -65,6 +68,9 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     memcpy(fk->exclude, f->exclude, f->n_exclude * sizeof(*f->exclude));
     fk->n_exclude = f->n_exclude;
     fk->limit = f->limit;
+    fk->after_id = f->after_id;
+    snprintf(fk->snapshot, sizeof(fk->snapshot), "%s", f->snapshot ? f->snapshot : "");
+    fk->max_row_bytes = f->max_row_bytes;
     fk->n_blocked = f->n_blocked;
     if (f->n_blocked > 0) {
         snprintf(fk->blocked_key, sizeof(fk->blocked_key), "%s/%.*s", f->blocked[0].topic,
@@ -140,6 +146,7 @@ static const struct obx_relay_ops ops = {
 struct ctx {
     struct fake f;
     struct obx_relay *r;
+    const char *snapshot; /* what fetch results carry (NULL: none, so every fetch is full) */
 };
 
 static struct obx_relay_settings settings = {
@@ -150,6 +157,8 @@ static struct obx_relay_settings settings = {
     .retry_backoff_ms = 500,
     .shutdown_timeout_ms = 3000,
     .stall_timeout_ms = 10000,
+    .fetch_max_bytes = 4000, /* 1000 payload bytes a row in a batch of 4 */
+    .max_payload = 100000,
 };
 
 static int setup(void **state)
@@ -182,7 +191,7 @@ static void fetched(struct ctx *c, int64_t first, size_t n, int64_t now)
         rows[i].key = keys[i];
         rows[i].key_len = 2;
     }
-    obx_relay_on_fetched(c->r, rows, n, now);
+    obx_relay_on_fetched(c->r, rows, n, c->snapshot, now);
 }
 
 /* Delivery report for the k-th produced row, at partition 0, offset 100 + k. */
@@ -621,7 +630,7 @@ static void fetched_ids(struct ctx *c, const int64_t *ids, size_t n, int64_t now
         rows[i].key = keys[i];
         rows[i].key_len = 2;
     }
-    obx_relay_on_fetched(c->r, rows, n, now);
+    obx_relay_on_fetched(c->r, rows, n, c->snapshot, now);
 }
 
 /* Report for the k-th produced row, with that row's own key. */
@@ -844,6 +853,166 @@ static void test_fatal_without_postgres(void **state)
     assert_int_equal(c->f.exit_code, 1);
 }
 
+/* Delivers ids as a fetch result carrying snapshot `snap`; row `big_id`
+ * (0 = none) comes without its payload of `big_len` bytes. */
+static void fetched_snap(struct ctx *c, const int64_t *ids, size_t n, int64_t big_id,
+                         size_t big_len, int64_t now)
+{
+    static char keys[16][8];
+    struct obx_row rows[16];
+    memset(rows, 0, sizeof(rows));
+    for (size_t i = 0; i < n; i++) {
+        rows[i].id = ids[i];
+        rows[i].topic = "t";
+        snprintf(keys[i], sizeof(keys[i]), "k%d", (int)(ids[i] % 3));
+        rows[i].key = keys[i];
+        rows[i].key_len = 2;
+        if (ids[i] == big_id) {
+            rows[i].oversize = true;
+            rows[i].payload_len = big_len;
+        }
+    }
+    obx_relay_on_fetched(c->r, rows, n, c->snapshot, now);
+}
+
+/* After a full fetch the relay asks only above the highest id it handed
+ * out, plus late commits of the snapshot it saw, and excludes nothing. */
+static void test_keyset_fetch(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:105:102";
+    ready(c, 0);
+    assert_int_equal(c->f.after_id, 0); /* the first fetch is a full one */
+    fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 0);
+    assert_int_equal(c->f.fetches, 2); /* full batch: again at once */
+    assert_int_equal(c->f.after_id, 4);
+    assert_string_equal(c->f.snapshot, "100:105:102");
+    assert_int_equal(c->f.n_exclude, 0);
+    assert_int_equal(c->f.limit, 2);
+    /* A late commit (id 0 < 4 is impossible; use the gap at 5) and a new row. */
+    c->snapshot = "103:107:";
+    fetched_snap(c, (const int64_t[]){6, 9}, 2, 0, 0, 1);
+    assert_int_equal(c->f.produced, 6);
+    for (int k = 0; k < 6; k++) /* free every slot */
+        ack(c, k, true, 2);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 3);
+    obx_relay_wakeup(c->r, 4);
+    assert_int_equal(c->f.fetches, 3);
+    assert_int_equal(c->f.after_id, 9);
+    assert_string_equal(c->f.snapshot, "103:107:");
+    assert_int_equal(c->f.limit, 4);
+    assert_int_equal(c->f.max_row_bytes, 1000); /* 4000 bytes over 4 rows */
+
+    /* Late rows (5, 7, 8 below 9) fill the batch: some may lie beyond, and
+     * only a full fetch finds them. */
+    fetched_snap(c, (const int64_t[]){5, 7, 8, 10}, 4, 0, 0, 5);
+    assert_int_equal(c->f.fetches, 4);
+    assert_int_equal(c->f.after_id, 10); /* the last taken is above: all late ones came */
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 6);
+    for (int k = 6; k < 10; k++)
+        ack(c, k, true, 7);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 8);
+    obx_relay_wakeup(c->r, 9);
+    assert_int_equal(c->f.after_id, 10);
+    fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 10); /* all four late */
+    assert_int_equal(c->f.after_id, 0);                          /* full again */
+    assert_int_equal(c->f.n_exclude, 4);
+}
+
+/* Whatever puts a row back below the cursor makes the next fetch a full one. */
+static void test_keyset_cleared_by_a_row_back(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2, 3}, 3, 0, 0, 0); /* short: cursor at 3 */
+    obx_relay_wakeup(c->r, 1);
+    assert_int_equal(c->f.after_id, 3);
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
+    ack(c, 1, false, 2); /* row 2 comes back unsent */
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.after_id, 0);
+    assert_true(excluded(c, 1));
+    assert_false(excluded(c, 2));
+    fetched_snap(c, (const int64_t[]){2, 4}, 2, 0, 0, 600);
+    obx_relay_wakeup(c->r, 601);
+    assert_int_equal(c->f.after_id, 4); /* set again by the full fetch */
+
+    /* A new session: full. */
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 602);
+    obx_relay_on_pg_lost(c->r, 603);
+    ready(c, 604);
+    assert_int_equal(c->f.after_id, 0);
+    /* No snapshot in the answer: full again. */
+    c->snapshot = NULL;
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 605);
+    obx_relay_wakeup(c->r, 606);
+    assert_int_equal(c->f.after_id, 0);
+}
+
+/* A full fetch cut short below what is in flight sets no cursor: the rows
+ * between were not looked at. */
+static void test_keyset_not_from_a_short_look(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){10, 11, 12}, 3, 0, 0, 0);
+    obx_relay_wakeup(c->r, 1);
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
+    ack(c, 0, false, 2); /* row 10 back: a full fetch */
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.after_id, 0);
+    assert_int_equal(c->f.limit, 4);
+    /* Cut at 4 rows, the last (10) below 12 in flight. */
+    int fetches = c->f.fetches;
+    fetched_snap(c, (const int64_t[]){5, 6, 7, 10}, 4, 0, 0, 600);
+    assert_int_equal(c->f.fetches, fetches); /* all 6 slots taken */
+    for (int k = 3; k < 7; k++)
+        ack(c, k, true, 601);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 602);
+    obx_relay_wakeup(c->r, 603);
+    assert_int_equal(c->f.fetches, fetches + 1);
+    assert_int_equal(c->f.after_id, 0); /* full again: 8 and 9 were not looked at */
+    assert_true(excluded(c, 11));
+    assert_true(excluded(c, 12));
+}
+
+/* A payload over its share of relay.fetch_max_bytes ends the batch before
+ * it; the next fetch asks for as many rows of its size as fit. */
+static void test_byte_budget_withholds(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    assert_int_equal(c->f.max_row_bytes, 1000);
+    fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 3, 1500, 0);
+    assert_int_equal(c->f.produced, 2); /* 1 and 2; 3 and 4 wait */
+    assert_int_equal(c->f.fetches, 2);
+    assert_int_equal(c->f.limit, 2); /* 4000 / 1500 */
+    assert_int_equal(c->f.max_row_bytes, 2000);
+    assert_int_equal(c->f.after_id, 2);
+    fetched_snap(c, (const int64_t[]){3, 4}, 2, 0, 0, 1);
+    assert_int_equal(c->f.produced, 4);
+    assert_int_equal(c->f.produced_ids[2], 3);
+    /* A row above the producer's limit is refused, not withheld. */
+    for (int k = 0; k < 4; k++)
+        ack(c, k, true, 2);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 3);
+    obx_relay_wakeup(c->r, 4);
+    assert_int_equal(c->f.limit, 4); /* small rows again: the whole batch */
+    /* A payload above the whole budget: asked for alone, it comes whole. */
+    fetched_snap(c, (const int64_t[]){5, 6}, 2, 5, 5000, 5);
+    assert_int_equal(c->f.limit, 1);
+    assert_int_equal(c->f.max_row_bytes, 100000); /* the producer's limit */
+    fetched_snap(c, (const int64_t[]){5}, 1, 0, 0, 6);
+    assert_int_equal(c->f.produced_ids[4], 5);
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
@@ -870,6 +1039,10 @@ static void test_fatal_without_postgres(void **state)
     X(test_every_acquisition_recovers)                                                             \
     X(test_fetch_in_flight_at_shutdown_is_not_produced)                                            \
     X(test_fatal_marks_acked_then_stops)                                                           \
-    X(test_fatal_without_postgres)
+    X(test_fatal_without_postgres)                                                                 \
+    X(test_keyset_fetch)                                                                           \
+    X(test_keyset_cleared_by_a_row_back)                                                           \
+    X(test_keyset_not_from_a_short_look)                                                           \
+    X(test_byte_budget_withholds)
 
 OBX_FIXTURE_MAIN(TESTS)
