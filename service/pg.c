@@ -72,7 +72,17 @@ struct obx_pg {
     char max_bytes_text[24], after_text[24];
     char mark_sql[2048];
     char mark_plain_sql[1024]; /* without dead letters */
+    int setup_step;            /* 0: the schema check and SETs; then each prepared statement */
 };
+
+/* The statements of every cycle, prepared once a session, after the schema
+ * check they depend on: no parse and analysis for each run. Each keeps its
+ * own text, so pg_stat_activity shows which one runs. */
+#define STMT_FETCH        "obx_fetch"
+#define STMT_FETCH_KEYSET "obx_fetch_keyset"
+#define STMT_MARK         "obx_mark"
+#define STMT_MARK_PLAIN   "obx_mark_plain"
+enum { N_PREPARES = 4 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
                                           "standby",      "ready",      "busy",  "closed"};
@@ -309,6 +319,21 @@ static void start_connect(struct obx_pg *pg)
     watch_connect_step(pg, UV_WRITABLE);
 }
 
+/* Prepares statement `step` (1 .. N_PREPARES) of the cycle. */
+static void send_setup_prepare(struct obx_pg *pg, int step)
+{
+    static const char *const names[N_PREPARES + 1] = {NULL, STMT_FETCH, STMT_FETCH_KEYSET,
+                                                      STMT_MARK, STMT_MARK_PLAIN};
+    const char *sql[N_PREPARES + 1] = {NULL, obx_store_sql_fetch(), obx_store_sql_fetch_keyset(),
+                                       pg->mark_sql, pg->mark_plain_sql};
+    if (!PQsendPrepare(pg->conn, names[step], sql[step], 0, NULL)) {
+        disconnect_with_error(pg, "setup failed");
+        return;
+    }
+    if (watch_idle_or_busy(pg) != 0)
+        disconnect_with_error(pg, "setup failed");
+}
+
 /* Sends a setup statement (simple protocol: may hold several). */
 static void send_setup_statement(struct obx_pg *pg, const char *sql)
 {
@@ -332,7 +357,11 @@ static void send_setup(struct obx_pg *pg)
              ";"
              " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld;"
              " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
-             " SET tcp_keepalives_count = 3",
+             " SET tcp_keepalives_count = 3;"
+             /* A plan for the parameters at hand every time: a generic plan
+              * of the keyset fetch would walk every row in flight, and only
+              * constant arrays get hashed for = ANY. */
+             " SET plan_cache_mode = force_custom_plan",
              (long long)pg->statement_timeout_ms);
     describe_target(pg);
     if (PQsetnonblocking(pg->conn, 1) != 0) {
@@ -340,6 +369,7 @@ static void send_setup(struct obx_pg *pg)
         return;
     }
     change_state(pg, OBX_PG_SETUP, "connected");
+    pg->setup_step = 0;
     send_setup_statement(pg, sql);
 }
 
@@ -379,12 +409,20 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
     const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
 
     if (PQresultStatus(res) != PGRES_TUPLES_OK && PQresultStatus(res) != PGRES_COMMAND_OK) {
-        if (state && (strcmp(state, "42P01") == 0 || strcmp(state, "3F000") == 0)) {
+        if (state && pg->setup_step == 0 &&
+            (strcmp(state, "42P01") == 0 || strcmp(state, "3F000") == 0)) {
             obx_store_schema_problem(-1, NULL, reason, sizeof(reason));
         } else {
             snprintf(reason, sizeof(reason), "setup failed: %s", PQresultErrorMessage(res));
         }
         disconnect(pg, reason);
+        return;
+    }
+    if (pg->setup_step > 0) { /* a statement prepared */
+        if (pg->setup_step < N_PREPARES)
+            send_setup_prepare(pg, ++pg->setup_step);
+        else
+            try_lock(pg);
         return;
     }
     long version = 0;
@@ -395,7 +433,8 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         return;
     }
     pg->schema_version = version;
-    try_lock(pg);
+    pg->setup_step = 1;
+    send_setup_prepare(pg, 1);
 }
 
 /* The answer of pg_try_advisory_lock. */
@@ -447,6 +486,21 @@ static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char 
             ? PQsendQueryParams(pg->conn, sql, nparams, NULL, values, NULL, NULL, result_format)
             : PQsendQuery(pg->conn, sql);
     if (!sent) {
+        disconnect_with_error(pg, "send failed");
+        return -1;
+    }
+    if (watch_idle_or_busy(pg) != 0) {
+        disconnect_with_error(pg, "write failed");
+        return -1;
+    }
+    return 0;
+}
+
+/* As send_raw, for a prepared statement (see N_PREPARES). */
+static int send_prepared(struct obx_pg *pg, const char *name, int nparams,
+                         const char *const *values, int result_format)
+{
+    if (!PQsendQueryPrepared(pg->conn, name, nparams, values, NULL, NULL, result_format)) {
         disconnect_with_error(pg, "send failed");
         return -1;
     }
@@ -862,6 +916,19 @@ static int start_request(struct obx_pg *pg, const struct pg_request *req, const 
     return 0;
 }
 
+/* As start_request, for the prepared statement `name`. */
+static int start_prepared(struct obx_pg *pg, const struct pg_request *req, const char *name,
+                          int nparams, const char *const *values, int result_format)
+{
+    if (pg->state != OBX_PG_READY)
+        return -1;
+    pg->req = *req;
+    change_state(pg, OBX_PG_BUSY, "request sent");
+    if (send_prepared(pg, name, nparams, values, result_format) != 0)
+        return -1;
+    return 0;
+}
+
 int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
                 int result_format, obx_pg_done_fn done, void *arg)
 {
@@ -913,8 +980,8 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
     }
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
     if (keyset)
-        return start_request(pg, &req, obx_store_sql_fetch_keyset(), 7, values, 1);
-    return start_request(pg, &req, obx_store_sql_fetch(), 6, values, 1);
+        return start_prepared(pg, &req, STMT_FETCH_KEYSET, 7, values, 1);
+    return start_prepared(pg, &req, STMT_FETCH, 6, values, 1);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
@@ -941,10 +1008,17 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
             return -1;
         }
     }
-    if (m->n_dead == 0)
-        return obx_pg_send_tx(pg, pg->mark_plain_sql, 4, values, OBX_FP_MARK_BEFORE_COMMIT, done,
-                              arg);
-    return obx_pg_send_tx(pg, pg->mark_sql, 6, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
+    const char *sql = m->n_dead == 0 ? pg->mark_plain_sql : pg->mark_sql;
+    int nparams = m->n_dead == 0 ? 4 : 6;
+    /* The mark is one statement, so on its own it is one transaction: one
+     * round trip instead of three. Only an armed failpoint needs the moment
+     * between the statement and COMMIT (the "during the mark" crash window). */
+    if (!obx_failpoints_active.armed) {
+        struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
+        return start_prepared(pg, &req, m->n_dead == 0 ? STMT_MARK_PLAIN : STMT_MARK, nparams,
+                              values, 0);
+    }
+    return obx_pg_send_tx(pg, sql, nparams, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
 }
 
 uint64_t obx_pg_reconnects(const struct obx_pg *pg)
