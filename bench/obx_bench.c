@@ -259,6 +259,14 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
 
 /* ---- 1. Postgres-side cost of outboxd's statements ---- */
 
+static void prepare_ok(PGconn *c, const char *name, const char *sql)
+{
+    PGresult *r = PQprepare(c, name, sql, 0, NULL);
+    if (PQresultStatus(r) != PGRES_COMMAND_OK)
+        die("prepare", PQresultErrorMessage(r));
+    PQclear(r);
+}
+
 static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
 {
     char mark_sql[2048];
@@ -266,6 +274,11 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     char lsn[64];
     double cpu0;
     PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
+    /* Prepared, with custom plans, as the relay runs them. */
+    exec_ok(c, "SET plan_cache_mode = force_custom_plan");
+    prepare_ok(c, "f", obx_store_sql_fetch());
+    prepare_ok(c, "k", obx_store_sql_fetch_keyset());
+    prepare_ok(c, "m", mark_sql);
     struct obx_pg_array ids = {0};
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", BATCH);
@@ -278,9 +291,7 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     for (;;) {
         snprintf(after, sizeof(after), "%lld", (long long)hwm);
         const char *fv[7] = {hwm > 0 ? after : "{}", limit, "{}", "{}", "{}", "8388", snap};
-        PGresult *r =
-            hwm > 0 ? PQexecParams(c, obx_store_sql_fetch_keyset(), 7, NULL, fv, NULL, NULL, 1)
-                    : PQexecParams(c, obx_store_sql_fetch(), 6, NULL, fv, NULL, NULL, 1);
+        PGresult *r = PQexecPrepared(c, hwm > 0 ? "k" : "f", hwm > 0 ? 7 : 6, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int n = collect_ids_top(r, &ids, snap, sizeof(snap), &hwm);
@@ -295,12 +306,10 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
                              "{1,1,1,1,1,1,1,1,1,1,1,1}",
                              "{}",
                              "{}"};
-        exec_ok(c, "BEGIN");
-        r = PQexecParams(c, mark_sql, 4, NULL, mv, NULL, NULL, 0);
-        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        r = PQexecPrepared(c, "m", 4, mv, NULL, NULL, 0); /* one statement: its own transaction */
+        if (PQresultStatus(r) != PGRES_COMMAND_OK)
             die("mark", PQresultErrorMessage(r));
         PQclear(r);
-        exec_ok(c, "COMMIT");
         done += n;
     }
     return cost_finish(c, done, t0, lsn, cpu0, &ids);
@@ -833,10 +842,13 @@ int main(int argc, char **argv)
     snprintf(pgver, sizeof(pgver), "%lld", query_int(c, "SHOW server_version_num"));
     PQfinish(c);
 
-    if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: mark-mode drain vs its limit */
-        struct pg_cost job = job_limit(&o, OBX_ON_SENT_MARK, 200);
+    if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
+        /* OBX_BENCH_DRAIN_ONLY=delete: delete mode; anything else: mark mode. */
+        int mode = strcmp(getenv("OBX_BENCH_DRAIN_ONLY"), "delete") == 0 ? OBX_ON_SENT_DELETE
+                                                                         : OBX_ON_SENT_MARK;
+        struct pg_cost job = job_limit(&o, mode, 200);
         struct drain_result d;
-        drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d, NULL);
+        drain(&o, mode, o.rows, 200, false, &d, NULL);
         printf("job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows), drain %.0f rows/s = "
                "%.2f (%.1f ms backend CPU per 1k rows), %.2f s outboxd CPU per 100k\n",
                job.rows_per_s, job.cpu_ms_per_1k, d.rows_per_s, d.rows_per_s / job.rows_per_s,

@@ -5,6 +5,7 @@
 #include "outboxd/config.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 
 /* Migration file for each schema version, for the "apply this" message. */
@@ -133,9 +134,8 @@ const char *obx_store_sql_fetch_keyset(void)
 
 /* How rows are confirmed, for the ids selected by %s: sent_at set (mark
  * mode), or the row deleted (delete mode). */
-#define CONFIRM_MARK_FMT                                                                           \
-    "UPDATE outbox.events SET sent_at = now() WHERE %s AND sent_at IS NULL RETURNING id"
-#define CONFIRM_DELETE_FMT "DELETE FROM outbox.events WHERE %s RETURNING id"
+#define CONFIRM_MARK_FMT   "UPDATE outbox.events SET sent_at = now() WHERE %s AND sent_at IS NULL"
+#define CONFIRM_DELETE_FMT "DELETE FROM outbox.events WHERE %s"
 
 /* Appends to buf at *o (truncating safely; the buffers are sized for the
  * statements). */
@@ -152,10 +152,14 @@ __attribute__((format(printf, 4, 5))) static void append(char *buf, size_t len, 
         *o += (size_t)n;
 }
 
-static void append_confirm(char *buf, size_t len, size_t *o, int on_sent, const char *which)
+/* `returning`: with RETURNING id, for a CTE that is counted. */
+static void append_confirm(char *buf, size_t len, size_t *o, int on_sent, const char *which,
+                           bool returning)
 {
     append(buf, len, o, on_sent == OBX_ON_SENT_DELETE ? CONFIRM_DELETE_FMT : CONFIRM_MARK_FMT,
            which);
+    if (returning)
+        append(buf, len, o, " RETURNING id");
 }
 
 const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
@@ -163,10 +167,10 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
     /* Acknowledged rows confirmed, offsets stored, refused rows moved to
      * dead_letters: one statement, run inside BEGIN ... COMMIT. */
     size_t o = 0;
-    append(buf, len, &o, "WITH confirmed AS (");
-    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])");
-    append(buf, len, &o, ")," OFFSETS_UPSERT_FMT ",", 2, 3, 4);
+    append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT ", confirmed AS (", 2, 3, 4);
+    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])", true);
     append(buf, len, &o,
+           "),"
            " dead AS ("
            "   DELETE FROM outbox.events e USING unnest($5::bigint[], $6::text[]) AS d(id, reason)"
            "   WHERE e.id = d.id AND e.sent_at IS NULL"
@@ -182,12 +186,11 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
 
 const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len)
 {
+    /* No RETURNING and no counts: nothing reads them, and Postgres would
+     * keep and count every id. */
     size_t o = 0;
-    append(buf, len, &o, "WITH confirmed AS (");
-    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])");
-    append(buf, len, &o, ")," OFFSETS_UPSERT_FMT, 2, 3, 4);
-    append(buf, len, &o,
-           " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM offsets), 0");
+    append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT " ", 2, 3, 4);
+    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])", false);
     return buf;
 }
 
@@ -203,7 +206,7 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
            "   WHERE e.sent_at IS NULL AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
            "     AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest),"
            " confirmed AS (");
-    append_confirm(buf, len, &o, on_sent, "id IN (SELECT id FROM matched)");
+    append_confirm(buf, len, &o, on_sent, "id IN (SELECT id FROM matched)", true);
     append(buf, len, &o, ")," OFFSETS_UPSERT_FMT, 5, 6, 7);
     append(buf, len, &o,
            " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM found),"

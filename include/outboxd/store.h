@@ -38,13 +38,13 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
 const char *obx_store_sql_fetch(void);
 const char *obx_store_sql_fetch_keyset(void);
 
-/* The mark transaction's statement (inside BEGIN ... COMMIT). $1 bigint[]
+/* The mark: one statement, so one transaction on its own. $1 bigint[]
  * acknowledged ids; $2 text[] / $3 int[] / $4 bigint[] highest offset per
  * partition; $5 bigint[] / $6 text[] dead letters and reasons. One row:
  * confirmed, offsets stored, dead-lettered. `on_sent` is OBX_ON_SENT_*. */
 const char *obx_store_sql_mark(int on_sent, char *buf, size_t len);
-/* The same without dead letters (the usual case): $1..$4 only, and no
- * dead-letter branches for Postgres to run. */
+/* The same without dead letters (the usual case): $1..$4 only, no
+ * dead-letter branches for Postgres to run, and no rows back. */
 const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len);
 
 /* The recovery pass's marking of one chunk. $1 bigint[] / $2 text[] / $3

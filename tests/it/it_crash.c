@@ -254,7 +254,7 @@ static void test_terminate_during_mark(void **state)
     h_sql(lock, "BEGIN");
     h_sql(lock, "SELECT id FROM outbox.events FOR UPDATE"); /* reads pass, marks wait */
     h_relay_start(&env, NULL, NULL);
-    int pid = relay_backend_waiting(c, "WITH confirmed");
+    int pid = relay_backend_waiting(c, "WITH offsets");
     assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
     h_sql(lock, "COMMIT");
     assert_int_equal(drain_and_check(), 2000); /* checks: none published twice */

@@ -686,7 +686,7 @@ static void test_lost_in_every_state(void **state)
         h_sql(c, "BEGIN");
         h_sql(c, "SELECT id FROM outbox.events WHERE sent_at IS NULL FOR UPDATE");
         kill(env.relay_pid, SIGCONT);
-        wait_backend_on_lock("aa", "WITH confirmed");
+        wait_backend_on_lock("aa", "WITH offsets");
         cut_and_expect_notice(&env, "aa", cut, "marking");
         PQfinish(c);
         c = h_connect(&env);
