@@ -107,6 +107,23 @@ static int op_mark(void *io, const struct obx_mark *m)
     return obx_pg_send_mark(a->pg, m, marked, a);
 }
 
+static void mark_fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
+                         const char *error)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    if (error)
+        obx_relay_on_query_failed(a->relay, error, now);
+    else
+        obx_relay_on_mark_fetched(a->relay, rows, n, snapshot, now);
+}
+
+static int op_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fetch *f)
+{
+    struct app *a = io;
+    return obx_pg_send_mark_fetch(a->pg, m, f, mark_fetched, a);
+}
+
 static enum obx_produce_result op_produce(void *io, const struct obx_row *row, void *opaque,
                                           const char **reason)
 {
@@ -144,6 +161,7 @@ static void op_acked(void *io, int64_t created_us)
 
 static const struct obx_relay_ops relay_ops = {
     .fetch = op_fetch,
+    .mark_fetch = op_mark_fetch,
     .mark = op_mark,
     .produce = op_produce,
     .recover = op_recover,

@@ -66,12 +66,13 @@ struct obx_pg {
 
     struct obx_row *rows; /* batch_size rows, decoded from each fetch */
     int max_rows;
-    struct obx_pg_array params[6]; /* reused parameter buffers */
-    const char *param_values[6];   /* must outlive a wrapped transaction's BEGIN */
+    struct obx_pg_array params[10]; /* reused parameter buffers */
+    const char *param_values[6];    /* must outlive a wrapped transaction's BEGIN */
     char limit_text[16];
     char max_bytes_text[24], after_text[24];
     char mark_sql[2048];
     char mark_plain_sql[1024]; /* without dead letters */
+    char mark_fetch_sql[4096]; /* the plain mark with the keyset fetch */
     int setup_step;            /* 0: the schema check and SETs; then each prepared statement */
 };
 
@@ -82,7 +83,8 @@ struct obx_pg {
 #define STMT_FETCH_KEYSET "obx_fetch_keyset"
 #define STMT_MARK         "obx_mark"
 #define STMT_MARK_PLAIN   "obx_mark_plain"
-enum { N_PREPARES = 4 };
+#define STMT_MARK_FETCH   "obx_mark_fetch"
+enum { N_PREPARES = 5 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
                                           "standby",      "ready",      "busy",  "closed"};
@@ -322,10 +324,11 @@ static void start_connect(struct obx_pg *pg)
 /* Prepares statement `step` (1 .. N_PREPARES) of the cycle. */
 static void send_setup_prepare(struct obx_pg *pg, int step)
 {
-    static const char *const names[N_PREPARES + 1] = {NULL, STMT_FETCH, STMT_FETCH_KEYSET,
-                                                      STMT_MARK, STMT_MARK_PLAIN};
-    const char *sql[N_PREPARES + 1] = {NULL, obx_store_sql_fetch(), obx_store_sql_fetch_keyset(),
-                                       pg->mark_sql, pg->mark_plain_sql};
+    static const char *const names[N_PREPARES + 1] = {NULL,      STMT_FETCH,      STMT_FETCH_KEYSET,
+                                                      STMT_MARK, STMT_MARK_PLAIN, STMT_MARK_FETCH};
+    const char *sql[N_PREPARES + 1] = {
+        NULL,         obx_store_sql_fetch(), obx_store_sql_fetch_keyset(),
+        pg->mark_sql, pg->mark_plain_sql,    pg->mark_fetch_sql};
     if (!PQsendPrepare(pg->conn, names[step], sql[step], 0, NULL)) {
         disconnect_with_error(pg, "setup failed");
         return;
@@ -805,6 +808,7 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     }
     obx_store_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
     obx_store_sql_mark_plain(cfg->on_sent, pg->mark_plain_sql, sizeof(pg->mark_plain_sql));
+    obx_store_sql_mark_fetch(cfg->on_sent, pg->mark_fetch_sql, sizeof(pg->mark_fetch_sql));
     uv_timer_init(loop, &pg->timer);
     uv_timer_init(loop, &pg->deferred);
     pg->timer.data = pg->deferred.data = pg;
@@ -949,11 +953,12 @@ int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *
     return start_request(pg, &req, "BEGIN", 0, NULL, 0);
 }
 
-int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
+/* The fetch's parameters into values[0..6] (arrays params[0..3]); for a
+ * keyset fetch all seven, else the first six. Returns -1 out of memory. */
+static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyset,
+                        const char **values)
 {
-    const char *values[7];
     struct obx_pg_array *a = pg->params;
-    bool keyset = f->after_id > 0 && f->snapshot;
     obx_pg_array_reset(&a[0]);
     for (size_t i = 0; i < f->n_exclude && !keyset; i++)
         obx_pg_array_add_int(&a[0], f->exclude[i]);
@@ -978,17 +983,27 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         obx_error("postgres: out of memory building the fetch");
         return -1;
     }
+    return 0;
+}
+
+int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
+{
+    const char *values[7];
+    bool keyset = f->after_id > 0 && f->snapshot;
+    if (fetch_params(pg, f, keyset, values) != 0)
+        return -1;
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
     if (keyset)
         return start_prepared(pg, &req, STMT_FETCH_KEYSET, 7, values, 1);
     return start_prepared(pg, &req, STMT_FETCH, 6, values, 1);
 }
 
-int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
+/* The mark's ids and offsets into values[0..3] (arrays params[first ..
+ * first + 3]). Returns -1 out of memory. */
+static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int first, const char **values)
 {
-    const char **values = pg->param_values;
-    struct obx_pg_array *a = pg->params;
-    for (int k = 0; k < 6; k++)
+    struct obx_pg_array *a = pg->params + first;
+    for (int k = 0; k < 4; k++)
         obx_pg_array_reset(&a[k]);
     for (size_t i = 0; i < m->n_ids; i++)
         obx_pg_array_add_int(&a[0], m->ids[i]);
@@ -997,11 +1012,42 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
         obx_pg_array_add_int(&a[2], m->partitions[i]);
         obx_pg_array_add_int(&a[3], m->offsets[i]);
     }
+    for (int k = 0; k < 4; k++) {
+        values[k] = obx_pg_array_finish(&a[k]);
+        if (!values[k]) {
+            obx_error("postgres: out of memory building the mark");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const struct obx_fetch *f,
+                           obx_pg_rows_fn done, void *arg)
+{
+    /* An armed failpoint needs the mark's own transaction (see send_mark). */
+    if (obx_failpoints_active.armed || m->n_dead > 0 || f->after_id <= 0 || !f->snapshot)
+        return 1;
+    const char *values[11];
+    if (fetch_params(pg, f, true, values) != 0 || mark_params(pg, m, 6, values + 7) != 0)
+        return -1;
+    struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
+    return start_prepared(pg, &req, STMT_MARK_FETCH, 11, values, 1);
+}
+
+int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
+{
+    const char **values = pg->param_values;
+    struct obx_pg_array *a = pg->params;
+    if (mark_params(pg, m, 0, values) != 0)
+        return -1;
+    for (int k = 4; k < 6; k++)
+        obx_pg_array_reset(&a[k]);
     for (size_t i = 0; i < m->n_dead; i++) {
         obx_pg_array_add_int(&a[4], m->dead_ids[i]);
         obx_pg_array_add_text(&a[5], m->dead_reasons[i], strlen(m->dead_reasons[i]));
     }
-    for (int k = 0; k < 6; k++) {
+    for (int k = 4; k < 6; k++) {
         values[k] = obx_pg_array_finish(&a[k]);
         if (!values[k]) {
             obx_error("postgres: out of memory building the mark");

@@ -98,6 +98,7 @@ struct obx_relay {
     int fetch_limit;      /* its row limit */
     int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
     int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
+    bool fetch_riding;    /* the mark in flight carries the next fetch */
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
@@ -460,6 +461,73 @@ static void note_offset(struct obx_relay *r, const struct slot *s, size_t *n)
 
 /* Marks every ACKED slot and dead-letters every DEAD one, in one
  * transaction. Returns true if it was sent. */
+/* Fills `f` for the next fetch; false if none can go (no free slot, or
+ * `keyset_only` and it would be a full one). Arrays are the relay's. */
+static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
+{
+    *f = (struct obx_fetch){.exclude = r->ids, .blocked = r->keys, .blocked_ids = r->key_ids};
+    int free_slots = r->set.max_in_flight - (int)r->in_use;
+    f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
+    if (f->limit > r->bytes_limit)
+        f->limit = r->bytes_limit;
+    if (f->limit <= 0)
+        return false;
+    /* limit x this <= relay.fetch_max_bytes; a row asked for alone comes
+     * whole if Kafka could take it at all. */
+    f->max_row_bytes = f->limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f->limit;
+    if (f->max_row_bytes > r->set.max_payload)
+        f->max_row_bytes = r->set.max_payload;
+    bool keyset = r->cursor_ok;
+    for (size_t i = 0; i < r->n_blocked && keyset; i++)
+        keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
+    if (keyset_only && !keyset)
+        return false;
+    if (keyset) {
+        f->after_id = r->hwm;
+        f->snapshot = r->snap;
+    } else {
+        for (int i = 0; i < r->set.max_in_flight; i++)
+            if (r->slots[i].state != SLOT_FREE)
+                r->ids[f->n_exclude++] = r->slots[i].id;
+    }
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        const struct blocked *b = &r->blocked[i];
+        if (b->retry_at > now && !keyset)
+            r->ids[f->n_exclude++] = b->id; /* not due yet (a keyset fetch is above it) */
+        if (b->key) {
+            r->keys[f->n_blocked] =
+                (struct obx_blocked_key){r->topics[b->topic], b->key, b->key_len};
+            r->key_ids[f->n_blocked++] = b->id;
+        }
+    }
+    return true;
+}
+
+/* The fetch `f` went to Postgres. */
+static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t now)
+{
+    int64_t max_ex = 0;
+    for (size_t i = 0; i < f->n_exclude; i++)
+        if (f->exclude[i] > max_ex)
+            max_ex = f->exclude[i];
+    r->fetch_keyset = f->after_id > 0;
+    r->fetch_after = f->after_id;
+    r->fetch_limit = f->limit;
+    r->fetch_max_ex = max_ex;
+    r->want_fetch = false;
+    r->last_fetch_at = now;
+}
+
+/* Whether a fetch should go now (beside a mark, or alone). */
+static bool fetch_wanted(struct obx_relay *r, int64_t now)
+{
+    if (r->draining || !r->recovered || !r->want_fetch)
+        return false;
+    /* A probe goes to Kafka alone: nothing else is fetched while it is out,
+     * and it waits until no other row's report is pending. */
+    return !(r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)));
+}
+
 static bool start_mark(struct obx_relay *r, int64_t now)
 {
     struct obx_mark m = {.ids = r->ids,
@@ -484,8 +552,22 @@ static bool start_mark(struct obx_relay *r, int64_t now)
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
     }
-    if (r->ops->mark(r->io, &m) != 0)
+    /* The next keyset fetch rides along in the same statement: one round
+     * trip, and Postgres does not wait for us between the two. (It reads
+     * nothing the mark changes: marked rows lie at or below hwm.) */
+    struct obx_fetch f;
+    int rc = 1;
+    if (r->ops->mark_fetch && m.n_dead == 0 && fetch_wanted(r, now) &&
+        build_fetch(r, now, &f, true))
+        rc = r->ops->mark_fetch(r->io, &m, &f);
+    if (rc < 0)
         return false;
+    if (rc == 0) {
+        fetch_sent(r, &f, now);
+        r->fetch_riding = true;
+    } else if (r->ops->mark(r->io, &m) != 0) {
+        return false;
+    }
     for (int i = 0; i < r->set.max_in_flight; i++) {
         struct slot *s = &r->slots[i];
         if (s->state == SLOT_ACKED)
@@ -512,51 +594,10 @@ static void unmark(struct obx_relay *r)
 
 static bool start_fetch(struct obx_relay *r, int64_t now)
 {
-    struct obx_fetch f = {.exclude = r->ids, .blocked = r->keys, .blocked_ids = r->key_ids};
-    int free_slots = r->set.max_in_flight - (int)r->in_use;
-    f.limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
-    if (f.limit > r->bytes_limit)
-        f.limit = r->bytes_limit;
-    if (f.limit <= 0)
+    struct obx_fetch f;
+    if (!build_fetch(r, now, &f, false) || r->ops->fetch(r->io, &f) != 0)
         return false;
-    /* limit x this <= relay.fetch_max_bytes; a row asked for alone comes
-     * whole if Kafka could take it at all. */
-    f.max_row_bytes = f.limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f.limit;
-    if (f.max_row_bytes > r->set.max_payload)
-        f.max_row_bytes = r->set.max_payload;
-    bool keyset = r->cursor_ok;
-    for (size_t i = 0; i < r->n_blocked && keyset; i++)
-        keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
-    int64_t max_ex = 0;
-    if (keyset) {
-        f.after_id = r->hwm;
-        f.snapshot = r->snap;
-    } else {
-        for (int i = 0; i < r->set.max_in_flight; i++)
-            if (r->slots[i].state != SLOT_FREE)
-                r->ids[f.n_exclude++] = r->slots[i].id;
-    }
-    for (size_t i = 0; i < r->n_blocked; i++) {
-        const struct blocked *b = &r->blocked[i];
-        if (b->retry_at > now && !keyset)
-            r->ids[f.n_exclude++] = b->id; /* not due yet (a keyset fetch is above it) */
-        if (b->key) {
-            r->keys[f.n_blocked] =
-                (struct obx_blocked_key){r->topics[b->topic], b->key, b->key_len};
-            r->key_ids[f.n_blocked++] = b->id;
-        }
-    }
-    for (size_t i = 0; i < f.n_exclude; i++)
-        if (r->ids[i] > max_ex)
-            max_ex = r->ids[i];
-    if (r->ops->fetch(r->io, &f) != 0)
-        return false;
-    r->fetch_keyset = keyset;
-    r->fetch_after = f.after_id;
-    r->fetch_limit = f.limit;
-    r->fetch_max_ex = max_ex;
-    r->want_fetch = false;
-    r->last_fetch_at = now;
+    fetch_sent(r, &f, now);
     set_state(r, OBX_RELAY_FETCHING, "rows may be waiting");
     return true;
 }
@@ -609,11 +650,7 @@ static void kick(struct obx_relay *r, int64_t now)
             r->not_before = now + r->set.retry_backoff_ms;
         return;
     }
-    /* A probe goes to Kafka alone: nothing else is fetched while it is out,
-     * and it waits until no other row's report is pending. */
-    if (r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)))
-        return;
-    if (r->want_fetch)
+    if (fetch_wanted(r, now))
         start_fetch(r, now);
 }
 
@@ -651,6 +688,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
      * after the reconnect (the statement is idempotent). */
     unmark(r);
     r->discard_fetch = false; /* the fetch in flight, if any, is gone */
+    r->fetch_riding = false;
     r->cursor_ok = false;
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
@@ -683,7 +721,7 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
     for (size_t j = from; j < to; j++)
         if (r->batch[j])
             slot_release(r, r->batch[j]);
-    if (r->state == OBX_RELAY_FETCHING)
+    if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
         r->discard_fetch = true;
     r->cursor_ok = false; /* they are below hwm now */
 }
@@ -890,17 +928,10 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     kick(r, now);
 }
 
-void obx_relay_on_marked(struct obx_relay *r, int64_t now)
+/* The mark in flight committed: its rows are done. */
+static void mark_done(struct obx_relay *r, int64_t now)
 {
-    r->now = now;
     size_t marked = 0, dead = 0;
-    if (r->state != OBX_RELAY_MARKING)
-        return;
-    if (failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) {
-        /* As if the COMMIT's answer was lost: mark again (idempotent). */
-        obx_relay_on_query_failed(r, "injected error after commit", now);
-        return;
-    }
     for (int i = 0; i < r->set.max_in_flight; i++) {
         struct slot *s = &r->slots[i];
         if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
@@ -918,7 +949,32 @@ void obx_relay_on_marked(struct obx_relay *r, int64_t now)
     set_state(r, OBX_RELAY_IDLE, "mark done");
     if (dead > 0)
         r->want_fetch = true; /* the rows behind them may go now */
+}
+
+void obx_relay_on_marked(struct obx_relay *r, int64_t now)
+{
+    r->now = now;
+    if (r->state != OBX_RELAY_MARKING || r->fetch_riding)
+        return;
+    if (failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) {
+        /* As if the COMMIT's answer was lost: mark again (idempotent). */
+        obx_relay_on_query_failed(r, "injected error after commit", now);
+        return;
+    }
+    mark_done(r, now);
     kick(r, now);
+}
+
+void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
+                               const char *snapshot, int64_t now)
+{
+    r->now = now;
+    if (r->state != OBX_RELAY_MARKING || !r->fetch_riding)
+        return;
+    r->fetch_riding = false;
+    mark_done(r, now);
+    set_state(r, OBX_RELAY_FETCHING, "the fetch beside the mark");
+    obx_relay_on_fetched(r, rows, n, snapshot, now);
 }
 
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now)
@@ -931,6 +987,12 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         r->cursor_ok = false; /* the next one is a full fetch, whatever went wrong */
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);
+        if (r->fetch_riding) { /* and the fetch beside it */
+            r->fetch_riding = false;
+            r->discard_fetch = false;
+            r->want_fetch = true;
+            r->cursor_ok = false;
+        }
         unmark(r);
     } else {
         return;

@@ -194,6 +194,17 @@ const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len)
     return buf;
 }
 
+const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len)
+{
+    /* The keyset fetch's snapshot is taken before the mark's changes, and
+     * the rows it reads lie above hwm or were not in it: none is marked. */
+    size_t o = 0;
+    append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT ", confirmed AS (", 9, 10, 11);
+    append_confirm(buf, len, &o, on_sent, "id = ANY ($8::bigint[])", false);
+    append(buf, len, &o, ") %s", SQL_FETCH_KEYSET);
+    return buf;
+}
+
 const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
 {
     size_t o = 0;

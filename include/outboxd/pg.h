@@ -134,6 +134,11 @@ int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *
 /* The fetch: unsent rows in id order as `f` says, decoded into rows. */
 int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done,
                       void *arg) OBX_WARN_UNUSED;
+/* The plain mark and the keyset fetch as one statement (see
+ * obx_store_sql_mark_fetch). 1: they cannot go together (dead letters, a
+ * full fetch, or an armed failpoint): nothing was sent. */
+int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const struct obx_fetch *f,
+                           obx_pg_rows_fn done, void *arg);
 /* The mark transaction: confirm m->ids (set sent_at, or delete in delete
  * mode), store each partition's last offset, move dead rows to
  * outbox.dead_letters. */

@@ -100,6 +100,11 @@ struct obx_relay_ops {
     int (*fetch)(void *io, const struct obx_fetch *f);
     /* Sends the mark transaction; answer via on_marked/on_query_failed. */
     int (*mark)(void *io, const struct obx_mark *m);
+    /* Sends the mark (no dead letters) and the keyset fetch `f` as one
+     * statement; answer via on_mark_fetched/on_query_failed. Returns 0, -1
+     * if it could not be sent, or 1 if they cannot go together now (then
+     * the relay sends the mark alone). May be NULL. */
+    int (*mark_fetch)(void *io, const struct obx_mark *m, const struct obx_fetch *f);
     /* Hands one row to Kafka with `opaque` for its delivery report. On
      * OBX_PRODUCE_REJECTED, *reason says why (static or valid until the
      * next call). */
@@ -153,6 +158,9 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now);
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
                           const char *snapshot, int64_t now);
 void obx_relay_on_marked(struct obx_relay *r, int64_t now);
+/* The answer of ops->mark_fetch: the mark committed and the fetch's rows. */
+void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
+                               const char *snapshot, int64_t now);
 /* The fetch or mark failed but the connection is still usable. */
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now);
 /* One delivery report. key/key_len are the record's key (for blocking). */

@@ -46,6 +46,10 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len);
 /* The same without dead letters (the usual case): $1..$4 only, no
  * dead-letter branches for Postgres to run, and no rows back. */
 const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len);
+/* The plain mark and the keyset fetch in one statement: the keyset fetch's
+ * $1..$7, then the mark's $8 ids and $9..$11 offsets. Returns the fetch's
+ * rows. */
+const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len);
 
 /* The recovery pass's marking of one chunk. $1 bigint[] / $2 text[] / $3
  * text[] / $4 text[] records found (outbox id, topic, key, sha256 hex of the
