@@ -29,6 +29,8 @@ struct fake {
     int64_t after_id;      /* of the last fetch: > 0 for a keyset fetch */
     char snapshot[32];     /* ... and the snapshot it asked about */
     int64_t max_row_bytes; /* of the last fetch */
+    bool combine;          /* mark_fetch takes both (else it answers 1: not together) */
+    int mark_fetches;
     int fetch_rc;
     size_t n_blocked;
     char blocked_key[64];
@@ -100,6 +102,16 @@ static int fake_mark(void *io, const struct obx_mark *m)
     return 0;
 }
 
+static int fake_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fetch *f)
+{
+    struct fake *fk = io;
+    if (!fk->combine)
+        return 1;
+    fk->mark_fetches++;
+    assert_int_equal(fake_mark(io, m), 0);
+    return fake_fetch(io, f);
+}
+
 static enum obx_produce_result fake_produce(void *io, const struct obx_row *row, void *opaque,
                                             const char **reason)
 {
@@ -138,6 +150,7 @@ static void fake_stopped(void *io, int exit_code)
 static const struct obx_relay_ops ops = {
     .fetch = fake_fetch,
     .mark = fake_mark,
+    .mark_fetch = fake_mark_fetch,
     .produce = fake_produce,
     .recover = fake_recover,
     .stopped = fake_stopped,
@@ -1013,6 +1026,57 @@ static void test_byte_budget_withholds(void **state)
     assert_int_equal(c->f.produced_ids[4], 5);
 }
 
+/* The next keyset fetch rides on the mark when both are due; if that
+ * statement fails, the mark is sent again and the fetch is a full one. */
+static void test_fetch_rides_on_mark(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    c->f.combine = true;
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1}, 1, 0, 0, 0); /* short: the cursor is at 1 */
+    obx_relay_wakeup(c->r, 1);
+    assert_int_equal(c->f.fetches, 2);
+    ack(c, 0, true, 2); /* acknowledged while the fetch runs: waits for it */
+    assert_int_equal(c->f.marks, 0);
+    fetched_snap(c, (const int64_t[]){2, 3, 4, 5}, 4, 0, 0, 3); /* full: more may wait */
+    assert_int_equal(c->f.mark_fetches, 1);
+    assert_int_equal(c->f.marks, 1);
+    assert_int_equal(c->f.n_marked, 1);
+    assert_int_equal(c->f.marked[0], 1);
+    assert_int_equal(c->f.fetches, 3);
+    assert_int_equal(c->f.after_id, 5);
+    assert_int_equal(c->f.limit, 1); /* 6 slots, 5 in use until the mark commits */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    obx_relay_on_marked(c->r, 4); /* not the answer of this statement: ignored */
+    assert_int_equal(obx_relay_marked_total(c->r), 0);
+    obx_relay_on_mark_fetched(c->r, (const struct obx_row[]){{.id = 6, .topic = "t"}}, 1,
+                              c->snapshot, 5);
+    assert_int_equal(obx_relay_marked_total(c->r), 1);
+    assert_int_equal(c->f.produced, 6);
+    assert_int_equal(c->f.produced_ids[5], 6);
+
+    /* It fails: the mark goes again, alone, and the next fetch is a full one. */
+    ack(c, 1, true, 6); /* row 2: marked alone, no fetch is wanted */
+    assert_int_equal(c->f.marks, 2);
+    assert_int_equal(c->f.mark_fetches, 1);
+    obx_relay_wakeup(c->r, 7); /* NOTIFY during the mark */
+    ack(c, 2, true, 7);        /* row 3 */
+    obx_relay_on_marked(c->r, 8);
+    assert_int_equal(c->f.mark_fetches, 2); /* row 3 and the fetch together */
+    assert_int_equal(c->f.marked[0], 3);
+    assert_int_equal(c->f.after_id, 6);
+    obx_relay_on_query_failed(c->r, "statement timeout", 9);
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.marks, 4); /* the mark again, without the fetch */
+    assert_int_equal(c->f.mark_fetches, 2);
+    assert_int_equal(c->f.marked[0], 3);
+    obx_relay_on_marked(c->r, 601);
+    assert_int_equal(c->f.after_id, 0); /* then a full fetch */
+    assert_true(excluded(c, 4));
+    assert_false(excluded(c, 3));
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
@@ -1043,6 +1107,7 @@ static void test_byte_budget_withholds(void **state)
     X(test_keyset_fetch)                                                                           \
     X(test_keyset_cleared_by_a_row_back)                                                           \
     X(test_keyset_not_from_a_short_look)                                                           \
-    X(test_byte_budget_withholds)
+    X(test_byte_budget_withholds)                                                                  \
+    X(test_fetch_rides_on_mark)
 
 OBX_FIXTURE_MAIN(TESTS)
