@@ -99,6 +99,7 @@ struct obx_relay {
     int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
     int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
     bool fetch_riding;    /* the mark in flight carries the next fetch */
+    int64_t fetch_probe;  /* the fetch in flight is a full one sent when this probe was due */
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
@@ -514,6 +515,8 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->fetch_after = f->after_id;
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
+    const struct blocked *probe = r->n_blocked > 0 && !r->fetch_keyset ? due_probe(r, now) : NULL;
+    r->fetch_probe = probe ? probe->id : 0;
     r->want_fetch = false;
     r->last_fetch_at = now;
 }
@@ -814,9 +817,11 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     }
     /* A probe that was due when the fetch was sent: rows before it go as
      * usual; it goes alone. If the fetch passed its place without it, it
-     * is no longer unsent (marked by the recovery pass, or deleted). */
-    const struct blocked *probe = r->n_blocked > 0 ? due_probe(r, r->last_fetch_at) : NULL;
-    int64_t probe_id = probe ? probe->id : 0;
+     * is no longer unsent (marked by the recovery pass, or deleted). Only
+     * a full fetch sent once it was due can tell: one sent a moment before
+     * its refusal (even within the same millisecond) excluded it. */
+    int64_t probe_id =
+        r->fetch_probe != 0 && find_block_by_id(r, r->fetch_probe) ? r->fetch_probe : 0;
     if (probe_id != 0 && (n == 0 || rows[n - 1].id > probe_id)) {
         bool fetched = false;
         for (size_t i = 0; i < n && !fetched; i++)

@@ -54,7 +54,8 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
  * Memory is bounded by bytes as well as rows without a running sum: a
  * payload above $6 (the relay passes fetch_max_bytes / limit, or the
  * producer's limit when it asks for one row) comes as NULL beside its
- * octet_length, which reads the TOAST pointer, not the value. So a batch
+ * octet_length (only such a row has a payload_len: the others' length is
+ * their value's), which reads the TOAST pointer, not the value. So a batch
  * holds at most limit x $6 payload bytes.
  *
  * Each result has one more row, without an id, that carries the statement's
@@ -69,7 +70,9 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
 #define FETCH_COLUMNS(t)                                                                           \
     " SELECT " t ".id, " t ".topic, " t ".key,"                                                    \
     "   CASE WHEN octet_length(" t ".payload) <= $6::int THEN " t ".payload END,"                  \
-    "   " t ".headers, " t ".created_at, octet_length(" t ".payload), NULL::text"
+    "   " t ".headers, " t ".created_at,"                                                          \
+    "   CASE WHEN octet_length(" t ".payload) > $6::int THEN octet_length(" t ".payload) END,"     \
+    "   NULL::text"
 /* Rows of a key held back behind a refused row (relay.on_reject = retry).
  * With no key held back, Postgres folds it away. */
 #define FETCH_HELD_BACK(t)                                                                         \

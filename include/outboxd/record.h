@@ -27,7 +27,7 @@ enum {
     OBX_COL_PAYLOAD,
     OBX_COL_HEADERS, /* jsonb, binary: version byte 1, then its text */
     OBX_COL_CREATED_AT,
-    OBX_COL_PAYLOAD_LEN, /* octet_length(payload); the payload itself is NULL if too large */
+    OBX_COL_PAYLOAD_LEN, /* octet_length(payload) of a payload left out (NULL: it came) */
     OBX_COL_SNAPSHOT,    /* NULL, but in the one row without an id: the snapshot's text */
     OBX_COL_COUNT
 };

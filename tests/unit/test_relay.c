@@ -1077,6 +1077,29 @@ static void test_fetch_rides_on_mark(void **state)
     assert_false(excluded(c, 3));
 }
 
+/* A refusal reported in the millisecond a fetch went out: that fetch
+ * excluded the row (it was in flight), so its answer without the row says
+ * nothing about it; the next full fetch brings it to be tried alone.
+ * (chaos seed 13013: the row was taken for gone, and never published.) */
+static void test_batch_refused_as_a_fetch_goes(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched(c, 1, 4, 5); /* full batch: the next fetch goes at once, at 5 */
+    assert_int_equal(c->f.fetches, 2);
+    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 5); /* row 1, in the same millisecond */
+    fetched_ids(c, (const int64_t[]){5, 6}, 2, 6); /* the answer: row 1 excluded */
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1); /* row 1 still waits to go alone */
+    for (int k = 1; k < 6; k++) /* rows 2 to 6 */
+        report(c, k, OBX_DELIVERED, 7);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 8);
+    obx_relay_tick(c->r, 9);
+    assert_false(excluded(c, 1)); /* a full fetch, and row 1 may come */
+    fetched_ids(c, (const int64_t[]){1, 7}, 2, 10);
+    assert_int_equal(c->f.produced_ids[c->f.produced - 1], 1); /* alone */
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
@@ -1108,6 +1131,7 @@ static void test_fetch_rides_on_mark(void **state)
     X(test_keyset_cleared_by_a_row_back)                                                           \
     X(test_keyset_not_from_a_short_look)                                                           \
     X(test_byte_budget_withholds)                                                                  \
-    X(test_fetch_rides_on_mark)
+    X(test_fetch_rides_on_mark)                                                                    \
+    X(test_batch_refused_as_a_fetch_goes)
 
 OBX_FIXTURE_MAIN(TESTS)
