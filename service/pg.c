@@ -6,6 +6,7 @@
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
 #include "outboxd/metrics.h"
+#include "outboxd/record.h"
 #include "outboxd/store.h"
 
 #include <stdbool.h>
@@ -872,9 +873,9 @@ void obx_pg_array_reset(struct obx_pg_array *a)
 void obx_pg_array_add_int(struct obx_pg_array *a, int64_t v)
 {
     char num[24];
-    int n = snprintf(num, sizeof(num), "%lld", (long long)v);
+    size_t n = obx_format_id(v, num);
     array_sep(a);
-    array_put(a, num, (size_t)n);
+    array_put(a, num, n);
 }
 
 void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len)

@@ -66,8 +66,21 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
 
 size_t obx_format_id(int64_t id, char *buf)
 {
-    int n = snprintf(buf, 21, "%lld", (long long)id);
-    return n > 0 ? (size_t)n : 0;
+    /* Every row's outbox-id header and every id of a mark go through here:
+     * digits by hand, not snprintf's format machinery. */
+    char tmp[20];
+    size_t n = 0, len = 0;
+    uint64_t v = id < 0 ? (uint64_t)0 - (uint64_t)id : (uint64_t)id;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v > 0);
+    if (id < 0)
+        buf[len++] = '-';
+    while (n > 0)
+        buf[len++] = tmp[--n];
+    buf[len] = '\0';
+    return len;
 }
 
 size_t obx_format_rfc3339(int64_t unix_us, char *buf, size_t len)

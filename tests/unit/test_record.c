@@ -182,6 +182,12 @@ static void test_format_id(void **state)
     assert_string_equal(buf, "0");
     assert_int_equal(obx_format_id(INT64_MAX, buf), 19);
     assert_string_equal(buf, "9223372036854775807");
+    assert_int_equal(obx_format_id(1234567890, buf), 10);
+    assert_string_equal(buf, "1234567890");
+    assert_int_equal(obx_format_id(-1, buf), 2);
+    assert_string_equal(buf, "-1");
+    assert_int_equal(obx_format_id(INT64_MIN, buf), 20);
+    assert_string_equal(buf, "-9223372036854775808");
 }
 
 /* Rows read from a binary result built with libpq's PQsetvalue. */
