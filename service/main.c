@@ -73,15 +73,23 @@ struct app {
 
 /* ---- relay commands ---- */
 
-static void fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
-                    const char *error)
+/* A statement that returns rows answered: `rows_event` takes them. */
+static void rows_to_relay(struct app *a, const struct obx_row *rows, size_t n, const char *snapshot,
+                          const char *error,
+                          void (*rows_event)(struct obx_relay *, const struct obx_row *, size_t,
+                                             const char *, int64_t))
 {
-    struct app *a = arg;
     int64_t now = (int64_t)uv_now(&a->loop);
     if (error)
         obx_relay_on_query_failed(a->relay, error, now);
     else
-        obx_relay_on_fetched(a->relay, rows, n, snapshot, now);
+        rows_event(a->relay, rows, n, snapshot, now);
+}
+
+static void fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
+                    const char *error)
+{
+    rows_to_relay(arg, rows, n, snapshot, error, obx_relay_on_fetched);
 }
 
 static void marked(void *arg, const PGresult *res, const char *error)
@@ -110,12 +118,7 @@ static int op_mark(void *io, const struct obx_mark *m)
 static void mark_fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
                          const char *error)
 {
-    struct app *a = arg;
-    int64_t now = (int64_t)uv_now(&a->loop);
-    if (error)
-        obx_relay_on_query_failed(a->relay, error, now);
-    else
-        obx_relay_on_mark_fetched(a->relay, rows, n, snapshot, now);
+    rows_to_relay(arg, rows, n, snapshot, error, obx_relay_on_mark_fetched);
 }
 
 static int op_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fetch *f)

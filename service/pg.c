@@ -482,13 +482,9 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
 
 /* Sends one statement of the request in flight. Returns 0, or -1 after
  * dropping the connection. */
-static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
-                    int result_format)
+/* After a PQsend*: the statement goes out, or the connection is dropped. */
+static int sent_or_lost(struct obx_pg *pg, int sent)
 {
-    int sent =
-        nparams > 0 || result_format != 0
-            ? PQsendQueryParams(pg->conn, sql, nparams, NULL, values, NULL, NULL, result_format)
-            : PQsendQuery(pg->conn, sql);
     if (!sent) {
         disconnect_with_error(pg, "send failed");
         return -1;
@@ -500,19 +496,22 @@ static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char 
     return 0;
 }
 
+static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
+                    int result_format)
+{
+    int sent =
+        nparams > 0 || result_format != 0
+            ? PQsendQueryParams(pg->conn, sql, nparams, NULL, values, NULL, NULL, result_format)
+            : PQsendQuery(pg->conn, sql);
+    return sent_or_lost(pg, sent);
+}
+
 /* As send_raw, for a prepared statement (see N_PREPARES). */
 static int send_prepared(struct obx_pg *pg, const char *name, int nparams,
                          const char *const *values, int result_format)
 {
-    if (!PQsendQueryPrepared(pg->conn, name, nparams, values, NULL, NULL, result_format)) {
-        disconnect_with_error(pg, "send failed");
-        return -1;
-    }
-    if (watch_idle_or_busy(pg) != 0) {
-        disconnect_with_error(pg, "write failed");
-        return -1;
-    }
-    return 0;
+    return sent_or_lost(
+        pg, PQsendQueryPrepared(pg->conn, name, nparams, values, NULL, NULL, result_format));
 }
 
 static bool result_ok(const PGresult *res)
@@ -909,29 +908,31 @@ void obx_pg_array_free(struct obx_pg_array *a)
 
 /* ---- requests ---- */
 
+/* Sends `sql` (or, with `prepared`, the prepared statement of that name)
+ * as the request `req`. */
+static int start_statement(struct obx_pg *pg, const struct pg_request *req, bool prepared,
+                           const char *sql, int nparams, const char *const *values,
+                           int result_format)
+{
+    if (pg->state != OBX_PG_READY)
+        return -1;
+    pg->req = *req;
+    change_state(pg, OBX_PG_BUSY, "request sent");
+    int rc = prepared ? send_prepared(pg, sql, nparams, values, result_format)
+                      : send_raw(pg, sql, nparams, values, result_format);
+    return rc != 0 ? -1 : 0; /* -1: disconnected, the request was dropped, `lost` follows */
+}
+
 static int start_request(struct obx_pg *pg, const struct pg_request *req, const char *sql,
                          int nparams, const char *const *values, int result_format)
 {
-    if (pg->state != OBX_PG_READY)
-        return -1;
-    pg->req = *req;
-    change_state(pg, OBX_PG_BUSY, "request sent");
-    if (send_raw(pg, sql, nparams, values, result_format) != 0)
-        return -1; /* disconnected: the request was dropped, `lost` follows */
-    return 0;
+    return start_statement(pg, req, false, sql, nparams, values, result_format);
 }
 
-/* As start_request, for the prepared statement `name`. */
 static int start_prepared(struct obx_pg *pg, const struct pg_request *req, const char *name,
                           int nparams, const char *const *values, int result_format)
 {
-    if (pg->state != OBX_PG_READY)
-        return -1;
-    pg->req = *req;
-    change_state(pg, OBX_PG_BUSY, "request sent");
-    if (send_prepared(pg, name, nparams, values, result_format) != 0)
-        return -1;
-    return 0;
+    return start_statement(pg, req, true, name, nparams, values, result_format);
 }
 
 int obx_pg_send(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,

@@ -631,19 +631,11 @@ static void test_reject_dead_letter(void **state)
 }
 
 /* Delivers a fetch result of the given ids (keys as in fetched()). */
+static void fetched_snap(struct ctx *c, const int64_t *ids, size_t n, int64_t big_id,
+                         size_t big_len, int64_t now);
 static void fetched_ids(struct ctx *c, const int64_t *ids, size_t n, int64_t now)
 {
-    static char keys[16][8];
-    struct obx_row rows[16];
-    memset(rows, 0, sizeof(rows));
-    for (size_t i = 0; i < n; i++) {
-        rows[i].id = ids[i];
-        rows[i].topic = "t";
-        snprintf(keys[i], sizeof(keys[i]), "k%d", (int)(ids[i] % 3));
-        rows[i].key = keys[i];
-        rows[i].key_len = 2;
-    }
-    obx_relay_on_fetched(c->r, rows, n, c->snapshot, now);
+    fetched_snap(c, ids, n, 0, 0, now);
 }
 
 /* Report for the k-th produced row, with that row's own key. */
@@ -1087,10 +1079,10 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     ready(c, 0);
     fetched(c, 1, 4, 5); /* full batch: the next fetch goes at once, at 5 */
     assert_int_equal(c->f.fetches, 2);
-    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 5); /* row 1, in the same millisecond */
-    fetched_ids(c, (const int64_t[]){5, 6}, 2, 6); /* the answer: row 1 excluded */
+    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 5);       /* row 1, in the same millisecond */
+    fetched_ids(c, (const int64_t[]){5, 6}, 2, 6);     /* the answer: row 1 excluded */
     assert_int_equal(obx_relay_blocked_keys(c->r), 1); /* row 1 still waits to go alone */
-    for (int k = 1; k < 6; k++) /* rows 2 to 6 */
+    for (int k = 1; k < 6; k++)                        /* rows 2 to 6 */
         report(c, k, OBX_DELIVERED, 7);
     while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
         obx_relay_on_marked(c->r, 8);
