@@ -177,6 +177,8 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
         .in_flight_limit = (size_t)p->cfg->max_in_flight,
         .keys_held_back = obx_relay_blocked_keys(p->relay),
         .rows_marked = obx_relay_marked_total(p->relay),
+        .fetches_keyset = obx_relay_fetches(p->relay, true),
+        .fetches_full = obx_relay_fetches(p->relay, false),
         .rows_dead_lettered = obx_relay_dead_total(p->relay),
         .backlog_rows = obx_maint_backlog(p->maint),
         .lag_seconds = obx_maint_lag_seconds(p->maint),

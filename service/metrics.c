@@ -193,6 +193,13 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_rows_marked_total", "counter",
            "Rows confirmed in Postgres (marked sent, or deleted) after Kafka acknowledged them.",
            (double)g->rows_marked);
+    header(out, "outboxd_fetches_total", "counter",
+           "Fetch statements sent, by kind: keyset (above the cursor, and late commits) or full "
+           "(every unsent row but those in flight, when the cursor cannot tell).");
+    obx_buf_printf(out, "outboxd_fetches_total{kind=\"keyset\"} %llu\n",
+                   (unsigned long long)g->fetches_keyset);
+    obx_buf_printf(out, "outboxd_fetches_total{kind=\"full\"} %llu\n",
+                   (unsigned long long)g->fetches_full);
     simple(out, "outboxd_rows_dead_lettered_total", "counter",
            "Rows Kafka refused for good and moved to outbox.dead_letters.",
            (double)g->rows_dead_lettered);

@@ -123,6 +123,7 @@ struct obx_relay {
     int exit_code;
     uint64_t marked_total;
     uint64_t dead_total;
+    uint64_t fetches[2]; /* full, keyset */
 };
 
 static const char *const state_names[] = {"wait_pg",  "recovering", "idle",
@@ -512,6 +513,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
         if (f->exclude[i] > max_ex)
             max_ex = f->exclude[i];
     r->fetch_keyset = f->after_id > 0;
+    r->fetches[r->fetch_keyset]++;
     r->fetch_after = f->after_id;
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
@@ -1203,6 +1205,11 @@ bool obx_relay_recovered(const struct obx_relay *r)
 size_t obx_relay_in_flight(const struct obx_relay *r)
 {
     return r->in_use;
+}
+
+uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset)
+{
+    return r->fetches[keyset];
 }
 
 uint64_t obx_relay_marked_total(const struct obx_relay *r)

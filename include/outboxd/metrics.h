@@ -68,6 +68,7 @@ struct obx_metrics_gauges {
     size_t in_flight_limit;
     size_t keys_held_back;
     uint64_t rows_marked;
+    uint64_t fetches_keyset, fetches_full;
     uint64_t rows_dead_lettered;
     int64_t backlog_rows; /* -1 = not known yet */
     double lag_seconds;   /* age of the oldest unsent row; < 0 = not known */

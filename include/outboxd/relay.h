@@ -200,6 +200,8 @@ bool obx_relay_recovered(const struct obx_relay *r);
 size_t obx_relay_in_flight(const struct obx_relay *r);
 /* Rows acknowledged and marked since start. */
 uint64_t obx_relay_marked_total(const struct obx_relay *r);
+/* Fetches sent: keyset ones (the cursor held) or full ones. */
+uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset);
 /* Rows moved to outbox.dead_letters since start. */
 uint64_t obx_relay_dead_total(const struct obx_relay *r);
 /* Keys currently held back behind a refused row. */

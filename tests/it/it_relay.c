@@ -199,6 +199,14 @@ static void test_late_commit_same_key_during_backlog(void **state)
         PQclear(r);
     assert_true(h_broker_cmd(&env, "rtt all 0"));
     s_wait_drained(&env, 60000);
+    /* The backlog went by keyset fetches: the late row came with them. */
+    static char metrics[1 << 16];
+    assert_int_equal(h_http_get(&env, "/metrics", metrics, sizeof(metrics)), 200);
+    double keyset = h_metric(metrics, "outboxd_fetches_total{kind=\"keyset\"}");
+    double full = h_metric(metrics, "outboxd_fetches_total{kind=\"full\"}");
+    if (!(keyset >= 25 && full < keyset))
+        fail_msg("expected mostly keyset fetches for 30,000 rows: %.0f keyset, %.0f full", keyset,
+                 full);
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.a", "it.late", NULL}, &recs);
     /* Checks K's two records in id order, and every row once. */

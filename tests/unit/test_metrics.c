@@ -96,9 +96,14 @@ static void test_histogram(void **state)
     obx_histogram_observe(&batch_rows, 1);    /* le 1 */
     obx_histogram_observe(&batch_rows, 1000); /* le 1000 */
     obx_histogram_observe(&batch_rows, 1e9);  /* +Inf only */
-    struct obx_metrics_gauges g = {
-        .batch_rows = &batch_rows, .backlog_rows = -1, .lag_seconds = -1};
+    struct obx_metrics_gauges g = {.batch_rows = &batch_rows,
+                                   .backlog_rows = -1,
+                                   .lag_seconds = -1,
+                                   .fetches_keyset = 41,
+                                   .fetches_full = 2};
     char *out = render(&g);
+    assert_non_null(strstr(out, "outboxd_fetches_total{kind=\"keyset\"} 41\n"));
+    assert_non_null(strstr(out, "outboxd_fetches_total{kind=\"full\"} 2\n"));
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"1\"} 1\n"));
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"500\"} 1\n"));
     assert_non_null(strstr(out, "outboxd_fetch_batch_rows_bucket{le=\"1000\"} 2\n"));
