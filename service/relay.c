@@ -844,7 +844,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
      * out, else the largest taken). */
     size_t largest = n_take < n ? rows[n_take].payload_len : 1;
     for (size_t i = 0; i < n_take && n_take == n; i++)
-        if (rows[i].payload_len > largest)
+        if (!rows[i].oversize && rows[i].payload_len > largest) /* oversize: never fetched */
             largest = rows[i].payload_len;
     int64_t fit = r->set.fetch_max_bytes / (int64_t)largest;
     r->bytes_limit = fit < 1 ? 1 : fit < r->set.batch_size ? (int)fit : r->set.batch_size;

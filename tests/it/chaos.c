@@ -345,9 +345,11 @@ struct relay {
     bool alive, stopped;
     int starts;
     /* G5, checked while the schedule runs: after its session was cut, a
-     * running relay must say so (a disconnect line) within NOTICE_MS. */
+     * running relay must say so (a disconnect line) within NOTICE_MS, or
+     * have opened a new session since (it had none at the cut: just
+     * restarted, seed 94433543). */
     bool expect_notice;
-    long notices_at_cut;
+    long notices_at_cut, sessions_at_cut;
     int64_t notice_due;
 };
 
@@ -394,6 +396,7 @@ static void expect_notice(struct run *x, int i)
             continue;
         rl->expect_notice = true;
         rl->notices_at_cut = h_relay_disconnects(&rl->env);
+        rl->sessions_at_cut = h_relay_sessions(&rl->env);
         rl->notice_due = h_now_ms() + NOTICE_MS;
     }
 }
@@ -411,7 +414,8 @@ static void check_notices(struct run *x)
             rl->expect_notice = false;
         } else if (rl->stopped || x->pg_down) {
             rl->notice_due = now + NOTICE_MS;
-        } else if (h_relay_disconnects(&rl->env) > rl->notices_at_cut) {
+        } else if (h_relay_disconnects(&rl->env) > rl->notices_at_cut ||
+                   h_relay_sessions(&rl->env) > rl->sessions_at_cut) {
             rl->expect_notice = false;
         } else {
             finding(x,

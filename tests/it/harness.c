@@ -651,6 +651,18 @@ long h_relay_disconnects(struct h_env *e)
     return n;
 }
 
+long h_relay_sessions(struct h_env *e)
+{
+    char path[300], line[4096];
+    long n = 0;
+    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, "postgres: connected to ") != NULL;
+    if (f)
+        fclose(f);
+    return n;
+}
+
 long h_relay_log_sum(struct h_env *e, const char *prefix)
 {
     char path[300], line[4096];

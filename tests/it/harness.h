@@ -101,6 +101,8 @@ long h_relay_log_count(struct h_env *e, const char *needle);
 /* Lines of the relay's log saying it lost (or could not open) its Postgres
  * session: how a test sees that a cut was noticed. */
 long h_relay_disconnects(struct h_env *e);
+/* How many sessions the relay's log says it opened ("postgres: connected"). */
+long h_relay_sessions(struct h_env *e);
 /* Sum of the integers that directly follow `prefix` in DIR/relay.log. */
 long h_relay_log_sum(struct h_env *e, const char *prefix);
 

@@ -1010,12 +1010,21 @@ static void test_byte_budget_withholds(void **state)
         obx_relay_on_marked(c->r, 3);
     obx_relay_wakeup(c->r, 4);
     assert_int_equal(c->f.limit, 4); /* small rows again: the whole batch */
+    /* A payload above the producer's limit is never fetched: it does not
+     * shrink the next fetch. (Refused, it is not produced.) */
+    struct obx_row rows[2] = {{.id = 7, .topic = "t", .oversize = true, .payload_len = 500000},
+                              {.id = 8, .topic = "t"}};
+    c->f.reject_id = 7; /* as kafka.c refuses an oversize row */
+    obx_relay_on_fetched(c->r, rows, 2, c->snapshot, 4);
+    assert_int_equal(c->f.produced, 5); /* row 8 */
+    obx_relay_wakeup(c->r, 4);
+    assert_int_equal(c->f.limit, 4);
     /* A payload above the whole budget: asked for alone, it comes whole. */
-    fetched_snap(c, (const int64_t[]){5, 6}, 2, 5, 5000, 5);
+    fetched_snap(c, (const int64_t[]){9, 10}, 2, 9, 5000, 5);
     assert_int_equal(c->f.limit, 1);
     assert_int_equal(c->f.max_row_bytes, 100000); /* the producer's limit */
-    fetched_snap(c, (const int64_t[]){5}, 1, 0, 0, 6);
-    assert_int_equal(c->f.produced_ids[4], 5);
+    fetched_snap(c, (const int64_t[]){9}, 1, 0, 0, 6);
+    assert_int_equal(c->f.produced_ids[5], 9);
 }
 
 /* The next keyset fetch rides on the mark when both are due; if that
