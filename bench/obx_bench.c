@@ -280,6 +280,8 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     prepare_ok(c, "k", obx_store_sql_fetch_keyset());
     prepare_ok(c, "m", mark_sql);
     struct obx_pg_array ids = {0};
+    char row_cap[24]; /* relay.fetch_max_bytes's default over the batch, as the relay asks */
+    snprintf(row_cap, sizeof(row_cap), "%d", 8388608 / BATCH);
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", BATCH);
     long done = 0;
@@ -290,7 +292,7 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     int64_t hwm = 0;
     for (;;) {
         snprintf(after, sizeof(after), "%lld", (long long)hwm);
-        const char *fv[7] = {hwm > 0 ? after : "{}", limit, "{}", "{}", "{}", "8388", snap};
+        const char *fv[7] = {hwm > 0 ? after : "{}", limit, "{}", "{}", "{}", row_cap, snap};
         PGresult *r = PQexecPrepared(c, hwm > 0 ? "k" : "f", hwm > 0 ? 7 : 6, fv, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));

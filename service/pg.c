@@ -480,8 +480,6 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
     pg->cb.ready(pg->arg);
 }
 
-/* Sends one statement of the request in flight. Returns 0, or -1 after
- * dropping the connection. */
 /* After a PQsend*: the statement goes out, or the connection is dropped. */
 static int sent_or_lost(struct obx_pg *pg, int sent)
 {
@@ -496,6 +494,8 @@ static int sent_or_lost(struct obx_pg *pg, int sent)
     return 0;
 }
 
+/* Sends one statement of the request in flight. Returns 0, or -1 after
+ * dropping the connection. */
 static int send_raw(struct obx_pg *pg, const char *sql, int nparams, const char *const *values,
                     int result_format)
 {

@@ -129,6 +129,18 @@ static void skip_ws(struct json *j)
         j->p++;
 }
 
+/* Skips white space; if `c` comes next, takes it and the white space after
+ * it. */
+static bool json_eat(struct json *j, char c)
+{
+    skip_ws(j);
+    if (j->p >= j->end || *j->p != c)
+        return false;
+    j->p++;
+    skip_ws(j);
+    return true;
+}
+
 static int reserve(struct json *j, size_t more)
 {
     struct obx_headers *h = j->h;
@@ -312,14 +324,9 @@ int obx_headers_parse(const char *json, size_t len, struct obx_headers *h, char 
     h->n = 0;
     h->buf_used = 0;
     struct json j = {.p = json, .end = json + len, .h = h, .err = err, .errlen = errlen};
-    skip_ws(&j);
-    if (j.p >= j.end || *j.p != '{')
+    if (!json_eat(&j, '{'))
         return json_fail(&j, "not an object");
-    j.p++;
-    skip_ws(&j);
-    if (j.p < j.end && *j.p == '}') {
-        j.p++;
-    } else {
+    if (!json_eat(&j, '}')) {
         for (;;) {
             struct obx_header_span *m = &h->v[h->n];
             skip_ws(&j);
@@ -327,11 +334,8 @@ int obx_headers_parse(const char *json, size_t len, struct obx_headers *h, char 
                 return json_fail(&j, "too many members");
             if (json_string(&j, &m->key, &m->key_len) != 0)
                 return -1;
-            skip_ws(&j);
-            if (j.p >= j.end || *j.p != ':')
+            if (!json_eat(&j, ':'))
                 return json_fail(&j, "':' expected");
-            j.p++;
-            skip_ws(&j);
             if (j.p < j.end && *j.p == '"') {
                 if (json_string(&j, &m->value, &m->value_len) != 0)
                     return -1;
@@ -343,15 +347,10 @@ int obx_headers_parse(const char *json, size_t len, struct obx_headers *h, char 
                 m->value_len = (size_t)(j.p - start);
             }
             h->n++;
-            skip_ws(&j);
-            if (j.p < j.end && *j.p == ',') {
-                j.p++;
+            if (json_eat(&j, ','))
                 continue;
-            }
-            if (j.p < j.end && *j.p == '}') {
-                j.p++;
+            if (json_eat(&j, '}'))
                 break;
-            }
             return json_fail(&j, "',' or '}' expected");
         }
     }

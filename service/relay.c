@@ -93,8 +93,7 @@ struct obx_relay {
     char *snap;
     size_t snap_cap;
     int64_t top_id;       /* highest id handed out in this session */
-    bool fetch_keyset;    /* the fetch in flight is a keyset fetch ... */
-    int64_t fetch_after;  /* ... above this id */
+    int64_t fetch_after;  /* > 0: the fetch in flight is a keyset fetch above this id */
     int fetch_limit;      /* its row limit */
     int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
     int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
@@ -461,8 +460,6 @@ static void note_offset(struct obx_relay *r, const struct slot *s, size_t *n)
     r->off_offsets[(*n)++] = s->offset;
 }
 
-/* Marks every ACKED slot and dead-letters every DEAD one, in one
- * transaction. Returns true if it was sent. */
 /* Fills `f` for the next fetch; false if none can go (no free slot, or
  * `keyset_only` and it would be a full one). Arrays are the relay's. */
 static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
@@ -512,15 +509,24 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     for (size_t i = 0; i < f->n_exclude; i++)
         if (f->exclude[i] > max_ex)
             max_ex = f->exclude[i];
-    r->fetch_keyset = f->after_id > 0;
-    r->fetches[r->fetch_keyset]++;
     r->fetch_after = f->after_id;
+    r->fetches[f->after_id > 0]++;
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
-    const struct blocked *probe = r->n_blocked > 0 && !r->fetch_keyset ? due_probe(r, now) : NULL;
+    const struct blocked *probe = r->n_blocked > 0 && f->after_id == 0 ? due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : 0;
     r->want_fetch = false;
     r->last_fetch_at = now;
+}
+
+/* The fetch in flight (alone or beside a mark) will not answer: fetch
+ * again, and a full fetch, whatever went wrong. */
+static void fetch_gone(struct obx_relay *r)
+{
+    r->fetch_riding = false;
+    r->discard_fetch = false;
+    r->want_fetch = true;
+    r->cursor_ok = false;
 }
 
 /* Whether a fetch should go now (beside a mark, or alone). */
@@ -533,6 +539,8 @@ static bool fetch_wanted(struct obx_relay *r, int64_t now)
     return !(r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)));
 }
 
+/* Marks every ACKED slot and dead-letters every DEAD one, in one
+ * statement (perhaps with the next fetch). Returns true if it was sent. */
 static bool start_mark(struct obx_relay *r, int64_t now)
 {
     struct obx_mark m = {.ids = r->ids,
@@ -692,9 +700,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
     /* A mark in flight may or may not have committed: mark those rows again
      * after the reconnect (the statement is idempotent). */
     unmark(r);
-    r->discard_fetch = false; /* the fetch in flight, if any, is gone */
-    r->fetch_riding = false;
-    r->cursor_ok = false;
+    fetch_gone(r); /* the fetch in flight, if any */
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -755,7 +761,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     bool cut = n_take < n || n >= (size_t)r->fetch_limit; /* rows may lie beyond */
     int64_t last = n_take > 0 ? rows[n_take - 1].id : 0;
     bool ok;
-    if (r->fetch_keyset) {
+    if (r->fetch_after > 0) { /* a keyset fetch */
         /* Late rows (at or below fetch_after) come first: all of them are
          * in if the first row not taken, or the last one taken, is above. */
         int64_t beyond = n_take < n ? rows[n_take].id : last;
@@ -989,17 +995,11 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
     r->now = now;
     if (r->state == OBX_RELAY_FETCHING) {
         obx_warn("relay: fetch failed: %s", reason);
-        r->discard_fetch = false;
-        r->want_fetch = true;
-        r->cursor_ok = false; /* the next one is a full fetch, whatever went wrong */
+        fetch_gone(r);
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);
-        if (r->fetch_riding) { /* and the fetch beside it */
-            r->fetch_riding = false;
-            r->discard_fetch = false;
-            r->want_fetch = true;
-            r->cursor_ok = false;
-        }
+        if (r->fetch_riding) /* and the fetch beside it */
+            fetch_gone(r);
         unmark(r);
     } else {
         return;
