@@ -351,7 +351,7 @@ static void send_setup_statement(struct obx_pg *pg, const char *sql)
 
 static void send_setup(struct obx_pg *pg)
 {
-    char sql[512];
+    char sql[1024];
     /* Server-side keepalives too: if this client vanishes without closing
      * (a network partition), its backend, and the relay lock it holds, go
      * away within about a minute instead of the OS's two hours, so no relay
@@ -361,11 +361,7 @@ static void send_setup(struct obx_pg *pg)
              ";"
              " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld;"
              " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
-             " SET tcp_keepalives_count = 3;"
-             /* A plan for the parameters at hand every time: a generic plan
-              * of the keyset fetch would walk every row in flight, and only
-              * constant arrays get hashed for = ANY. */
-             " SET plan_cache_mode = force_custom_plan",
+             " SET tcp_keepalives_count = 3; " OBX_STORE_SQL_PLANNER_SETTINGS,
              (long long)pg->statement_timeout_ms);
     describe_target(pg);
     if (PQsetnonblocking(pg->conn, 1) != 0) {

@@ -476,7 +476,12 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     f->max_row_bytes = f->limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f->limit;
     if (f->max_row_bytes > r->set.max_payload)
         f->max_row_bytes = r->set.max_payload;
-    bool keyset = r->cursor_ok;
+    /* With nothing in flight the full fetch excludes nothing: it is the
+     * plain ordered scan. The keyset fetch would look for late rows among
+     * every row committed since its snapshot, which after a pause is the
+     * whole burst that ended it (all 200,000 rows of one transaction took
+     * 33 ms where the plain scan takes 0.5). */
+    bool keyset = r->cursor_ok && r->in_use > 0;
     for (size_t i = 0; i < r->n_blocked && keyset; i++)
         keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)

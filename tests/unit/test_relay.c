@@ -898,7 +898,7 @@ static void test_keyset_fetch(void **state)
     c->snapshot = "103:107:";
     fetched_snap(c, (const int64_t[]){6, 9}, 2, 0, 0, 1);
     assert_int_equal(c->f.produced, 6);
-    for (int k = 0; k < 6; k++) /* free every slot */
+    for (int k = 0; k < 5; k++) /* all but row 9 (with none in flight: a full fetch) */
         ack(c, k, true, 2);
     while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
         obx_relay_on_marked(c->r, 3);
@@ -923,7 +923,31 @@ static void test_keyset_fetch(void **state)
     assert_int_equal(c->f.after_id, 10);
     fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 10); /* all four late */
     assert_int_equal(c->f.after_id, 0);                          /* full again */
-    assert_int_equal(c->f.n_exclude, 4);
+    assert_int_equal(c->f.n_exclude, 5);                         /* and row 9 */
+}
+
+/* With nothing in flight the next fetch is a full one, although the cursor
+ * holds: it excludes nothing, and the keyset fetch would look for late rows
+ * among all that was committed since its snapshot. */
+static void test_full_fetch_when_nothing_in_flight(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 0);
+    assert_int_equal(c->f.after_id, 4); /* rows in flight: keyset */
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
+    for (int k = 0; k < 4; k++)
+        ack(c, k, true, 2);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 3);
+    obx_relay_wakeup(c->r, 4);
+    assert_int_equal(c->f.fetches, 3);
+    assert_int_equal(c->f.after_id, 0);
+    assert_int_equal(c->f.n_exclude, 0);
+    fetched_snap(c, (const int64_t[]){5, 6}, 2, 0, 0, 5); /* and the cursor holds again */
+    obx_relay_wakeup(c->r, 6);
+    assert_int_equal(c->f.after_id, 6);
 }
 
 /* Whatever puts a row back below the cursor makes the next fetch a full one. */
@@ -1129,6 +1153,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_fatal_marks_acked_then_stops)                                                           \
     X(test_fatal_without_postgres)                                                                 \
     X(test_keyset_fetch)                                                                           \
+    X(test_full_fetch_when_nothing_in_flight)                                                      \
     X(test_keyset_cleared_by_a_row_back)                                                           \
     X(test_keyset_not_from_a_short_look)                                                           \
     X(test_byte_budget_withholds)                                                                  \
