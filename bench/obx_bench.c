@@ -35,7 +35,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -274,8 +277,8 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     char lsn[64];
     double cpu0;
     PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
-    /* Prepared, with custom plans, as the relay runs them. */
-    exec_ok(c, "SET plan_cache_mode = force_custom_plan");
+    /* Prepared, with the relay session's planner settings, as the relay runs them. */
+    exec_ok(c, OBX_STORE_SQL_PLANNER_SETTINGS);
     prepare_ok(c, "f", obx_store_sql_fetch());
     prepare_ok(c, "k", obx_store_sql_fetch_keyset());
     prepare_ok(c, "m", mark_sql);
@@ -538,6 +541,46 @@ static void wait_drained(PGconn *c, const char *sql)
         usleep(20000);
 }
 
+/* outboxd_rows_marked_total from the relay's /metrics (http.listen's
+ * default address), or -1 if it cannot be read. */
+static long long marked_total(void)
+{
+    static char buf[1 << 16];
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(9187)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    long long v = -1;
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
+        static const char req[] = "GET /metrics HTTP/1.0\r\n\r\n";
+        size_t got = 0;
+        ssize_t n = write(fd, req, sizeof(req) - 1);
+        while (n > 0 && got < sizeof(buf) - 1 &&
+               (n = read(fd, buf + got, sizeof(buf) - 1 - got)) > 0)
+            got += (size_t)n;
+        buf[got] = 0;
+        const char *p = strstr(buf, "\noutboxd_rows_marked_total ");
+        if (p)
+            v = strtoll(p + strlen("\noutboxd_rows_marked_total "), NULL, 10);
+    }
+    if (fd >= 0)
+        close(fd);
+    return v;
+}
+
+/* Waits until the relay has confirmed `target` rows in all, asking it and
+ * not Postgres: a probe of the table, even a cheap EXISTS every 20 ms,
+ * competes with the drain it measures (in delete mode each probe also
+ * prunes the pages deleted since the one before). Falls back to the
+ * probe if /metrics cannot be read. */
+static void wait_marked(PGconn *c, const char *sql, long long target)
+{
+    long long v;
+    while ((v = marked_total()) >= 0 && v < target)
+        usleep(2000);
+    if (v < 0)
+        wait_drained(c, sql);
+}
+
 /* A warm relay (recovered, producer connected) is handed N rows committed
  * in one transaction with NOTIFY; the clock runs from that commit until the
  * last row is confirmed. */
@@ -568,8 +611,9 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     double b0 = backend_cpu_s(relay_backend);
     double t0 = now_s();
     exec_ok(c, "COMMIT");
-    wait_drained(c, left_sql);
+    wait_marked(c, left_sql, rows + 1LL); /* and the warm-up row */
     double t1 = now_s();
+    wait_drained(c, left_sql); /* what the relay says, Postgres confirms */
     proc_stats(pid, &s1);
     res->pg_cpu_ms_per_1k = (backend_cpu_s(relay_backend) - b0) * 1e6 / rows;
     res->wal_per_row = wal_since(c, lsn) / rows;
