@@ -219,6 +219,17 @@ static void ack(struct ctx *c, int k, bool ok, int64_t now)
     ack_as(c, k, ok ? OBX_DELIVERED : OBX_DELIVERY_RETRY, now);
 }
 
+/* Slots [from, to) delivered at `now`, their marks done a moment later,
+ * and the relay woken after that. */
+static void ack_range_marked(struct ctx *c, int from, int to, int64_t now)
+{
+    for (int k = from; k < to; k++)
+        ack(c, k, true, now);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, now + 1);
+    obx_relay_wakeup(c->r, now + 2);
+}
+
 /* Postgres ready and the recovery pass done: the relay fetches. */
 static void ready(struct ctx *c, int64_t now)
 {
@@ -898,11 +909,7 @@ static void test_keyset_fetch(void **state)
     c->snapshot = "103:107:";
     fetched_snap(c, (const int64_t[]){6, 9}, 2, 0, 0, 1);
     assert_int_equal(c->f.produced, 6);
-    for (int k = 0; k < 5; k++) /* all but row 9 (with none in flight: a full fetch) */
-        ack(c, k, true, 2);
-    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
-        obx_relay_on_marked(c->r, 3);
-    obx_relay_wakeup(c->r, 4);
+    ack_range_marked(c, 0, 5, 2); /* all but row 9 (with none in flight: a full fetch) */
     assert_int_equal(c->f.fetches, 3);
     assert_int_equal(c->f.after_id, 9);
     assert_string_equal(c->f.snapshot, "103:107:");
@@ -915,11 +922,7 @@ static void test_keyset_fetch(void **state)
     assert_int_equal(c->f.fetches, 4);
     assert_int_equal(c->f.after_id, 10); /* the last taken is above: all late ones came */
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 6);
-    for (int k = 6; k < 10; k++)
-        ack(c, k, true, 7);
-    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
-        obx_relay_on_marked(c->r, 8);
-    obx_relay_wakeup(c->r, 9);
+    ack_range_marked(c, 6, 10, 7);
     assert_int_equal(c->f.after_id, 10);
     fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 10); /* all four late */
     assert_int_equal(c->f.after_id, 0);                          /* full again */
@@ -937,11 +940,7 @@ static void test_full_fetch_when_nothing_in_flight(void **state)
     fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 0);
     assert_int_equal(c->f.after_id, 4); /* rows in flight: keyset */
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
-    for (int k = 0; k < 4; k++)
-        ack(c, k, true, 2);
-    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
-        obx_relay_on_marked(c->r, 3);
-    obx_relay_wakeup(c->r, 4);
+    ack_range_marked(c, 0, 4, 2);
     assert_int_equal(c->f.fetches, 3);
     assert_int_equal(c->f.after_id, 0);
     assert_int_equal(c->f.n_exclude, 0);
@@ -999,11 +998,7 @@ static void test_keyset_not_from_a_short_look(void **state)
     int fetches = c->f.fetches;
     fetched_snap(c, (const int64_t[]){5, 6, 7, 10}, 4, 0, 0, 600);
     assert_int_equal(c->f.fetches, fetches); /* all 6 slots taken */
-    for (int k = 3; k < 7; k++)
-        ack(c, k, true, 601);
-    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
-        obx_relay_on_marked(c->r, 602);
-    obx_relay_wakeup(c->r, 603);
+    ack_range_marked(c, 3, 7, 601);
     assert_int_equal(c->f.fetches, fetches + 1);
     assert_int_equal(c->f.after_id, 0); /* full again: 8 and 9 were not looked at */
     assert_true(excluded(c, 11));
@@ -1028,11 +1023,7 @@ static void test_byte_budget_withholds(void **state)
     assert_int_equal(c->f.produced, 4);
     assert_int_equal(c->f.produced_ids[2], 3);
     /* A row above the producer's limit is refused, not withheld. */
-    for (int k = 0; k < 4; k++)
-        ack(c, k, true, 2);
-    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
-        obx_relay_on_marked(c->r, 3);
-    obx_relay_wakeup(c->r, 4);
+    ack_range_marked(c, 0, 4, 2);
     assert_int_equal(c->f.limit, 4); /* small rows again: the whole batch */
     /* A payload above the producer's limit is never fetched: it does not
      * shrink the next fetch. (Refused, it is not produced.) */
