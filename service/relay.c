@@ -98,6 +98,7 @@ struct obx_relay {
     int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
     int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
     bool fetch_riding;    /* the mark in flight carries the next fetch */
+    bool caught_up;       /* the last fetch found fewer rows than it asked for */
     int64_t fetch_probe;  /* the fetch in flight is a full one sent when this probe was due */
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
@@ -476,12 +477,12 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     f->max_row_bytes = f->limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f->limit;
     if (f->max_row_bytes > r->set.max_payload)
         f->max_row_bytes = r->set.max_payload;
-    /* With nothing in flight the full fetch excludes nothing: it is the
-     * plain ordered scan. The keyset fetch would look for late rows among
-     * every row committed since its snapshot, which after a pause is the
-     * whole burst that ended it (all 200,000 rows of one transaction took
-     * 33 ms where the plain scan takes 0.5). */
-    bool keyset = r->cursor_ok && r->in_use > 0;
+    /* Caught up and with nothing in flight, the full fetch excludes
+     * nothing: it is the plain ordered scan. The keyset fetch would look
+     * for late rows among every row committed since its snapshot, which
+     * after a pause is the whole burst that ended it (all 200,000 rows of
+     * one transaction took 33 ms where the plain scan takes 0.5). */
+    bool keyset = r->cursor_ok && !(r->caught_up && r->in_use == 0);
     for (size_t i = 0; i < r->n_blocked && keyset; i++)
         keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
@@ -863,6 +864,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         obx_debug("relay: row %lld has %zu payload bytes: fetching %d rows at a time",
                   (long long)rows[n_take].id, rows[n_take].payload_len, r->bytes_limit);
     cursor_advance(r, rows, n, n_take, snapshot);
+    r->caught_up = n < (size_t)r->fetch_limit;
     /* Take a slot for every row first, so that the next statement can go to
      * Postgres now (its exclusions, or the cursor, cover these rows) and run
      * while we hand the rows to Kafka: Postgres does not wait for our CPU. */

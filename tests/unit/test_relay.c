@@ -909,7 +909,7 @@ static void test_keyset_fetch(void **state)
     c->snapshot = "103:107:";
     fetched_snap(c, (const int64_t[]){6, 9}, 2, 0, 0, 1);
     assert_int_equal(c->f.produced, 6);
-    ack_range_marked(c, 0, 5, 2); /* all but row 9 (with none in flight: a full fetch) */
+    ack_range_marked(c, 0, 5, 2); /* all but row 9 */
     assert_int_equal(c->f.fetches, 3);
     assert_int_equal(c->f.after_id, 9);
     assert_string_equal(c->f.snapshot, "103:107:");
@@ -929,24 +929,29 @@ static void test_keyset_fetch(void **state)
     assert_int_equal(c->f.n_exclude, 5);                         /* and row 9 */
 }
 
-/* With nothing in flight the next fetch is a full one, although the cursor
- * holds: it excludes nothing, and the keyset fetch would look for late rows
- * among all that was committed since its snapshot. */
+/* Caught up and with nothing in flight, the next fetch is a full one
+ * although the cursor holds: it excludes nothing, and the keyset fetch would
+ * look for late rows among all that was committed since its snapshot. In a
+ * backlog (the last fetch was full) the cursor goes on. */
 static void test_full_fetch_when_nothing_in_flight(void **state)
 {
     struct ctx *c = *state;
     c->snapshot = "100:100:";
     ready(c, 0);
     fetched_snap(c, (const int64_t[]){1, 2, 3, 4}, 4, 0, 0, 0);
-    assert_int_equal(c->f.after_id, 4); /* rows in flight: keyset */
-    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
+    assert_int_equal(c->f.after_id, 4);               /* rows in flight: keyset */
+    fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1); /* caught up */
     ack_range_marked(c, 0, 4, 2);
     assert_int_equal(c->f.fetches, 3);
     assert_int_equal(c->f.after_id, 0);
     assert_int_equal(c->f.n_exclude, 0);
-    fetched_snap(c, (const int64_t[]){5, 6}, 2, 0, 0, 5); /* and the cursor holds again */
-    obx_relay_wakeup(c->r, 6);
-    assert_int_equal(c->f.after_id, 6);
+    fetched_snap(c, (const int64_t[]){5, 6, 7, 8}, 4, 0, 0, 5); /* a backlog */
+    assert_int_equal(c->f.after_id, 8);
+    fetched_snap(c, (const int64_t[]){9, 10}, 2, 0, 0, 6); /* full again; every slot taken */
+    int fetches = c->f.fetches;
+    ack_range_marked(c, 4, 10, 7);
+    assert_int_equal(c->f.fetches, fetches + 1);
+    assert_int_equal(c->f.after_id, 10); /* nothing in flight, but not caught up */
 }
 
 /* Whatever puts a row back below the cursor makes the next fetch a full one. */
