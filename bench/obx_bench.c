@@ -171,8 +171,7 @@ static struct pg_cost cost_finish(PGconn *c, long done, double t0, const char *l
     return cost;
 }
 
-/* The ids (binary int8, column 0) of a fetch result into ids. */
-/* The ids of a fetch result into `ids`; outboxd's fetches also bring a row
+/* The ids (binary int8, column 0) of a fetch result into `ids`; outboxd's fetches also bring a row
  * without an id that carries their snapshot (copied into `snap` if given).
  * Returns the number of ids, and the highest one in *top (if given). */
 static int collect_ids_top(PGresult *r, struct obx_pg_array *ids, char *snap, size_t snap_len,

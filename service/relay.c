@@ -891,9 +891,9 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         r->batch[i] = s;
         taken = i + 1;
     }
-    /* A full batch means more rows are likely waiting. */
-    if (n > 0 && (n == (size_t)r->set.batch_size || n_take < n ||
-                  (n >= (size_t)r->fetch_limit && r->fetch_limit >= r->bytes_limit)))
+    /* A full batch means more rows are likely waiting (a batch of
+     * relay.batch_size, or of what the byte budget allows, is one). */
+    if (n_take < n || (!r->caught_up && r->fetch_limit >= r->bytes_limit))
         r->want_fetch = true;
     kick(r, now);
     for (size_t i = 0; i < taken; i++) {
