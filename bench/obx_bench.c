@@ -21,6 +21,7 @@
  *    read by a consumer in this process, on one clock.
  * 5. Footprint of the outboxd process.
  */
+#include "outboxd/buf.h"
 #include "outboxd/config.h"
 #include "outboxd/maint.h"
 #include "outboxd/pg.h"
@@ -278,7 +279,10 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
     /* Prepared, with the relay session's planner settings, as the relay runs them. */
     exec_ok(c, OBX_STORE_SQL_PLANNER_SETTINGS);
-    prepare_ok(c, "f", obx_store_sql_fetch());
+    struct obx_buf full = {0};
+    const char *full_sql = obx_store_sql_fetch(&full, "{}");
+    if (!full_sql)
+        die("fetch", "out of memory");
     prepare_ok(c, "k", obx_store_sql_fetch_keyset());
     prepare_ok(c, "m", mark_sql);
     struct obx_pg_array ids = {0};
@@ -295,7 +299,8 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     for (;;) {
         snprintf(after, sizeof(after), "%lld", (long long)hwm);
         const char *fv[7] = {hwm > 0 ? after : "{}", limit, "{}", "{}", "{}", row_cap, snap};
-        PGresult *r = PQexecPrepared(c, hwm > 0 ? "k" : "f", hwm > 0 ? 7 : 6, fv, NULL, NULL, 1);
+        PGresult *r = hwm > 0 ? PQexecPrepared(c, "k", 7, fv, NULL, NULL, 1)
+                              : PQexecParams(c, full_sql, 5, NULL, fv + 1, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int n = collect_ids_top(r, &ids, snap, sizeof(snap), &hwm);
@@ -316,6 +321,7 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
         PQclear(r);
         done += n;
     }
+    obx_buf_free(&full);
     return cost_finish(c, done, t0, lsn, cpu0, &ids);
 }
 

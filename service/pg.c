@@ -74,18 +74,19 @@ struct obx_pg {
     char mark_sql[2048];
     char mark_plain_sql[1024]; /* without dead letters */
     char mark_fetch_sql[4096]; /* the plain mark with the keyset fetch */
+    struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
     int setup_step;            /* 0: the schema check and SETs; then each prepared statement */
 };
 
 /* The statements of every cycle, prepared once a session, after the schema
- * check they depend on: no parse and analysis for each run. Each keeps its
- * own text, so pg_stat_activity shows which one runs. */
-#define STMT_FETCH        "obx_fetch"
+ * check they depend on: no parse, analysis and planning for each run. Each
+ * keeps its own text, so pg_stat_activity shows which one runs. (The full
+ * fetch is not among them: its ids in flight are part of its text.) */
 #define STMT_FETCH_KEYSET "obx_fetch_keyset"
 #define STMT_MARK         "obx_mark"
 #define STMT_MARK_PLAIN   "obx_mark_plain"
 #define STMT_MARK_FETCH   "obx_mark_fetch"
-enum { N_PREPARES = 5 };
+enum { N_PREPARES = 4 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
                                           "standby",      "ready",      "busy",  "closed"};
@@ -325,11 +326,10 @@ static void start_connect(struct obx_pg *pg)
 /* Prepares statement `step` (1 .. N_PREPARES) of the cycle. */
 static void send_setup_prepare(struct obx_pg *pg, int step)
 {
-    static const char *const names[N_PREPARES + 1] = {NULL,      STMT_FETCH,      STMT_FETCH_KEYSET,
-                                                      STMT_MARK, STMT_MARK_PLAIN, STMT_MARK_FETCH};
-    const char *sql[N_PREPARES + 1] = {
-        NULL,         obx_store_sql_fetch(), obx_store_sql_fetch_keyset(),
-        pg->mark_sql, pg->mark_plain_sql,    pg->mark_fetch_sql};
+    static const char *const names[N_PREPARES + 1] = {NULL, STMT_FETCH_KEYSET, STMT_MARK,
+                                                      STMT_MARK_PLAIN, STMT_MARK_FETCH};
+    const char *sql[N_PREPARES + 1] = {NULL, obx_store_sql_fetch_keyset(), pg->mark_sql,
+                                       pg->mark_plain_sql, pg->mark_fetch_sql};
     if (!PQsendPrepare(pg->conn, names[step], sql[step], 0, NULL)) {
         disconnect_with_error(pg, "setup failed");
         return;
@@ -827,6 +827,7 @@ static void on_pg_timer_closed(uv_handle_t *h)
     obx_free(pg->rows);
     for (size_t i = 0; i < sizeof(pg->params) / sizeof(pg->params[0]); i++)
         obx_pg_array_free(&pg->params[i]);
+    obx_buf_free(&pg->fetch_sql);
     obx_free(pg->conninfo);
     obx_free(pg);
 }
@@ -993,7 +994,12 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
     if (keyset)
         return start_prepared(pg, &req, STMT_FETCH_KEYSET, 7, values, 1);
-    return start_prepared(pg, &req, STMT_FETCH, 6, values, 1);
+    const char *sql = obx_store_sql_fetch(&pg->fetch_sql, values[0]);
+    if (!sql) {
+        obx_error("postgres: out of memory building the fetch");
+        return -1;
+    }
+    return start_statement(pg, &req, false, sql, 5, values + 1, 1);
 }
 
 /* The mark's ids and offsets into values[0..3] (arrays params[first ..

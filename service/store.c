@@ -2,6 +2,7 @@
  * store: see include/outboxd/store.h.
  */
 #include "outboxd/store.h"
+#include "outboxd/buf.h"
 #include "outboxd/config.h"
 
 #include <stdarg.h>
@@ -67,30 +68,38 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
     "         NULL::bytea AS payload, NULL::jsonb AS headers, NULL::timestamptz AS created_at,"    \
     "         NULL::int AS payload_len, pg_current_snapshot()::text AS snap"                       \
     "       UNION ALL"
-#define FETCH_COLUMNS(t)                                                                           \
+#define FETCH_COLUMNS(t, max_bytes)                                                                \
     " SELECT " t ".id, " t ".topic, " t ".key,"                                                    \
-    "   CASE WHEN octet_length(" t ".payload) <= $6::int THEN " t ".payload END,"                  \
+    "   CASE WHEN octet_length(" t ".payload) <= " max_bytes "::int THEN " t ".payload END,"       \
     "   " t ".headers, " t ".created_at,"                                                          \
-    "   CASE WHEN octet_length(" t ".payload) > $6::int THEN octet_length(" t ".payload) END,"     \
+    "   CASE WHEN octet_length(" t ".payload) > " max_bytes "::int"                                \
+    "        THEN octet_length(" t ".payload) END,"                                                \
     "   NULL::text"
-/* Rows of a key held back behind a refused row (relay.on_reject = retry).
- * With no key held back, Postgres folds it away. */
-#define FETCH_HELD_BACK(t)                                                                         \
-    " AND (cardinality($3::text[]) = 0 OR " t ".key IS NULL OR NOT EXISTS ("                       \
-    "      SELECT FROM unnest($3::text[], $4::text[], $5::bigint[]) AS h(topic, key, id)"          \
+/* Rows of a key held back behind a refused row (relay.on_reject = retry):
+ * parameters `topics`, `keys`, `ids`. With no key held back the OR stops at
+ * its first test. */
+#define FETCH_HELD_BACK(t, topics, keys, ids)                                                      \
+    " AND (cardinality(" topics "::text[]) = 0 OR " t ".key IS NULL OR NOT EXISTS ("               \
+    "      SELECT FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"            \
+    "        AS h(topic, key, id)"                                                                 \
     "      WHERE h.topic = " t ".topic AND h.key = " t ".key AND " t ".id > h.id))"
 
 /* One clause a line; clang-format would pack them. */
 /* clang-format off */
-/* Every unsent row but those in flight ($1). Its cost grows with them: the
- * relay runs it only when rows below its cursor may be waiting. */
-static const char SQL_FETCH_FULL[] =
+/* Every unsent row but those in flight, whose ids come between the two
+ * halves as a constant: Postgres hashes a constant array for = ANY, and
+ * compares every candidate row with every element of a parameter. Its cost
+ * grows with the rows in flight all the same: the relay runs it only when
+ * rows below its cursor may be waiting. */
+static const char SQL_FETCH_FULL_HEAD[] =
     FETCH_SELECT FETCH_SNAPSHOT_ROW
-    " (" FETCH_COLUMNS("e")
+    " (" FETCH_COLUMNS("e", "$5")
     "  FROM outbox.events e"
-    "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ($1::bigint[]))"
-         FETCH_HELD_BACK("e")
-    "  ORDER BY e.id LIMIT $2::int)) b";
+    "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ('";
+static const char SQL_FETCH_FULL_TAIL[] =
+    "'::bigint[]))"
+         FETCH_HELD_BACK("e", "$2", "$3", "$4")
+    "  ORDER BY e.id LIMIT $1::int)) b";
 
 /* The keyset fetch: rows above $1 (the highest id handed out), and the rows
  * below it whose transaction was still running in snapshot $7 (the previous
@@ -101,24 +110,32 @@ static const char SQL_FETCH_FULL[] =
  * (the planner likes that path for its order and its LIMIT). */
 static const char SQL_FETCH_KEYSET[] =
     FETCH_SELECT FETCH_SNAPSHOT_ROW
-    " (" FETCH_COLUMNS("e")
+    " (" FETCH_COLUMNS("e", "$6")
     "  FROM ((SELECT * FROM outbox.events u"
     "         WHERE u.sent_at IS NULL AND u.id > $1::bigint"
-                FETCH_HELD_BACK("u")
+                FETCH_HELD_BACK("u", "$3", "$4", "$5")
     "         ORDER BY u.id LIMIT $2::int)"
     "        UNION ALL"
     "        (SELECT * FROM outbox.events l"
     "         WHERE l.sent_at IS NULL AND l.id + 0 <= $1::bigint"
     "           AND l.xid >= pg_snapshot_xmin($7::pg_snapshot)"
     "           AND NOT pg_visible_in_snapshot(l.xid, $7::pg_snapshot)"
-                FETCH_HELD_BACK("l")
+                FETCH_HELD_BACK("l", "$3", "$4", "$5")
     "         ORDER BY l.id + 0 LIMIT $2::int)) e"
     "  ORDER BY e.id LIMIT $2::int)) b";
 /* clang-format on */
 
-const char *obx_store_sql_fetch(void)
+const char *obx_store_sql_fetch(struct obx_buf *sql, const char *in_flight)
 {
-    return SQL_FETCH_FULL;
+    obx_buf_reset(sql);
+    obx_buf_puts(sql, SQL_FETCH_FULL_HEAD);
+    for (const char *c = in_flight; *c; c++) { /* "{1,-2,3}": nothing here ends the literal */
+        if (*c != '{' && *c != '}' && *c != ',' && *c != '-' && (*c < '0' || *c > '9'))
+            return NULL;
+    }
+    obx_buf_puts(sql, in_flight);
+    obx_buf_puts(sql, SQL_FETCH_FULL_TAIL);
+    return sql->oom ? NULL : sql->data;
 }
 
 const char *obx_store_sql_fetch_keyset(void)

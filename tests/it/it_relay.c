@@ -7,6 +7,10 @@
 #include "harness.h"
 #include "scenario.h"
 
+#include "outboxd/config.h"
+#include "outboxd/pg.h"
+#include "outboxd/store.h"
+
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -264,6 +268,96 @@ static void test_burst_with_stale_statistics(void **state)
     if (reads < ROWS || reads > 4 * ROWS)
         fail_msg("draining %d rows read %lld tuples (expected between 1 and 4 per row)", ROWS,
                  (long long)reads);
+    PQfinish(c);
+}
+
+/* EXPLAIN of prepared statement `name`, executed with `args`, as one text. */
+static void explain(PGconn *c, const char *name, const char *args, char *out, size_t len)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql), "EXPLAIN EXECUTE %s(%s)", name, args);
+    PGresult *r = PQexec(c, sql);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        fail_msg("%s: %s", sql, PQresultErrorMessage(r));
+    size_t o = 0;
+    out[0] = '\0';
+    for (int i = 0; i < PQntuples(r) && o < len; i++)
+        o += (size_t)snprintf(out + o, len - o, "%s\n", PQgetvalue(r, i, 0));
+    PQclear(r);
+}
+
+static void prepare(PGconn *c, const char *name, const char *sql)
+{
+    PGresult *r = PQprepare(c, name, sql, 0, NULL);
+    if (PQresultStatus(r) != PGRES_COMMAND_OK)
+        fail_msg("prepare %s: %s", name, PQresultErrorMessage(r));
+    PQclear(r);
+}
+
+/* The relay's statements as its session plans them (once, for any values;
+ * rows read by index) on a table whose statistics say it is empty: the
+ * keyset fetch finds late rows by the xid index, the marks look their ids
+ * up in the primary key, and the full fetch, which carries the ids in
+ * flight as a constant, skips exactly those. */
+static void test_fetch_statements(void **state)
+{
+    (void)state;
+    enum { ROWS = 20000, IN_FLIGHT = 10000, BATCH = 1000 };
+    h_env_start(&env, (const char *const[]){"it.a:1", NULL});
+    PGconn *c = h_connect(&env);
+    h_sql(c, "VACUUM ANALYZE outbox.events");
+    h_sql(c,
+          "INSERT INTO outbox.events (topic, key, payload)"
+          " SELECT 'it.a', 'k' || (g %% 10), 'x'::bytea FROM generate_series(1, %d) g",
+          ROWS);
+    h_sql(c, "%s", OBX_STORE_SQL_PLANNER_SETTINGS);
+    int64_t lo = h_sql_int(c, "SELECT min(id) FROM outbox.events");
+
+    struct obx_pg_array ids = {0};
+    obx_pg_array_reset(&ids);
+    for (int i = 0; i < IN_FLIGHT; i++)
+        obx_pg_array_add_int(&ids, lo + i);
+    struct obx_buf sql = {0};
+    const char *full = obx_store_sql_fetch(&sql, obx_pg_array_finish(&ids));
+    assert_non_null(full);
+    const char *v[5] = {"1000", "{}", "{}", "{}", "1000"};
+    PGresult *r = PQexecParams(c, full, 5, NULL, v, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
+        fail_msg("full fetch: %s", PQresultErrorMessage(r));
+    assert_int_equal(PQntuples(r), BATCH + 1); /* and the snapshot row, first */
+    assert_true(PQgetisnull(r, 0, 0));
+    for (int i = 1; i <= BATCH; i++)
+        assert_int_equal(strtoll(PQgetvalue(r, i, 0), NULL, 10), lo + IN_FLIGHT + i - 1);
+    PQclear(r);
+    /* Nothing but an id list goes between the quotes. */
+    assert_null(obx_store_sql_fetch(&sql, "{1}')) OR true; --"));
+    obx_buf_free(&sql);
+    obx_pg_array_free(&ids);
+
+    char mark_fetch[4096], mark_plain[2048], plan[8192], args[256];
+    prepare(c, "k", obx_store_sql_fetch_keyset());
+    prepare(c, "mf", obx_store_sql_mark_fetch(OBX_ON_SENT_MARK, mark_fetch, sizeof(mark_fetch)));
+    prepare(c, "m", obx_store_sql_mark_plain(OBX_ON_SENT_DELETE, mark_plain, sizeof(mark_plain)));
+    snprintf(args, sizeof(args),
+             "%lld, 1000, '{}', '{}', '{}', 1000, pg_current_snapshot(), '{%lld}', '{it.a}',"
+             " '{0}', '{1}'",
+             (long long)(lo + IN_FLIGHT), (long long)lo);
+    explain(c, "mf", args, plan, sizeof(plan));
+    if (!strstr(plan, "Index Scan using events_unsent_xid_idx") ||
+        !strstr(plan, "Index Scan using events_pkey on events") || !strstr(plan, "$1") ||
+        strstr(plan, "Seq Scan on events") || strstr(plan, "Bitmap"))
+        fail_msg("the mark with the keyset fetch: not the plan expected:\n%s", plan);
+    snprintf(args, sizeof(args), "%lld, 1000, '{}', '{}', '{}', 1000, pg_current_snapshot()",
+             (long long)(lo + IN_FLIGHT));
+    explain(c, "k", args, plan, sizeof(plan));
+    if (!strstr(plan, "Index Scan using events_unsent_xid_idx") || strstr(plan, "Seq Scan") ||
+        strstr(plan, "Bitmap"))
+        fail_msg("the keyset fetch: not the plan expected:\n%s", plan);
+    snprintf(args, sizeof(args), "'{%lld}', '{it.a}', '{0}', '{1}'", (long long)lo);
+    explain(c, "m", args, plan, sizeof(plan));
+    if (!strstr(plan, "Index Scan using events_pkey on events") ||
+        strstr(plan, "Seq Scan on events"))
+        fail_msg("the mark: not the plan expected:\n%s", plan);
     PQfinish(c);
 }
 
@@ -942,6 +1036,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_rollback, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_late_commit, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_burst_with_stale_statistics, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_fetch_statements, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_late_commit_same_key_during_backlog, setup_env,
                                         teardown_env),
         cmocka_unit_test_setup_teardown(test_key_race, setup_env, teardown_env),
