@@ -172,6 +172,16 @@ static struct pg_cost cost_finish(PGconn *c, long done, double t0, const char *l
     return cost;
 }
 
+/* A binary int8 value. */
+static int64_t int8_at(const char *v)
+{
+    const unsigned char *p = (const unsigned char *)v;
+    uint64_t id = 0;
+    for (int b = 0; b < 8; b++)
+        id = (id << 8) | p[b];
+    return (int64_t)id;
+}
+
 /* The ids (binary int8, column 0) of a fetch result into `ids`; outboxd's fetches also bring a row
  * without an id that carries their snapshot (copied into `snap` if given).
  * Returns the number of ids, and the highest one in *top (if given). */
@@ -186,10 +196,7 @@ static int collect_ids_top(PGresult *r, struct obx_pg_array *ids, char *snap, si
                 snprintf(snap, snap_len, "%s", PQgetvalue(r, i, 7));
             continue;
         }
-        const unsigned char *p = (const unsigned char *)PQgetvalue(r, i, 0);
-        int64_t id = 0;
-        for (int b = 0; b < 8; b++)
-            id = (id << 8) | p[b];
+        int64_t id = int8_at(PQgetvalue(r, i, 0));
         obx_pg_array_add_int(ids, id);
         if (top && id > *top)
             *top = id;
@@ -304,6 +311,14 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int n = collect_ids_top(r, &ids, snap, sizeof(snap), &hwm);
+        /* The mark takes them as ranges, as the relay sends them. */
+        int64_t list[BATCH];
+        size_t n_list = 0;
+        for (int i = 0; i < PQntuples(r) && n_list < BATCH; i++)
+            if (!PQgetisnull(r, i, 0))
+                list[n_list++] = int8_at(PQgetvalue(r, i, 0));
+        obx_pg_array_reset(&ids);
+        obx_pg_array_add_ranges(&ids, list, n_list);
         PQclear(r);
         if (n == 0)
             break;

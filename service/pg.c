@@ -75,7 +75,9 @@ struct obx_pg {
     char mark_plain_sql[1024]; /* without dead letters */
     char mark_fetch_sql[4096]; /* the plain mark with the keyset fetch */
     struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
-    int setup_step;            /* 0: the schema check and SETs; then each prepared statement */
+    int64_t *sorted_ids;       /* the mark's ids, sorted into ranges */
+    size_t n_sorted_ids;
+    int setup_step; /* 0: the schema check and SETs; then each prepared statement */
 };
 
 /* The statements of every cycle, prepared once a session, after the schema
@@ -828,6 +830,7 @@ static void on_pg_timer_closed(uv_handle_t *h)
     for (size_t i = 0; i < sizeof(pg->params) / sizeof(pg->params[0]); i++)
         obx_pg_array_free(&pg->params[i]);
     obx_buf_free(&pg->fetch_sql);
+    obx_free(pg->sorted_ids);
     obx_free(pg->conninfo);
     obx_free(pg);
 }
@@ -872,6 +875,30 @@ void obx_pg_array_add_int(struct obx_pg_array *a, int64_t v)
     size_t n = obx_format_id(v, num);
     array_sep(a);
     array_put(a, num, n);
+}
+
+static int compare_ids(const void *x, const void *y)
+{
+    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a > b) - (a < b);
+}
+
+void obx_pg_array_add_ranges(struct obx_pg_array *a, int64_t *ids, size_t n)
+{
+    qsort(ids, n, sizeof(ids[0]), compare_ids);
+    for (size_t i = 0, j; i < n; i = j + 1) {
+        for (j = i; j + 1 < n && (ids[j + 1] == ids[j] || ids[j + 1] - 1 == ids[j]); j++) {
+        }
+        char pair[48]; /* "{first,last}" */
+        size_t len = 0;
+        pair[len++] = '{';
+        len += obx_format_id(ids[i], pair + len);
+        pair[len++] = ',';
+        len += obx_format_id(ids[j], pair + len);
+        pair[len++] = '}';
+        array_sep(a);
+        array_put(a, pair, len);
+    }
 }
 
 void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len)
@@ -1009,8 +1036,19 @@ static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int first, c
     struct obx_pg_array *a = pg->params + first;
     for (int k = 0; k < 4; k++)
         obx_pg_array_reset(&a[k]);
-    for (size_t i = 0; i < m->n_ids; i++)
-        obx_pg_array_add_int(&a[0], m->ids[i]);
+    if (m->n_ids > pg->n_sorted_ids) {
+        int64_t *grown = obx_realloc(pg->sorted_ids, m->n_ids * sizeof(*grown));
+        if (!grown) {
+            obx_error("postgres: out of memory building the mark");
+            return -1;
+        }
+        pg->sorted_ids = grown;
+        pg->n_sorted_ids = m->n_ids;
+    }
+    if (m->n_ids > 0) {
+        memcpy(pg->sorted_ids, m->ids, m->n_ids * sizeof(*m->ids));
+        obx_pg_array_add_ranges(&a[0], pg->sorted_ids, m->n_ids);
+    }
     for (size_t i = 0; i < m->n_offsets; i++) {
         obx_pg_array_add_text(&a[1], m->topics[i], strlen(m->topics[i]));
         obx_pg_array_add_int(&a[2], m->partitions[i]);

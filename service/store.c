@@ -154,13 +154,26 @@ const char *obx_store_sql_fetch_keyset(void)
     "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"     \
     "   RETURNING 1)"
 
-/* How rows are confirmed, for the ids selected by %s: sent_at set (mark
- * mode; a row marked before keeps its time), or the row deleted (delete
- * mode). No "sent_at IS NULL" in the WHERE: it would let the planner walk a
- * partial index whole instead of looking the ids up, and with statistics
- * from a nearly empty table it does (7 index reads a row in a burst). */
-#define CONFIRM_MARK_FMT   "UPDATE outbox.events SET sent_at = coalesce(sent_at, now()) WHERE %s"
-#define CONFIRM_DELETE_FMT "DELETE FROM outbox.events WHERE %s"
+/* How rows are confirmed: sent_at set (mark mode; a row marked before keeps
+ * its time), or the row deleted (delete mode); %s%s an optional FROM (USING)
+ * list, %s the condition on e. No "sent_at IS NULL" in the WHERE: it would
+ * let the planner walk a partial index whole instead of looking the ids up,
+ * and with statistics from a nearly empty table it does (7 index reads a
+ * row in a burst). */
+#define CONFIRM_MARK_FMT                                                                           \
+    "UPDATE outbox.events e SET sent_at = coalesce(e.sent_at, now())%s%s WHERE %s"
+#define CONFIRM_DELETE_FMT "DELETE FROM outbox.events e%s%s WHERE %s"
+
+/* The acknowledged rows, for a parameter $N that holds them as ranges: a
+ * two-dimensional bigint[] of {first, last} pairs (obx_pg_array_add_ranges).
+ * Each range is one walk of the primary key, where "id = ANY" descends it
+ * from the root for every id (a third of the backend's time for a batch).
+ * Every id of a range was acknowledged, so a row committed late with an id
+ * inside a batch's span lies outside them. */
+#define ACKED_RANGES_FMT                                                                           \
+    "(SELECT ($%d::bigint[])[i][1] AS lo, ($%d::bigint[])[i][2] AS hi"                             \
+    "   FROM generate_subscripts($%d::bigint[], 1) AS i) r"
+#define ACKED_RANGES_COND "e.id BETWEEN r.lo AND r.hi"
 
 /* Appends to buf at *o (truncating safely; the buffers are sized for the
  * statements). */
@@ -177,14 +190,25 @@ __attribute__((format(printf, 4, 5))) static void append(char *buf, size_t len, 
         *o += (size_t)n;
 }
 
-/* `returning`: with RETURNING id, for a CTE that is counted. */
-static void append_confirm(char *buf, size_t len, size_t *o, int on_sent, const char *which,
-                           bool returning)
+/* `from`: NULL or what the condition `which` joins; `returning`: with
+ * RETURNING id, for a CTE that is counted. */
+static void append_confirm(char *buf, size_t len, size_t *o, int on_sent, const char *from,
+                           const char *which, bool returning)
 {
-    append(buf, len, o, on_sent == OBX_ON_SENT_DELETE ? CONFIRM_DELETE_FMT : CONFIRM_MARK_FMT,
-           which);
+    bool delete = on_sent == OBX_ON_SENT_DELETE;
+    append(buf, len, o, delete ? CONFIRM_DELETE_FMT : CONFIRM_MARK_FMT,
+           from ? (delete ? " USING " : " FROM ") : "", from ? from : "", which);
     if (returning)
-        append(buf, len, o, " RETURNING id");
+        append(buf, len, o, " RETURNING e.id");
+}
+
+/* The confirmation of the acknowledged ranges in parameter $`param`. */
+static void append_confirm_acked(char *buf, size_t len, size_t *o, int on_sent, int param,
+                                 bool returning)
+{
+    char from[256];
+    snprintf(from, sizeof(from), ACKED_RANGES_FMT, param, param, param);
+    append_confirm(buf, len, o, on_sent, from, ACKED_RANGES_COND, returning);
 }
 
 const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
@@ -193,7 +217,7 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
      * dead_letters: one statement, run inside BEGIN ... COMMIT. */
     size_t o = 0;
     append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT ", confirmed AS (", 2, 3, 4);
-    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])", true);
+    append_confirm_acked(buf, len, &o, on_sent, 1, true);
     append(buf, len, &o,
            "),"
            " dead AS ("
@@ -215,7 +239,7 @@ const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len)
      * keep and count every id. */
     size_t o = 0;
     append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT " ", 2, 3, 4);
-    append_confirm(buf, len, &o, on_sent, "id = ANY ($1::bigint[])", false);
+    append_confirm_acked(buf, len, &o, on_sent, 1, false);
     return buf;
 }
 
@@ -225,7 +249,7 @@ const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len)
      * the rows it reads lie above hwm or were not in it: none is marked. */
     size_t o = 0;
     append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT ", confirmed AS (", 9, 10, 11);
-    append_confirm(buf, len, &o, on_sent, "id = ANY ($8::bigint[])", false);
+    append_confirm_acked(buf, len, &o, on_sent, 8, false);
     append(buf, len, &o, ") %s", SQL_FETCH_KEYSET);
     return buf;
 }
@@ -242,7 +266,7 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
            "   WHERE e.sent_at IS NULL AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
            "     AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest),"
            " confirmed AS (");
-    append_confirm(buf, len, &o, on_sent, "id IN (SELECT id FROM matched)", true);
+    append_confirm(buf, len, &o, on_sent, NULL, "e.id IN (SELECT id FROM matched)", true);
     append(buf, len, &o, ")," OFFSETS_UPSERT_FMT, 5, 6, 7);
     append(buf, len, &o,
            " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM found),"

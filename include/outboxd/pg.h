@@ -109,6 +109,9 @@ struct obx_pg_array {
 };
 void obx_pg_array_reset(struct obx_pg_array *a);
 void obx_pg_array_add_int(struct obx_pg_array *a, int64_t v);
+/* The ids as {first, last} elements, one for each run of consecutive ids
+ * (a two-dimensional array once finished; the mark's ranges). Sorts `ids`. */
+void obx_pg_array_add_ranges(struct obx_pg_array *a, int64_t *ids, size_t n);
 /* s NULL = a NULL element; otherwise quoted and escaped. */
 void obx_pg_array_add_text(struct obx_pg_array *a, const char *s, size_t len);
 /* Closes the literal; NULL if memory ran out on the way. */

@@ -40,6 +40,16 @@ static void test_array_literals(void **state)
     assert_string_equal(obx_pg_array_finish(&a),
                         "{\"plain\",NULL,\"a\\\"b\\\\c\",\"{x, y}\",\"NULL\",\"\"}");
 
+    /* Ranges: runs of consecutive ids, in order, whatever order they came
+     * in; a gap (a row that came late, a rolled-back id) starts a new one. */
+    int64_t ids[] = {7, 5, 6, 9, 12, 11, 10, 6, 20, -1, 0};
+    obx_pg_array_reset(&a);
+    obx_pg_array_add_ranges(&a, ids, sizeof(ids) / sizeof(ids[0]));
+    assert_string_equal(obx_pg_array_finish(&a), "{{-1,0},{5,7},{9,12},{20,20}}");
+    obx_pg_array_reset(&a);
+    obx_pg_array_add_ranges(&a, ids, 0);
+    assert_string_equal(obx_pg_array_finish(&a), "{}");
+
     /* Reuse keeps working and grows as needed. */
     obx_pg_array_reset(&a);
     for (int i = 0; i < 10000; i++)
