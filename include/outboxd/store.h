@@ -20,7 +20,7 @@
 /* The planner settings of the relay's session, which runs only the
  * statements below. Its prepared statements are planned once, not for every
  * execution: planning the keyset fetch and the mark (the selectivity of each
- * of the 1000 ids) took a third of the backend's time per batch. And rows
+ * of the 1000 ids) took a third of their statement's time. And rows
  * are read by index, in id order, so that plan does not depend on the
  * statistics: with stale ones (a burst into a table analyzed while nearly
  * empty) the planner takes the keyset fetch's `id > hwm` for a few hundred
