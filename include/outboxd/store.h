@@ -61,9 +61,10 @@ const char *obx_store_sql_fetch(struct obx_buf *sql, const char *in_flight);
 const char *obx_store_sql_fetch_keyset(void);
 
 /* The mark: one statement, so one transaction on its own. $1 bigint[][]
- * acknowledged ids as ranges (obx_pg_array_add_ranges in pg.h); $2 text[] / $3 int[] / $4 bigint[]
- * highest offset per partition; $5 bigint[] / $6 text[] dead letters and reasons. One row:
- * confirmed, offsets stored, dead-lettered. `on_sent` is OBX_ON_SENT_*. */
+ * acknowledged ids as ranges (obx_pg_array_add_ranges in pg.h); $2 text[] /
+ * $3 int[] / $4 bigint[] highest offset per partition; $5 bigint[] / $6
+ * text[] dead letters and reasons. One row: confirmed, offsets stored,
+ * dead-lettered. `on_sent` is OBX_ON_SENT_*. */
 const char *obx_store_sql_mark(int on_sent, char *buf, size_t len);
 /* The same without dead letters (the usual case): $1..$4 only, no
  * dead-letter branches for Postgres to run, and no rows back. */
