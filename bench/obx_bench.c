@@ -182,32 +182,30 @@ static int64_t int8_at(const char *v)
     return (int64_t)id;
 }
 
-/* The ids (binary int8, column 0) of a fetch result into `ids`; outboxd's fetches also bring a row
- * without an id that carries their snapshot (copied into `snap` if given).
- * Returns the number of ids, and the highest one in *top (if given). */
-static int collect_ids_top(PGresult *r, struct obx_pg_array *ids, char *snap, size_t snap_len,
-                           int64_t *top)
+/* The ids (binary int8, column 0) of a fetch result into `list` (room for
+ * BATCH); outboxd's fetches also bring a row without an id that carries
+ * their snapshot (copied into `snap` if given). Returns the number of ids,
+ * and the highest one in *top (if given). */
+static int collect_ids_top(PGresult *r, int64_t *list, char *snap, size_t snap_len, int64_t *top)
 {
     int n = PQntuples(r), got = 0;
-    obx_pg_array_reset(ids);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n && got < BATCH; i++) {
         if (PQgetisnull(r, i, 0)) {
             if (snap && PQnfields(r) > 7)
                 snprintf(snap, snap_len, "%s", PQgetvalue(r, i, 7));
             continue;
         }
         int64_t id = int8_at(PQgetvalue(r, i, 0));
-        obx_pg_array_add_int(ids, id);
+        list[got++] = id;
         if (top && id > *top)
             *top = id;
-        got++;
     }
     return got;
 }
 
-static int collect_ids(PGresult *r, struct obx_pg_array *ids)
+static int collect_ids(PGresult *r, int64_t *list)
 {
-    return collect_ids_top(r, ids, NULL, 0, NULL);
+    return collect_ids_top(r, list, NULL, 0, NULL);
 }
 
 /* ---- 0. the job's limit: the minimal statement pair ---- */
@@ -243,8 +241,12 @@ static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
         PGresult *r = next_result(c);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("minimal fetch", PQresultErrorMessage(r));
-        int n = collect_ids(r, &ids);
+        int64_t list[BATCH];
+        int n = collect_ids(r, list);
         PQclear(r);
+        obx_pg_array_reset(&ids);
+        for (int i = 0; i < n; i++)
+            obx_pg_array_add_int(&ids, list[i]);
         r = next_result(c); /* the sync */
         PQclear(r);
         if (n == 0)
@@ -310,16 +312,12 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
                               : PQexecParams(c, full_sql, 5, NULL, fv + 1, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
-        int n = collect_ids_top(r, &ids, snap, sizeof(snap), &hwm);
-        /* The mark takes them as ranges, as the relay sends them. */
         int64_t list[BATCH];
-        size_t n_list = 0;
-        for (int i = 0; i < PQntuples(r) && n_list < BATCH; i++)
-            if (!PQgetisnull(r, i, 0))
-                list[n_list++] = int8_at(PQgetvalue(r, i, 0));
-        obx_pg_array_reset(&ids);
-        obx_pg_array_add_ranges(&ids, list, n_list);
+        int n = collect_ids_top(r, list, snap, sizeof(snap), &hwm);
         PQclear(r);
+        /* The mark takes them as ranges, as the relay sends them. */
+        obx_pg_array_reset(&ids);
+        obx_pg_array_add_ranges(&ids, list, (size_t)n);
         if (n == 0)
             break;
         /* One offset per partition, as outboxd stores them. */

@@ -120,19 +120,21 @@ static bool connect_if_needed(struct obx_maint *m)
     /* "<application_name>-maintenance": the relay's own session keeps the
      * name the operator chose, and this one is told apart from it (say,
      * by whoever terminates backends by name). Its statements read by
-     * index too (see OBX_STORE_SQL_PLANNER_SETTINGS): with stale
-     * statistics the backlog count scanned the whole table, sent rows
-     * and all, every few seconds. And without JIT, as there. */
+     * index too: with stale statistics the backlog count scanned the whole
+     * table, sent rows and all, every few seconds. */
     PGresult *res = PQexecParams(
         m->conn,
         "SELECT set_config('statement_timeout', $1, false),"
         " set_config('application_name',"
-        "            left(current_setting('application_name'), 50) || '-maintenance', false),"
-        " set_config('enable_seqscan', 'off', false),"
-        " set_config('enable_bitmapscan', 'off', false), set_config('jit', 'off', false)",
+        "            left(current_setting('application_name'), 50) || '-maintenance', false)",
         1, NULL, param, NULL, NULL, 0);
     bool ok = PQresultStatus(res) == PGRES_TUPLES_OK;
     PQclear(res);
+    if (ok) {
+        res = PQexec(m->conn, OBX_STORE_SQL_READ_BY_INDEX);
+        ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+        PQclear(res);
+    }
     if (!ok)
         set_error(m, "cannot set up the session (statement_timeout, planner settings)");
     return ok;

@@ -75,8 +75,8 @@ struct obx_pg {
     char mark_plain_sql[1024]; /* without dead letters */
     char mark_fetch_sql[4096]; /* the plain mark with the keyset fetch */
     struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
-    int64_t *sorted_ids;       /* the mark's ids, sorted into ranges */
-    size_t n_sorted_ids;
+    int64_t *sorted_ids;       /* the mark's ids (relay.max_in_flight), sorted into ranges */
+    size_t max_ids;
     int setup_step; /* 0: the schema check and SETs; then each prepared statement */
 };
 
@@ -798,7 +798,11 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->max_rows = cfg->batch_size;
     obx_histogram_init_batch(&pg->batch_rows);
     pg->rows = obx_calloc((size_t)cfg->batch_size, sizeof(*pg->rows));
-    if (!pg->rows) {
+    pg->max_ids = (size_t)cfg->max_in_flight;
+    pg->sorted_ids = obx_calloc(pg->max_ids, sizeof(*pg->sorted_ids));
+    if (!pg->rows || !pg->sorted_ids) {
+        obx_free(pg->rows);
+        obx_free(pg->sorted_ids);
         obx_free(pg->conninfo);
         obx_free(pg);
         snprintf(err, errlen, "out of memory");
@@ -1036,14 +1040,9 @@ static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int first, c
     struct obx_pg_array *a = pg->params + first;
     for (int k = 0; k < 4; k++)
         obx_pg_array_reset(&a[k]);
-    if (m->n_ids > pg->n_sorted_ids) {
-        int64_t *grown = obx_realloc(pg->sorted_ids, m->n_ids * sizeof(*grown));
-        if (!grown) {
-            obx_error("postgres: out of memory building the mark");
-            return -1;
-        }
-        pg->sorted_ids = grown;
-        pg->n_sorted_ids = m->n_ids;
+    if (m->n_ids > pg->max_ids) { /* cannot happen: one id per slot of the relay */
+        obx_error("postgres: a mark of %zu ids, more than relay.max_in_flight", m->n_ids);
+        return -1;
     }
     if (m->n_ids > 0) {
         memcpy(pg->sorted_ids, m->ids, m->n_ids * sizeof(*m->ids));

@@ -17,22 +17,24 @@
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
     "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations"
-/* The planner settings of the relay's session, which runs only the
- * statements below. Its prepared statements are planned once, not for every
- * execution: planning the keyset fetch and the mark (the selectivity of each
- * of the 1000 ids) took a third of their statement's time. And rows
- * are read by index, in id order, so that plan does not depend on the
+/* Rows read by index, in id order, so that a plan does not depend on the
  * statistics: with stale ones (a burst into a table analyzed while nearly
  * empty) the planner takes the keyset fetch's `id > hwm` for a few hundred
  * rows and reads all of them (a bitmap or sequential scan, then a sort), 60
- * ms instead of 0.5 for each batch of 1000, until autovacuum analyzes. */
+ * ms instead of 0.5 for each batch of 1000, until autovacuum analyzes. And
+ * no JIT compilation: a generic plan's estimates (a mark's ranges taken for
+ * 1000 of 22,000 rows each) pass jit_above_cost, and compiling each run took
+ * 260 ms a batch. For the relay's and the maintenance session. */
+#define OBX_STORE_SQL_READ_BY_INDEX                                                                \
+    "SET enable_seqscan = off; SET enable_bitmapscan = off; SET jit = off"
+/* The planner settings of the relay's session, which runs only the
+ * statements below. Its prepared statements are planned once, not for every
+ * execution: planning the keyset fetch and the mark (the selectivity of each
+ * of the 1000 ids) took a third of their statement's time. No parallel
+ * workers for a batch of 1000. */
 #define OBX_STORE_SQL_PLANNER_SETTINGS                                                             \
-    "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off;"                          \
-    " SET enable_bitmapscan = off;" OBX_STORE_SQL_NO_JIT
-/* Neither JIT compilation nor parallel workers for a batch of 1000: a
- * generic plan's estimates (a mark's ranges taken for 1000 of 22,000 rows
- * each) pass jit_above_cost, and compiling each run took 260 ms a batch. */
-#define OBX_STORE_SQL_NO_JIT " SET jit = off; SET max_parallel_workers_per_gather = 0"
+    "SET plan_cache_mode = force_generic_plan; SET max_parallel_workers_per_gather = "             \
+    "0; " OBX_STORE_SQL_READ_BY_INDEX
 /* One row, one column: 't' if the schema exists at all. */
 #define OBX_STORE_SQL_HAS_SCHEMA "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL"
 

@@ -252,7 +252,7 @@ static void test_burst_with_stale_statistics(void **state)
     h_env_start(&env, (const char *const[]){"it.a:4", NULL});
     PGconn *c = h_connect(&env);
     h_sql(c, "VACUUM ANALYZE outbox.events");
-    h_sql(c, "SET enable_seqscan = off; SET enable_bitmapscan = off"); /* the probe's own reads */
+    h_sql(c, "%s", OBX_STORE_SQL_READ_BY_INDEX); /* the probe's own reads */
     h_relay_start(&env, NULL, NULL);
     h_enqueue(c, "it.a", "warm", "up", 2, NULL);
     wait_none_unsent(c, 20000);
