@@ -55,6 +55,7 @@ struct app {
     struct obx_maint *maint; /* backlog figures and retention */
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
+    uv_timer_t look;      /* the relay's next look for new rows */
     uv_timer_t teardown;  /* closes everything from a fresh loop turn */
     uv_timer_t last_exit; /* unreferenced: fires only if a worker thread keeps the loop */
     int signals;
@@ -162,6 +163,19 @@ static void op_acked(void *io, int64_t created_us)
     obx_health_acked(&a->health, created_us);
 }
 
+static void on_look(uv_timer_t *t)
+{
+    struct app *a = t->data;
+    obx_relay_tick(a->relay, (int64_t)uv_now(&a->loop));
+}
+
+static void op_wake_at(void *io, int64_t when)
+{
+    struct app *a = io;
+    int64_t delay = when - (int64_t)uv_now(&a->loop);
+    uv_timer_start(&a->look, on_look, delay > 0 ? (uint64_t)delay : 0, 0);
+}
+
 static const struct obx_relay_ops relay_ops = {
     .fetch = op_fetch,
     .mark_fetch = op_mark_fetch,
@@ -171,6 +185,7 @@ static const struct obx_relay_ops relay_ops = {
     .stopped = op_stopped,
     .failpoint = op_failpoint,
     .acked = op_acked,
+    .wake_at = op_wake_at,
 };
 
 /* ---- pg events ---- */
@@ -198,12 +213,6 @@ static void recovery_done(bool ok, void *arg)
     if (ok)
         obx_health_recovered(&a->health); /* publishing may start */
     obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
-}
-
-static void pg_notify(void *arg)
-{
-    struct app *a = arg;
-    obx_relay_wakeup(a->relay, (int64_t)uv_now(&a->loop));
 }
 
 /* ---- kafka events ---- */
@@ -315,6 +324,7 @@ static void on_teardown(uv_timer_t *t)
     uv_close((uv_handle_t *)&a->sigint, NULL);
     uv_close((uv_handle_t *)&a->sighup, NULL);
     uv_close((uv_handle_t *)&a->housekeeping, NULL);
+    uv_close((uv_handle_t *)&a->look, NULL);
     uv_close((uv_handle_t *)&a->teardown, NULL);
 }
 
@@ -499,8 +509,7 @@ static void reload(struct app *a)
 
 static int start(struct app *a)
 {
-    static const struct obx_pg_callbacks pg_cb = {
-        .ready = pg_ready, .lost = pg_lost, .notify = pg_notify};
+    static const struct obx_pg_callbacks pg_cb = {.ready = pg_ready, .lost = pg_lost};
     static const struct obx_kafka_callbacks kafka_cb = {.delivery = kafka_delivery,
                                                         .fatal = kafka_fatal};
     static const struct obx_recovery_callbacks recovery_cb = {.done = recovery_done};
@@ -557,7 +566,8 @@ static int start(struct app *a)
     uv_timer_init(&a->loop, &a->housekeeping);
     uv_timer_init(&a->loop, &a->teardown);
     uv_timer_init(&a->loop, &a->last_exit);
-    a->housekeeping.data = a->teardown.data = a->last_exit.data = a;
+    uv_timer_init(&a->loop, &a->look);
+    a->housekeeping.data = a->teardown.data = a->last_exit.data = a->look.data = a;
     uv_timer_start(&a->housekeeping, on_housekeeping, HOUSEKEEPING_MS, HOUSEKEEPING_MS);
     obx_kafka_probe(a->kafka);
     a->next_probe = (int64_t)uv_now(&a->loop) + KAFKA_PROBE_MS;

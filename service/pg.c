@@ -299,9 +299,17 @@ static void start_connect(struct obx_pg *pg)
 {
     /* Our defaults come before dbname, so that the user's conninfo (expanded
      * in place of dbname) overrides them. */
-    const char *const keys[] = {"application_name", "keepalives_idle", "keepalives_interval",
-                                "keepalives_count", "dbname",          NULL};
-    const char *const values[] = {"outboxd", "30", "10", "3", pg->conninfo, NULL};
+    /* target_session_attrs: with several hosts (host=a,b), libpq skips one
+     * that is read-only, such as a hot standby that was the primary before
+     * a failover, and tries the next at once. */
+    const char *const keys[] = {"application_name",
+                                "keepalives_idle",
+                                "keepalives_interval",
+                                "keepalives_count",
+                                "target_session_attrs",
+                                "dbname",
+                                NULL};
+    const char *const values[] = {"outboxd", "30", "10", "3", "read-write", pg->conninfo, NULL};
 
     pg->target[0] = '\0';
     if (pg->started)
@@ -359,9 +367,9 @@ static void send_setup(struct obx_pg *pg)
      * away within about a minute instead of the OS's two hours, so no relay
      * stands by behind a dead session for long. */
     snprintf(sql, sizeof(sql),
-             OBX_STORE_SQL_SCHEMA_VERSION
+             OBX_STORE_SQL_SETUP_CHECK
              ";"
-             " LISTEN " OBX_NOTIFY_CHANNEL "; SET statement_timeout = %lld;"
+             " SET statement_timeout = %lld;"
              " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
              " SET tcp_keepalives_count = 3; " OBX_STORE_SQL_PLANNER_SETTINGS,
              (long long)pg->statement_timeout_ms);
@@ -428,8 +436,22 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         return;
     }
     long version = 0;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
+    bool in_recovery = false;
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 2) {
         version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+        in_recovery = strcmp(PQgetvalue(res, 0, 1), "t") == 0;
+    }
+    if (in_recovery) {
+        /* Its snapshots do not list the primary's running writers, so late
+         * commits would be skipped; and nothing could be marked there. */
+        snprintf(reason, sizeof(reason),
+                 "%s is a hot standby (in recovery): outboxd publishes only from a primary "
+                 "(list the primary in postgres.conninfo; target_session_attrs=any lets "
+                 "libpq pick a standby)",
+                 pg->target);
+        disconnect(pg, reason);
+        return;
+    }
     if (obx_store_schema_problem(version, NULL, reason, sizeof(reason)) != 0) {
         disconnect(pg, reason);
         return;
@@ -466,8 +488,7 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
     uv_timer_stop(&pg->timer);
     pg->attempts = 0;
     change_state(pg, OBX_PG_READY, "relay lock acquired");
-    obx_info("postgres: connected to %s (schema version %ld, listening on %s)", pg->target,
-             pg->schema_version, OBX_NOTIFY_CHANNEL);
+    obx_info("postgres: connected to %s (schema version %ld)", pg->target, pg->schema_version);
     if (pg->lost_pending) { /* the old session's end comes first */
         uv_timer_stop(&pg->deferred);
         pg->lost_pending = false;
@@ -631,12 +652,9 @@ static bool awaiting_answer(const struct obx_pg *pg)
     return pg->state == OBX_PG_SETUP || pg->state == OBX_PG_LOCKING || pg->state == OBX_PG_BUSY;
 }
 
-/* Reads what the server sent: notifications and results. */
+/* Reads what the server sent: results. */
 static void consume(struct obx_pg *pg)
 {
-    PGnotify *n;
-    bool notified = false;
-
     if (!PQconsumeInput(pg->conn)) {
         disconnect_with_error(pg, "read failed");
         return;
@@ -676,18 +694,8 @@ static void consume(struct obx_pg *pg)
         if (!pg->conn)
             return; /* disconnected or closed by what ran */
     }
-    if (PQstatus(pg->conn) == CONNECTION_BAD) {
+    if (PQstatus(pg->conn) == CONNECTION_BAD)
         disconnect_with_error(pg, "server closed the connection");
-        return;
-    }
-    /* Last: PQgetResult above may have parsed notifications that arrived
-     * behind a result; nothing would wake us for them until the next poll. */
-    while ((n = PQnotifies(pg->conn)) != NULL) {
-        notified = true;
-        PQfreemem(n);
-    }
-    if (notified && obx_pg_usable(pg))
-        pg->cb.notify(pg->arg);
 }
 
 static void on_poll(uv_poll_t *h, int status, int events)

@@ -15,6 +15,9 @@
 #define MAX_BLOCKED 1024
 /* Longest pause between retries of a refused row. */
 #define MAX_REJECT_BACKOFF_MS (60 * 1000)
+/* The pause before the next look for new rows after a fetch that found
+ * some; each look that finds none doubles it, up to relay.poll_interval. */
+#define POLL_MIN_MS 1
 
 enum slot_state {
     SLOT_FREE = 0,
@@ -89,6 +92,8 @@ struct obx_relay {
      * fetch ignored, a new session) clears `cursor_ok`; the next fetch is
      * then a full one, which excludes what is in flight and sets it again. */
     bool cursor_ok;
+    uint64_t cursor_gen; /* counts cursor_clear() calls */
+    uint64_t fetch_gen;  /* cursor_gen when the fetch in flight was sent */
     int64_t hwm;
     char *snap;
     size_t snap_cap;
@@ -105,10 +110,11 @@ struct obx_relay {
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
 
-    bool recovered;        /* the start-up recovery pass has succeeded */
-    bool want_fetch;       /* rows may be waiting: NOTIFY, poll, full batch */
-    int64_t not_before;    /* back-off: no statement before this time */
-    int64_t last_fetch_at; /* when the last fetch was sent (poll fallback) */
+    bool recovered;       /* the start-up recovery pass has succeeded */
+    bool want_fetch;      /* rows may be waiting: a look is due, a full batch, ... */
+    int64_t not_before;   /* back-off: no statement before this time */
+    int64_t poll_delay;   /* the pause before the next look for new rows */
+    int64_t next_look_at; /* when that look is due */
 
     int64_t now; /* time of the event being handled */
     bool draining;
@@ -201,6 +207,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
         r->slots[i].next_free = i + 1 < s->max_in_flight ? i + 1 : -1;
     r->free_head = 0;
     r->want_fetch = true;
+    r->poll_delay = POLL_MIN_MS;
     r->bytes_limit = s->batch_size;
     *out = r;
     return 0;
@@ -282,6 +289,16 @@ static void slot_release(struct obx_relay *r, struct slot *s)
     r->in_use--;
 }
 
+/* Something broke the cursor's promise (a row back unsent below hwm, a
+ * key no longer held back, a new session): the next fetch is a full one.
+ * A fetch already in flight was sent before it and cannot set the cursor
+ * again when it answers. */
+static void cursor_clear(struct obx_relay *r)
+{
+    r->cursor_ok = false;
+    r->cursor_gen++;
+}
+
 /* ---- keys held back behind a refused row (relay.on_reject = retry) ---- */
 
 static struct blocked *find_block_by_id(struct obx_relay *r, int64_t id)
@@ -311,7 +328,7 @@ static void unblock(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
-    r->cursor_ok = false; /* its key's later rows may be waiting below hwm */
+    cursor_clear(r); /* its key's later rows may be waiting below hwm */
     obx_info("relay: row %lld delivered after %d refusals; its key goes on", (long long)id,
              b->attempts);
     obx_free(b->key);
@@ -324,7 +341,7 @@ static void drop_block(struct obx_relay *r, int64_t id)
     struct blocked *b = find_block_by_id(r, id);
     if (!b)
         return;
-    r->cursor_ok = false;
+    cursor_clear(r);
     obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
@@ -354,7 +371,7 @@ static struct blocked *due_probe(struct obx_relay *r, int64_t now)
 static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
                   int64_t now)
 {
-    r->cursor_ok = false; /* it is below hwm, and comes back by a full fetch */
+    cursor_clear(r); /* it is below hwm, and comes back by a full fetch */
     struct blocked *b = find_block_by_id(r, id);
     if (!b) {
         if (r->n_blocked == MAX_BLOCKED) {
@@ -477,12 +494,11 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     f->max_row_bytes = f->limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f->limit;
     if (f->max_row_bytes > r->set.max_payload)
         f->max_row_bytes = r->set.max_payload;
-    /* Caught up and with nothing in flight, the full fetch excludes
-     * nothing: it is the plain ordered scan. The keyset fetch would look
-     * for late rows among every row committed since its snapshot, which
-     * after a pause is the whole burst that ended it (all 200,000 rows of
-     * one transaction took 33 ms where the plain scan takes 0.5). */
-    bool keyset = r->cursor_ok && !(r->caught_up && r->in_use == 0);
+    /* The keyset fetch whenever the cursor holds, caught up or not: it
+     * starts from hwm, where a full fetch walks the unsent-row index from
+     * its lowest entry, past every row marked or deleted since the last
+     * vacuum (and a held xmin horizon keeps them all). */
+    bool keyset = r->cursor_ok;
     for (size_t i = 0; i < r->n_blocked && keyset; i++)
         keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
@@ -516,13 +532,13 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
         if (f->exclude[i] > max_ex)
             max_ex = f->exclude[i];
     r->fetch_after = f->after_id;
+    r->fetch_gen = r->cursor_gen;
     r->fetches[f->after_id > 0]++;
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
     const struct blocked *probe = r->n_blocked > 0 && f->after_id == 0 ? due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : 0;
     r->want_fetch = false;
-    r->last_fetch_at = now;
 }
 
 /* The fetch in flight (alone or beside a mark) will not answer: fetch
@@ -532,17 +548,40 @@ static void fetch_gone(struct obx_relay *r)
     r->fetch_riding = false;
     r->discard_fetch = false;
     r->want_fetch = true;
-    r->cursor_ok = false;
+    cursor_clear(r);
+}
+
+/* Whether a fetch may go now. */
+static bool fetch_allowed(struct obx_relay *r, int64_t now)
+{
+    if (r->draining || !r->recovered)
+        return false;
+    /* A probe goes to Kafka alone: nothing else is fetched while it is out,
+     * and it waits until no other row's report is pending. */
+    return !(r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)));
 }
 
 /* Whether a fetch should go now (beside a mark, or alone). */
 static bool fetch_wanted(struct obx_relay *r, int64_t now)
 {
-    if (r->draining || !r->recovered || !r->want_fetch)
-        return false;
-    /* A probe goes to Kafka alone: nothing else is fetched while it is out,
-     * and it waits until no other row's report is pending. */
-    return !(r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)));
+    return r->want_fetch && fetch_allowed(r, now);
+}
+
+/* A fetch answered with `n` rows: when to look for new rows next. Rows
+ * keep coming: look again soon. None: look less often, down to one look
+ * every relay.poll_interval while nothing is written. */
+static void schedule_look(struct obx_relay *r, size_t n, int64_t now)
+{
+    if (n > 0) {
+        r->poll_delay = POLL_MIN_MS;
+    } else {
+        r->poll_delay *= 2;
+        if (r->poll_delay > r->set.poll_interval_ms)
+            r->poll_delay = r->set.poll_interval_ms;
+    }
+    r->next_look_at = now + r->poll_delay;
+    if (r->ops->wake_at)
+        r->ops->wake_at(r->io, r->next_look_at);
 }
 
 /* Marks every ACKED slot and dead-letters every DEAD one, in one
@@ -571,12 +610,13 @@ static bool start_mark(struct obx_relay *r, int64_t now)
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
     }
-    /* The next keyset fetch rides along in the same statement: one round
-     * trip, and Postgres does not wait for us between the two. (It reads
-     * nothing the mark changes: marked rows lie at or below hwm.) */
+    /* A keyset fetch rides along in the same statement, due or not: one
+     * round trip, Postgres does not wait for us between the two, and the
+     * look for new rows costs next to nothing there. (It reads nothing the
+     * mark changes: marked rows lie at or below hwm.) */
     struct obx_fetch f;
     int rc = 1;
-    if (r->ops->mark_fetch && m.n_dead == 0 && fetch_wanted(r, now) &&
+    if (r->ops->mark_fetch && m.n_dead == 0 && fetch_allowed(r, now) &&
         build_fetch(r, now, &f, true))
         rc = r->ops->mark_fetch(r->io, &m, &f);
     if (rc < 0)
@@ -693,7 +733,7 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
     set_state(r, OBX_RELAY_IDLE, "postgres ready");
     progress(r, now); /* the lock was just acquired: the clock starts now */
     r->want_fetch = true;
-    r->cursor_ok = false; /* another relay may have sent or left rows meanwhile */
+    cursor_clear(r); /* another relay may have sent or left rows meanwhile */
     r->not_before = 0;
     kick(r, now);
 }
@@ -723,7 +763,7 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
     if (ok) {
         r->recovered = true;
         r->want_fetch = true;
-        r->cursor_ok = false; /* it may have marked rows, or left some */
+        cursor_clear(r); /* it may have marked rows, or left some */
         progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -740,7 +780,7 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
             slot_release(r, r->batch[j]);
     if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
         r->discard_fetch = true;
-    r->cursor_ok = false; /* they are below hwm now */
+    cursor_clear(r); /* they are below hwm now */
 }
 
 /* Keeps a copy of the fetch's snapshot for the next keyset fetch. */
@@ -790,6 +830,10 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     }
     if (last > r->top_id)
         r->top_id = last;
+    /* Cleared since this fetch was sent: what it did not return may lie
+     * below hwm now (a row that was in flight then, a row its key's hold
+     * kept out). */
+    ok = ok && r->fetch_gen == r->cursor_gen;
     r->cursor_ok = ok && snapshot && keep_snapshot(r, snapshot);
 }
 
@@ -814,7 +858,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
          * all go out: these rows would overtake the ones it left behind. */
         r->discard_fetch = false;
         r->want_fetch = true;
-        r->cursor_ok = false;
+        cursor_clear(r);
         kick(r, now);
         return;
     }
@@ -865,6 +909,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
                   (long long)rows[n_take].id, rows[n_take].payload_len, r->bytes_limit);
     cursor_advance(r, rows, n, n_take, snapshot);
     r->caught_up = n < (size_t)r->fetch_limit;
+    schedule_look(r, n, now);
     /* Take a slot for every row first, so that the next statement can go to
      * Postgres now (its exclusions, or the cursor, cover these rows) and run
      * while we hand the rows to Kafka: Postgres does not wait for our CPU. */
@@ -874,17 +919,17 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         r->batch[i] = NULL;
         if (topic < 0) {
             obx_error("relay: out of memory for topic names");
-            r->cursor_ok = false; /* the rest was not taken */
+            cursor_clear(r); /* the rest was not taken */
             break;
         }
         if (r->n_blocked > 0 && held_back(r, row, (uint32_t)topic)) {
-            r->cursor_ok = false; /* fetched, not taken: below hwm */
-            continue;             /* a refused row of its key comes first */
+            cursor_clear(r); /* fetched, not taken: below hwm */
+            continue;        /* a refused row of its key comes first */
         }
         struct slot *s = slot_alloc(r, row->id, (uint32_t)topic);
         if (!s) { /* cannot happen: the fetch limit was the free slot count */
             obx_error("relay: no free slot for row %lld", (long long)row->id);
-            r->cursor_ok = false;
+            cursor_clear(r);
             break;
         }
         s->created_us = row->created_us;
@@ -903,7 +948,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             continue;
         if (r->n_blocked > 0 && held_back(r, row, s->topic)) {
             slot_release(r, s); /* its key was refused earlier in this batch */
-            r->cursor_ok = false;
+            cursor_clear(r);
             continue;
         }
         bool alone = row->id == probe_id;
@@ -1068,7 +1113,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
                      reason ? reason : "unknown error");
         }
         slot_release(r, s);
-        r->cursor_ok = false; /* unsent below hwm: a full fetch finds it */
+        cursor_clear(r); /* unsent below hwm: a full fetch finds it */
         r->want_fetch = true;
         r->not_before = now + r->set.retry_backoff_ms;
         break;
@@ -1083,19 +1128,12 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     kick(r, now);
 }
 
-void obx_relay_wakeup(struct obx_relay *r, int64_t now)
-{
-    r->now = now;
-    r->want_fetch = true;
-    kick(r, now);
-}
-
 void obx_relay_tick(struct obx_relay *r, int64_t now)
 {
     r->now = now;
     if (r->state == OBX_RELAY_STOPPED)
         return;
-    if (now - r->last_fetch_at >= r->set.poll_interval_ms)
+    if (now >= r->next_look_at)
         r->want_fetch = true;
     for (size_t i = 0; i < r->n_blocked; i++)
         if (r->blocked[i].retry_at <= now)

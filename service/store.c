@@ -10,12 +10,15 @@
 #include <stdio.h>
 
 /* Migration file for each schema version, for the "apply this" message. */
+/* clang-format off */
 static const char *const migrations[] = {
     [1] = "sql/001_outbox.sql",
     [2] = "sql/002_recovery.sql",
     [3] = "sql/003_reserved_header.sql",
     [4] = "sql/004_fetch_cursor.sql",
+    [5] = "sql/005_no_notify.sql",
 };
+/* clang-format on */
 _Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
                "every schema version up to OBX_SCHEMA_VERSION names its migration file");
 
@@ -84,6 +87,9 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
     "        AS h(topic, key, id)"                                                                 \
     "      WHERE h.topic = " t ".topic AND h.key = " t ".key AND " t ".id > h.id))"
 
+/* The lowest bigint, as a literal Postgres reads as one. */
+#define MIN_BIGINT "(-9223372036854775807 - 1)::bigint"
+
 /* One clause a line; clang-format would pack them. */
 /* clang-format off */
 /* Every unsent row but those in flight, whose ids come between the two
@@ -102,12 +108,21 @@ static const char SQL_FETCH_FULL_TAIL[] =
     "  ORDER BY e.id LIMIT $1::int)) b";
 
 /* The keyset fetch: rows above $1 (the highest id handed out), and the rows
- * below it whose transaction was still running in snapshot $7 (the previous
- * fetch's), i.e. late commits, found by the partial index on xid. Nothing in
- * flight can be among them, so nothing is excluded and the cost does not
- * grow with the rows in flight. The late part's "id + 0" keeps the id
- * indexes out of it: walking ids up to $1 means walking every row in flight
- * (the planner likes that path for its order and its LIMIT). */
+ * below it whose transaction snapshot $7 (the previous fetch's) did not see
+ * as committed: late commits. Those are the transactions it lists as
+ * running, and any that began after it (an INSERT draws its id a moment
+ * before its transaction takes an xid). Each is a range of the (xid, id)
+ * index, however many rows the transaction wrote above $1 and however long
+ * it has been open. Nothing in flight can be among these rows, so nothing
+ * is excluded and the cost does not grow with the rows in flight. The late
+ * parts must not walk the ids up to $1, which means every row in flight
+ * (the planner likes that path for its order and its LIMIT, and with stale
+ * statistics any path looks cheap): LATERAL makes the running transactions
+ * the outer side, a row comparison is a condition only the (xid, id) index
+ * can take, and the order by (xid, id) is one only it gives. The last part
+ * has no LIMIT, which would cut it in (xid, id) order: its rows are few
+ * (an INSERT that drew its id just before the snapshot, a dead letter put
+ * back), and its index entries are read without a visit to the table. */
 static const char SQL_FETCH_KEYSET[] =
     FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS("e", "$6")
@@ -116,12 +131,19 @@ static const char SQL_FETCH_KEYSET[] =
                 FETCH_HELD_BACK("u", "$3", "$4", "$5")
     "         ORDER BY u.id LIMIT $2::int)"
     "        UNION ALL"
-    "        (SELECT * FROM outbox.events l"
-    "         WHERE l.sent_at IS NULL AND l.id + 0 <= $1::bigint"
-    "           AND l.xid >= pg_snapshot_xmin($7::pg_snapshot)"
-    "           AND NOT pg_visible_in_snapshot(l.xid, $7::pg_snapshot)"
-                FETCH_HELD_BACK("l", "$3", "$4", "$5")
-    "         ORDER BY l.id + 0 LIMIT $2::int)) e"
+    "        (SELECT l.* FROM pg_snapshot_xip($7::pg_snapshot) AS x(xid),"
+    "           LATERAL (SELECT * FROM outbox.events l"
+    "                    WHERE l.sent_at IS NULL AND l.xid = x.xid"
+    "                      AND (l.xid, l.id) <= (x.xid, $1::bigint)"
+                           FETCH_HELD_BACK("l", "$3", "$4", "$5")
+    "                    ORDER BY l.xid, l.id LIMIT $2::int) l"
+    "         ORDER BY l.id + 0 LIMIT $2::int)"
+    "        UNION ALL"
+    "        (SELECT * FROM outbox.events n"
+    "         WHERE n.sent_at IS NULL AND n.id <= $1::bigint"
+    "           AND (n.xid, n.id) >= (pg_snapshot_xmax($7::pg_snapshot), " MIN_BIGINT ")"
+                FETCH_HELD_BACK("n", "$3", "$4", "$5")
+    "         ORDER BY n.xid, n.id)) e"
     "  ORDER BY e.id LIMIT $2::int)) b";
 /* clang-format on */
 

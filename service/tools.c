@@ -551,8 +551,6 @@ static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
             PGRES_TUPLES_OK);
     if (!r)
         goto rollback;
-    if (retry)
-        PQclear(run(c, t->tool, OBX_STORE_SQL_WAKE, 0, NULL, PGRES_TUPLES_OK));
     PGresult *done = run(c, t->tool, "COMMIT", 0, NULL, PGRES_COMMAND_OK);
     if (!done)
         goto out;
@@ -627,7 +625,6 @@ static int replay(const struct obx_tool_args *t, const struct obx_config *cfg)
     PGresult *r = run(c, t->tool, obx_store_sql_replay(), 4, v, PGRES_COMMAND_OK);
     if (!r)
         goto out;
-    PQclear(run(c, t->tool, OBX_STORE_SQL_WAKE, 0, NULL, PGRES_TUPLES_OK));
     obx_info("replay: %s rows of topic %s marked unsent for publishing again", PQcmdTuples(r),
              t->topic);
     printf("replay: %s rows queued again; the relay publishes them in id order\n", PQcmdTuples(r));

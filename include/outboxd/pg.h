@@ -40,15 +40,13 @@
  * one's session ends, so two relays never publish the same rows. The space
  * differs from enqueue()'s per-key locks ('obxd'). */
 #define OBX_RELAY_LOCK "1868724338, 0"
-/* NOTIFY channel used by outbox.enqueue(). */
-#define OBX_NOTIFY_CHANNEL "outboxd"
 
 /* The connection's state machine. One function changes it (pg.c
  * change_state), logs old -> new and refuses impossible moves. */
 enum obx_pg_state {
     OBX_PG_DISCONNECTED = 0, /* no connection; reconnect timer armed */
     OBX_PG_CONNECTING,       /* PQconnectPoll in progress */
-    OBX_PG_SETUP,            /* schema check, LISTEN, SETs in flight */
+    OBX_PG_SETUP,            /* schema and recovery check, SETs, prepares in flight */
     OBX_PG_LOCKING,          /* pg_try_advisory_lock(relay lock) in flight */
     OBX_PG_STANDBY,          /* another outboxd holds the lock: idle (no snapshot), the
                               * lock is tried again every OBX_PG_STANDBY_POLL_MS */
@@ -69,8 +67,6 @@ struct obx_pg_callbacks {
      * later loop turn than the event that broke the connection, never from
      * inside an obx_pg_* call. A reconnect is already scheduled. */
     void (*lost)(void *arg);
-    /* A NOTIFY arrived on the wake-up channel. */
-    void (*notify)(void *arg);
 };
 
 /* Completion of one request: `res` on success (valid during the call), or

@@ -121,6 +121,10 @@ struct obx_relay_ops {
     /* A row created at `created_us` (Unix microseconds) was acknowledged:
      * for the latency histogram. May be NULL. */
     void (*acked)(void *io, int64_t created_us);
+    /* The relay wants obx_relay_tick at monotonic time `when` (the next
+     * look for new rows); replaces any earlier request. May be NULL (then
+     * only the caller's periodic tick drives it). */
+    void (*wake_at)(void *io, int64_t when);
 };
 
 enum obx_on_reject {
@@ -167,9 +171,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
 void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery outcome,
                            int32_t partition, int64_t offset, const char *key, size_t key_len,
                            const char *reason, int64_t now);
-/* NOTIFY arrived: new rows may be committed. */
-void obx_relay_wakeup(struct obx_relay *r, int64_t now);
-/* Housekeeping: poll fallback, back-offs, shutdown deadline. */
+/* Timers: the look for new rows, back-offs, shutdown deadline. */
 void obx_relay_tick(struct obx_relay *r, int64_t now);
 /* Stop fetching; finish in-flight rows (bounded by the shutdown timeout). */
 void obx_relay_shutdown(struct obx_relay *r, int64_t now);

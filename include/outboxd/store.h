@@ -12,7 +12,7 @@
 #include <stddef.h>
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 4
+#define OBX_SCHEMA_VERSION 5
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -35,6 +35,11 @@
 #define OBX_STORE_SQL_PLANNER_SETTINGS                                                             \
     "SET plan_cache_mode = force_generic_plan; SET max_parallel_workers_per_gather = "             \
     "0; " OBX_STORE_SQL_READ_BY_INDEX
+/* The relay session's first statement. One row: the schema's version, and
+ * whether the server is in recovery (a hot standby: the relay publishes
+ * only from a primary, whose snapshots list every running writer). */
+#define OBX_STORE_SQL_SETUP_CHECK                                                                  \
+    "SELECT coalesce(max(version), 0), pg_is_in_recovery() FROM outbox.schema_migrations"
 /* One row, one column: 't' if the schema exists at all. */
 #define OBX_STORE_SQL_HAS_SCHEMA "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL"
 
@@ -130,7 +135,5 @@ const char *obx_store_sql_replay_plan(void);
 /* Marks those rows unsent again (the relay publishes them again, ids
  * kept); returns how many. */
 const char *obx_store_sql_replay(void);
-/* Wakes the relay (its LISTEN channel). */
-#define OBX_STORE_SQL_WAKE "SELECT pg_notify('outboxd', '')"
 
 #endif

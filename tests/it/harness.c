@@ -154,8 +154,10 @@ void h_pg_start(struct h_env *e)
                       "-c",
                       "fsync=off",
                       "-c",
-                      "max_connections=60"};
-    int argc = 13;
+                      "max_connections=60",
+                      "-c", /* applications that PREPARE (two-phase commit) */
+                      "max_prepared_transactions=4"};
+    int argc = 15;
     for (int i = 0; i < 8 && e->pg_opts[i]; i++) {
         argv[argc++] = "-c";
         argv[argc++] = (char *)e->pg_opts[i];
@@ -549,7 +551,6 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
              "kafka.bootstrap.servers = %s\n"
              "postgres.reconnect_backoff_min = 50ms\n"
              "postgres.reconnect_backoff_max = 500ms\n"
-             "relay.poll_interval = 500ms\n"
              "relay.retry_backoff = 200ms\n"
              "shutdown.timeout = 20s\n"
              "http.listen = 127.0.0.1:%d\n"

@@ -44,7 +44,7 @@ static void test_defaults(void **state)
     assert_int_equal(cfg->batch_size, 1000);
     assert_int_equal(cfg->max_in_flight, 10000);
     assert_int_equal(cfg->on_sent, OBX_ON_SENT_MARK);
-    assert_int_equal(cfg->poll_interval_ms, 1000);
+    assert_int_equal(cfg->poll_interval_ms, 10);
     assert_int_equal(cfg->shutdown_timeout_ms, 30000);
     assert_int_equal(cfg->log_level, OBX_LOG_INFO);
     assert_null(cfg->pg_conninfo);
@@ -134,13 +134,13 @@ static void test_durations(void **state)
         {"", -1},       {"-1s", -1},  {"10d", -1},    {"2h", -1}, /* above the 1h maximum */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        int rc = obx_config_set(cfg, "relay.poll_interval", cases[i].text, "t", err, sizeof(err));
+        int rc = obx_config_set(cfg, "relay.retry_backoff", cases[i].text, "t", err, sizeof(err));
         if (cases[i].ms < 0) {
             assert_int_equal(rc, -1);
-            assert_non_null(strstr(err, "relay.poll_interval must be a duration"));
+            assert_non_null(strstr(err, "relay.retry_backoff must be a duration"));
         } else {
             assert_int_equal(rc, 0);
-            assert_int_equal(cfg->poll_interval_ms, cases[i].ms);
+            assert_int_equal(cfg->retry_backoff_ms, cases[i].ms);
         }
     }
 }

@@ -58,6 +58,9 @@ struct fake {
 
     int stopped;
     int exit_code;
+
+    int wake_requests; /* calls of ops->wake_at */
+    int64_t wake_at;   /* the last one's time */
 };
 
 static int fake_fetch(void *io, const struct obx_fetch *f)
@@ -147,6 +150,13 @@ static void fake_stopped(void *io, int exit_code)
     f->exit_code = exit_code;
 }
 
+static void fake_wake_at(void *io, int64_t when)
+{
+    struct fake *f = io;
+    f->wake_requests++;
+    f->wake_at = when;
+}
+
 static const struct obx_relay_ops ops = {
     .fetch = fake_fetch,
     .mark = fake_mark,
@@ -154,6 +164,7 @@ static const struct obx_relay_ops ops = {
     .produce = fake_produce,
     .recover = fake_recover,
     .stopped = fake_stopped,
+    .wake_at = fake_wake_at,
 };
 
 struct ctx {
@@ -219,6 +230,15 @@ static void ack(struct ctx *c, int k, bool ok, int64_t now)
     ack_as(c, k, ok ? OBX_DELIVERED : OBX_DELIVERY_RETRY, now);
 }
 
+/* The main loop's timer fires at `now` for the look for new rows the relay
+ * asked for: it must have asked for one due by then. */
+static void look(struct ctx *c, int64_t now)
+{
+    assert_true(c->f.wake_requests > 0);
+    assert_true(c->f.wake_at <= now);
+    obx_relay_tick(c->r, now);
+}
+
 /* Slots [from, to) delivered at `now`, their marks done a moment later,
  * and the relay woken after that. */
 static void ack_range_marked(struct ctx *c, int from, int to, int64_t now)
@@ -227,7 +247,7 @@ static void ack_range_marked(struct ctx *c, int from, int to, int64_t now)
         ack(c, k, true, now);
     while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
         obx_relay_on_marked(c->r, now + 1);
-    obx_relay_wakeup(c->r, now + 2);
+    look(c, now + 2);
 }
 
 /* Postgres ready and the recovery pass done: the relay fetches. */
@@ -301,39 +321,46 @@ static void test_exclusion_and_backpressure(void **state)
 
     fetched(c, 5, 2, 0);
     assert_int_equal(obx_relay_in_flight(c->r), 6);
-    obx_relay_wakeup(c->r, 0);
+    look(c, 1);
     obx_relay_tick(c->r, 5000);
     assert_int_equal(c->f.fetches, 2); /* full: no fetch while 6 are in flight */
 
     ack(c, 0, true, 10); /* mark id 1, then a slot frees */
     obx_relay_on_marked(c->r, 11);
-    obx_relay_wakeup(c->r, 12);
+    look(c, 12);
     assert_int_equal(c->f.fetches, 3);
     assert_int_equal(c->f.limit, 1);
     assert_false(excluded(c, 1)); /* marked: no longer in flight */
     assert_true(excluded(c, 6));
 }
 
-static void test_notify_and_poll(void **state)
+/* The look for new rows (no wake-up comes from the writers): 1 ms after a
+ * fetch that found rows, then twice as long after each one that found
+ * none, up to relay.poll_interval (1000 ms here). No fetch before it is
+ * due, and rows found bring it back to 1 ms. */
+static void test_adaptive_look(void **state)
 {
     struct ctx *c = *state;
     ready(c, 0);
-    fetched(c, 1, 0, 0);
+    fetched(c, 1, 2, 10);
+    assert_int_equal(c->f.wake_at, 11);
+    obx_relay_tick(c->r, 10);
     assert_int_equal(c->f.fetches, 1);
-    obx_relay_tick(c->r, 500);
-    assert_int_equal(c->f.fetches, 1); /* poll interval not reached */
-    obx_relay_wakeup(c->r, 600);       /* NOTIFY */
+    look(c, 11);
     assert_int_equal(c->f.fetches, 2);
-    fetched(c, 1, 0, 601);
-    obx_relay_tick(c->r, 1500);
-    assert_int_equal(c->f.fetches, 2);
-    obx_relay_tick(c->r, 1600); /* 1000 ms after the last fetch */
-    assert_int_equal(c->f.fetches, 3);
-
-    /* A NOTIFY during a fetch is not lost: fetch again after it. */
-    obx_relay_wakeup(c->r, 1601);
-    fetched(c, 1, 0, 1602);
-    assert_int_equal(c->f.fetches, 4);
+    int64_t now = 11, expect = 2;
+    for (int i = 0; i < 12; i++) { /* 2, 4, ..., 512, then 1000 */
+        fetched(c, 0, 0, now);
+        assert_int_equal(c->f.wake_at - now, expect);
+        obx_relay_tick(c->r, c->f.wake_at - 1);
+        assert_int_equal(c->f.fetches, 2 + i);
+        now = c->f.wake_at;
+        look(c, now);
+        assert_int_equal(c->f.fetches, 3 + i);
+        expect = expect * 2 > 1000 ? 1000 : expect * 2;
+    }
+    fetched(c, 20, 1, now);
+    assert_int_equal(c->f.wake_at, now + 1);
 }
 
 static void test_pg_lost_remarks_first(void **state)
@@ -384,7 +411,7 @@ static void test_query_failed_backs_off(void **state)
     ready(c, 0);
     obx_relay_on_query_failed(c->r, "permission denied", 100);
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
-    obx_relay_wakeup(c->r, 200);
+    obx_relay_tick(c->r, 200);
     assert_int_equal(c->f.fetches, 1); /* within the 500 ms back-off */
     obx_relay_tick(c->r, 600);
     assert_int_equal(c->f.fetches, 2);
@@ -484,7 +511,7 @@ static void test_recovery_retried(void **state)
     obx_relay_on_pg_ready(c->r, 0);
     obx_relay_on_recovered(c->r, false, 10); /* e.g. Kafka unreachable */
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
-    obx_relay_wakeup(c->r, 20);
+    obx_relay_tick(c->r, 20);
     assert_int_equal(c->f.fetches, 0);
     assert_int_equal(c->f.recovers, 1);
     obx_relay_tick(c->r, 600); /* after the back-off */
@@ -691,7 +718,7 @@ static void test_batch_refused_rows_go_alone(void **state)
     assert_int_equal(c->f.produced_ids[4], 1); /* alone */
     fetches = c->f.fetches;
     obx_relay_tick(c->r, 2000);
-    obx_relay_wakeup(c->r, 2001);
+    look(c, 2001);
     assert_int_equal(c->f.fetches, fetches); /* nothing else while it is out */
 
     report(c, 4, OBX_DELIVERY_BATCH_REFUSED, 2002); /* refused alone: the row itself */
@@ -745,7 +772,7 @@ static void test_shutdown_drains(void **state)
     ready(c, 0);
     fetched(c, 1, 2, 0);
     obx_relay_shutdown(c->r, 10);
-    obx_relay_wakeup(c->r, 11);
+    look(c, 11);
     obx_relay_tick(c->r, 2000);
     assert_int_equal(c->f.fetches, 1); /* no fetch while draining */
     assert_int_equal(c->f.stopped, 0);
@@ -929,11 +956,10 @@ static void test_keyset_fetch(void **state)
     assert_int_equal(c->f.n_exclude, 5);                         /* and row 9 */
 }
 
-/* Caught up and with nothing in flight, the next fetch is a full one
- * although the cursor holds: it excludes nothing, and the keyset fetch would
- * look for late rows among all that was committed since its snapshot. In a
- * backlog (the last fetch was full) the cursor goes on. */
-static void test_full_fetch_when_nothing_in_flight(void **state)
+/* Caught up and with nothing in flight, the next fetch is a keyset one
+ * too: a full one would walk the unsent-row index from its lowest entry,
+ * past every row marked since the last vacuum. */
+static void test_keyset_when_nothing_in_flight(void **state)
 {
     struct ctx *c = *state;
     c->snapshot = "100:100:";
@@ -942,8 +968,9 @@ static void test_full_fetch_when_nothing_in_flight(void **state)
     assert_int_equal(c->f.after_id, 4);               /* rows in flight: keyset */
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1); /* caught up */
     ack_range_marked(c, 0, 4, 2);
+    assert_int_equal(obx_relay_in_flight(c->r), 0);
     assert_int_equal(c->f.fetches, 3);
-    assert_int_equal(c->f.after_id, 0);
+    assert_int_equal(c->f.after_id, 4);
     assert_int_equal(c->f.n_exclude, 0);
     fetched_snap(c, (const int64_t[]){5, 6, 7, 8}, 4, 0, 0, 5); /* a backlog */
     assert_int_equal(c->f.after_id, 8);
@@ -951,7 +978,7 @@ static void test_full_fetch_when_nothing_in_flight(void **state)
     int fetches = c->f.fetches;
     ack_range_marked(c, 4, 10, 7);
     assert_int_equal(c->f.fetches, fetches + 1);
-    assert_int_equal(c->f.after_id, 10); /* nothing in flight, but not caught up */
+    assert_int_equal(c->f.after_id, 10);
 }
 
 /* Whatever puts a row back below the cursor makes the next fetch a full one. */
@@ -961,7 +988,7 @@ static void test_keyset_cleared_by_a_row_back(void **state)
     c->snapshot = "100:100:";
     ready(c, 0);
     fetched_snap(c, (const int64_t[]){1, 2, 3}, 3, 0, 0, 0); /* short: cursor at 3 */
-    obx_relay_wakeup(c->r, 1);
+    look(c, 1);
     assert_int_equal(c->f.after_id, 3);
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
     ack(c, 1, false, 2); /* row 2 comes back unsent */
@@ -970,7 +997,7 @@ static void test_keyset_cleared_by_a_row_back(void **state)
     assert_true(excluded(c, 1));
     assert_false(excluded(c, 2));
     fetched_snap(c, (const int64_t[]){2, 4}, 2, 0, 0, 600);
-    obx_relay_wakeup(c->r, 601);
+    look(c, 601);
     assert_int_equal(c->f.after_id, 4); /* set again by the full fetch */
 
     /* A new session: full. */
@@ -981,8 +1008,27 @@ static void test_keyset_cleared_by_a_row_back(void **state)
     /* No snapshot in the answer: full again. */
     c->snapshot = NULL;
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 605);
-    obx_relay_wakeup(c->r, 606);
+    look(c, 609); /* the third empty look in a row: 4 ms later */
     assert_int_equal(c->f.after_id, 0);
+}
+
+/* A row back unsent while a keyset fetch is out: that fetch was sent while
+ * the row was in flight, so its answer cannot set the cursor again (the row
+ * lies below hwm, and no keyset fetch would find it). */
+static void test_cursor_not_set_by_an_earlier_fetch(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2, 3}, 3, 0, 0, 0); /* short: cursor at 3 */
+    look(c, 1);
+    assert_int_equal(c->f.after_id, 3);
+    ack(c, 1, false, 2); /* row 2 comes back unsent while the fetch is out */
+    fetched_snap(c, (const int64_t[]){4}, 1, 0, 0, 3);
+    obx_relay_tick(c->r, 600); /* after the back-off */
+    assert_int_equal(c->f.after_id, 0);
+    assert_false(excluded(c, 2));
+    assert_true(excluded(c, 1) && excluded(c, 3) && excluded(c, 4));
 }
 
 /* A full fetch cut short below what is in flight sets no cursor: the rows
@@ -993,7 +1039,7 @@ static void test_keyset_not_from_a_short_look(void **state)
     c->snapshot = "100:100:";
     ready(c, 0);
     fetched_snap(c, (const int64_t[]){10, 11, 12}, 3, 0, 0, 0);
-    obx_relay_wakeup(c->r, 1);
+    look(c, 1);
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
     ack(c, 0, false, 2); /* row 10 back: a full fetch */
     obx_relay_tick(c->r, 600);
@@ -1037,7 +1083,7 @@ static void test_byte_budget_withholds(void **state)
     c->f.reject_id = 7; /* as kafka.c refuses an oversize row */
     obx_relay_on_fetched(c->r, rows, 2, c->snapshot, 4);
     assert_int_equal(c->f.produced, 5); /* row 8 */
-    obx_relay_wakeup(c->r, 4);
+    look(c, 5);
     assert_int_equal(c->f.limit, 4);
     /* A payload above the whole budget: asked for alone, it comes whole. */
     fetched_snap(c, (const int64_t[]){9, 10}, 2, 9, 5000, 5);
@@ -1047,7 +1093,7 @@ static void test_byte_budget_withholds(void **state)
     assert_int_equal(c->f.produced_ids[5], 9);
 }
 
-/* The next keyset fetch rides on the mark when both are due; if that
+/* The next keyset fetch rides on the mark; if that
  * statement fails, the mark is sent again and the fetch is a full one. */
 static void test_fetch_rides_on_mark(void **state)
 {
@@ -1056,7 +1102,7 @@ static void test_fetch_rides_on_mark(void **state)
     c->f.combine = true;
     ready(c, 0);
     fetched_snap(c, (const int64_t[]){1}, 1, 0, 0, 0); /* short: the cursor is at 1 */
-    obx_relay_wakeup(c->r, 1);
+    look(c, 1);
     assert_int_equal(c->f.fetches, 2);
     ack(c, 0, true, 2); /* acknowledged while the fetch runs: waits for it */
     assert_int_equal(c->f.marks, 0);
@@ -1077,25 +1123,23 @@ static void test_fetch_rides_on_mark(void **state)
     assert_int_equal(c->f.produced, 6);
     assert_int_equal(c->f.produced_ids[5], 6);
 
-    /* It fails: the mark goes again, alone, and the next fetch is a full one. */
-    ack(c, 1, true, 6); /* row 2: marked alone, no fetch is wanted */
+    /* The mark carries a look for new rows whether one is due or not. If
+     * that statement fails, the mark goes again, alone, and the next fetch
+     * is a full one. */
+    ack(c, 1, true, 6); /* row 2 */
     assert_int_equal(c->f.marks, 2);
-    assert_int_equal(c->f.mark_fetches, 1);
-    obx_relay_wakeup(c->r, 7); /* NOTIFY during the mark */
-    ack(c, 2, true, 7);        /* row 3 */
-    obx_relay_on_marked(c->r, 8);
-    assert_int_equal(c->f.mark_fetches, 2); /* row 3 and the fetch together */
-    assert_int_equal(c->f.marked[0], 3);
+    assert_int_equal(c->f.mark_fetches, 2);
+    assert_int_equal(c->f.marked[0], 2);
     assert_int_equal(c->f.after_id, 6);
     obx_relay_on_query_failed(c->r, "statement timeout", 9);
     obx_relay_tick(c->r, 600);
-    assert_int_equal(c->f.marks, 4); /* the mark again, without the fetch */
+    assert_int_equal(c->f.marks, 3); /* the mark again, without the fetch */
     assert_int_equal(c->f.mark_fetches, 2);
-    assert_int_equal(c->f.marked[0], 3);
+    assert_int_equal(c->f.marked[0], 2);
     obx_relay_on_marked(c->r, 601);
     assert_int_equal(c->f.after_id, 0); /* then a full fetch */
     assert_true(excluded(c, 4));
-    assert_false(excluded(c, 3));
+    assert_false(excluded(c, 2));
 }
 
 /* A refusal reported in the millisecond a fetch went out: that fetch
@@ -1124,7 +1168,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
-    X(test_notify_and_poll)                                                                        \
+    X(test_adaptive_look)                                                                          \
     X(test_pg_lost_remarks_first)                                                                  \
     X(test_query_failed_backs_off)                                                                 \
     X(test_delivery_failure_refetches)                                                             \
@@ -1149,7 +1193,8 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_fatal_marks_acked_then_stops)                                                           \
     X(test_fatal_without_postgres)                                                                 \
     X(test_keyset_fetch)                                                                           \
-    X(test_full_fetch_when_nothing_in_flight)                                                      \
+    X(test_keyset_when_nothing_in_flight)                                                          \
+    X(test_cursor_not_set_by_an_earlier_fetch)                                                     \
     X(test_keyset_cleared_by_a_row_back)                                                           \
     X(test_keyset_not_from_a_short_look)                                                           \
     X(test_byte_budget_withholds)                                                                  \
