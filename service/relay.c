@@ -110,11 +110,13 @@ struct obx_relay {
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
 
-    bool recovered;       /* the start-up recovery pass has succeeded */
-    bool want_fetch;      /* rows may be waiting: a look is due, a full batch, ... */
-    int64_t not_before;   /* back-off: no statement before this time */
-    int64_t poll_delay;   /* the pause before the next look for new rows */
-    int64_t next_look_at; /* when that look is due */
+    bool recovered;         /* the start-up recovery pass has succeeded */
+    uint64_t unknowns;      /* possibly-persisted reports so far */
+    uint64_t pass_unknowns; /* ... when the recovery pass in flight started */
+    bool want_fetch;        /* rows may be waiting: a look is due, a full batch, ... */
+    int64_t not_before;     /* back-off: no statement before this time */
+    int64_t poll_delay;     /* the pause before the next look for new rows */
+    int64_t next_look_at;   /* when that look is due */
 
     int64_t now; /* time of the event being handled */
     bool draining;
@@ -703,6 +705,7 @@ static void kick(struct obx_relay *r, int64_t now)
     if (r->draining)
         return;
     if (!r->recovered) {
+        r->pass_unknowns = r->unknowns;
         if (r->ops->recover(r->io) == 0)
             set_state(r, OBX_RELAY_RECOVERING, "recovery pass before publishing");
         else
@@ -761,7 +764,9 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
         return;
     set_state(r, OBX_RELAY_IDLE, ok ? "recovery done" : "recovery failed");
     if (ok) {
-        r->recovered = true;
+        /* A possibly-persisted report that came during the pass may be of
+         * a record the pass read past before it landed: one more pass. */
+        r->recovered = r->unknowns == r->pass_unknowns;
         r->want_fetch = true;
         cursor_clear(r); /* it may have marked rows, or left some */
         progress(r, now);
@@ -1108,6 +1113,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
             if (now - r->unknown_warned_at >= 1000)
                 r->unknown_warned_at = now;
             r->recovered = false;
+            r->unknowns++;
         } else {
             obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,
                      reason ? reason : "unknown error");

@@ -505,6 +505,28 @@ static void test_mark_carries_offsets(void **state)
     assert_int_equal(c->f.off_offsets[0], 7); /* the highest of partition 1 */
 }
 
+/* A possibly-persisted report that comes during the recovery pass: the pass
+ * may have read that partition before the record landed, so another pass
+ * runs before anything more is published. */
+static void test_unknown_during_recovery_runs_it_again(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched(c, 1, 2, 1);
+    ack_as(c, 0, OBX_DELIVERY_UNKNOWN, 2);
+    obx_relay_tick(c->r, 600); /* after the back-off: the pass */
+    assert_int_equal(c->f.recovers, 2);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    ack_as(c, 1, OBX_DELIVERY_UNKNOWN, 601); /* during it */
+    obx_relay_on_recovered(c->r, true, 602);
+    int fetches = c->f.fetches;
+    obx_relay_tick(c->r, 1200);
+    assert_int_equal(c->f.recovers, 3);
+    assert_int_equal(c->f.fetches, fetches);
+    obx_relay_on_recovered(c->r, true, 1201);
+    assert_int_equal(c->f.fetches, fetches + 1);
+}
+
 static void test_recovery_retried(void **state)
 {
     struct ctx *c = *state;
@@ -1176,6 +1198,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_produce_busy_discards_early_fetch)                                                      \
     X(test_mark_carries_offsets)                                                                   \
     X(test_recovery_retried)                                                                       \
+    X(test_unknown_during_recovery_runs_it_again)                                                  \
     X(test_reject_retry_holds_key)                                                                 \
     X(test_reject_dead_letter)                                                                     \
     X(test_reject_then_transient_failure)                                                          \
