@@ -118,6 +118,12 @@ static long check_schema(PGconn *conn, FILE *out, int *problems)
     PQclear(res);
     if (obx_store_schema_problem(version, PQdb(conn), line, sizeof(line)) != 0)
         problem(out, problems, "postgres: %s", line);
+    res = PQexec(conn, "SELECT " OBX_STORE_SQL_ID_CACHE);
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 &&
+        obx_store_id_cache_problem(strtol(PQgetvalue(res, 0, 0), NULL, 10), line, sizeof(line)) !=
+            0)
+        problem(out, problems, "postgres: %s", line);
+    PQclear(res);
     return version;
 }
 

@@ -77,7 +77,7 @@ struct obx_pg {
     struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
     int64_t *sorted_ids;       /* the mark's ids (relay.max_in_flight), sorted into ranges */
     size_t max_ids;
-    int setup_step; /* 0: the schema check and SETs; then each prepared statement */
+    int setup_step; /* 0: the schema check and SETs; each prepared statement; SETUP_REPAIR */
 };
 
 /* The statements of every cycle, prepared once a session, after the schema
@@ -89,6 +89,8 @@ struct obx_pg {
 #define STMT_MARK_PLAIN   "obx_mark_plain"
 #define STMT_MARK_FETCH   "obx_mark_fetch"
 enum { N_PREPARES = 4 };
+/* The setup step after the prepares: rows with another cluster's xid. */
+enum { SETUP_REPAIR = N_PREPARES + 1 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
                                           "standby",      "ready",      "busy",  "closed"};
@@ -428,18 +430,30 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         disconnect(pg, reason);
         return;
     }
-    if (pg->setup_step > 0) { /* a statement prepared */
-        if (pg->setup_step < N_PREPARES)
-            send_setup_prepare(pg, ++pg->setup_step);
-        else
-            try_lock(pg);
+    if (pg->setup_step == SETUP_REPAIR) {
+        if (PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), "0") != 0)
+            obx_warn("postgres: %s unsent rows carried a transaction id from another cluster "
+                     "(restored or replicated); they now carry this one's and are published "
+                     "once",
+                     PQgetvalue(res, 0, 0));
+        try_lock(pg);
         return;
     }
-    long version = 0;
+    if (pg->setup_step > 0) { /* a statement prepared */
+        if (pg->setup_step < N_PREPARES) {
+            send_setup_prepare(pg, ++pg->setup_step);
+        } else {
+            pg->setup_step = SETUP_REPAIR;
+            send_setup_statement(pg, OBX_STORE_SQL_REPAIR_XIDS);
+        }
+        return;
+    }
+    long version = 0, id_cache = 1;
     bool in_recovery = false;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 2) {
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 3) {
         version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
         in_recovery = strcmp(PQgetvalue(res, 0, 1), "t") == 0;
+        id_cache = strtol(PQgetvalue(res, 0, 2), NULL, 10);
     }
     if (in_recovery) {
         /* Its snapshots do not list the primary's running writers, so late
@@ -452,7 +466,8 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         disconnect(pg, reason);
         return;
     }
-    if (obx_store_schema_problem(version, NULL, reason, sizeof(reason)) != 0) {
+    if (obx_store_schema_problem(version, NULL, reason, sizeof(reason)) != 0 ||
+        obx_store_id_cache_problem(id_cache, reason, sizeof(reason)) != 0) {
         disconnect(pg, reason);
         return;
     }
@@ -1027,7 +1042,7 @@ static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyse
 int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
 {
     const char *values[7];
-    bool keyset = f->after_id > 0 && f->snapshot;
+    bool keyset = f->keyset && f->snapshot;
     if (fetch_params(pg, f, keyset, values) != 0)
         return -1;
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
@@ -1075,7 +1090,7 @@ int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const st
                            obx_pg_rows_fn done, void *arg)
 {
     /* An armed failpoint needs the mark's own transaction (see send_mark). */
-    if (obx_failpoints_active.armed || m->n_dead > 0 || f->after_id <= 0 || !f->snapshot)
+    if (obx_failpoints_active.armed || m->n_dead > 0 || !f->keyset || !f->snapshot)
         return 1;
     const char *values[11];
     if (fetch_params(pg, f, true, values) != 0 || mark_params(pg, m, 6, values + 7) != 0)

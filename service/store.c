@@ -17,6 +17,7 @@ static const char *const migrations[] = {
     [3] = "sql/003_reserved_header.sql",
     [4] = "sql/004_fetch_cursor.sql",
     [5] = "sql/005_no_notify.sql",
+    [6] = "sql/006_writer_xid.sql",
 };
 /* clang-format on */
 _Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
@@ -48,6 +49,18 @@ int obx_store_schema_problem(long version, const char *db, char *buf, size_t len
                  "outbox schema is at version %ld, this outboxd needs %d: apply %s and the "
                  "later files in sql/ (%s)",
                  version, OBX_SCHEMA_VERSION, obx_store_next_migration(version), where);
+    return -1;
+}
+
+int obx_store_id_cache_problem(long cache, char *buf, size_t len)
+{
+    if (cache <= 1)
+        return 0;
+    snprintf(buf, len,
+             "outbox.events draws ids %ld at a time per session (its identity has CACHE %ld): a "
+             "later commit of a key can then hold a lower id, and per-key order is lost; set it "
+             "back with ALTER TABLE outbox.events ALTER COLUMN id SET CACHE 1",
+             cache, cache);
     return -1;
 }
 

@@ -76,7 +76,8 @@ struct obx_fetch {
     size_t n_blocked;
     int limit;             /* most rows */
     int64_t max_row_bytes; /* a larger payload is left out: the row comes as oversize */
-    int64_t after_id;      /* > 0: a keyset fetch, ids above it and late commits (no exclude) */
+    bool keyset;           /* ids above after_id and late commits, nothing excluded */
+    int64_t after_id;      /* keyset: the highest id handed out (any value, 0 and below too) */
     const char *snapshot;  /* keyset: the snapshot of the fetch that handed out after_id */
 };
 

@@ -12,7 +12,7 @@
 #include <stddef.h>
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 5
+#define OBX_SCHEMA_VERSION 6
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -35,11 +35,22 @@
 #define OBX_STORE_SQL_PLANNER_SETTINGS                                                             \
     "SET plan_cache_mode = force_generic_plan; SET max_parallel_workers_per_gather = "             \
     "0; " OBX_STORE_SQL_READ_BY_INDEX
-/* The relay session's first statement. One row: the schema's version, and
+/* One row, one column: how many ids of outbox.events a session draws at
+ * once (the identity's CACHE; 1 unless someone raised it). */
+#define OBX_STORE_SQL_ID_CACHE                                                                     \
+    "(SELECT coalesce((SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid ="               \
+    " pg_get_serial_sequence('outbox.events', 'id')::regclass), 1))"
+/* The relay session's first statement. One row: the schema's version,
  * whether the server is in recovery (a hot standby: the relay publishes
- * only from a primary, whose snapshots list every running writer). */
+ * only from a primary, whose snapshots list every running writer), and the
+ * id cache. */
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
-    "SELECT coalesce(max(version), 0), pg_is_in_recovery() FROM outbox.schema_migrations"
+    "SELECT coalesce(max(version), 0), pg_is_in_recovery(), " OBX_STORE_SQL_ID_CACHE               \
+    " FROM outbox.schema_migrations"
+/* Gives unsent rows that carry another cluster's xid (a restore, logical
+ * replication) this one's, so the keyset fetch does not take them for late
+ * commits for ever (sql/006). One row: how many. */
+#define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
 /* One row, one column: 't' if the schema exists at all. */
 #define OBX_STORE_SQL_HAS_SCHEMA "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL"
 
@@ -51,6 +62,10 @@ const char *obx_store_next_migration(long version);
  * be used; if not, one line into buf naming the file to apply. `db` names
  * the database (NULL: "this database"). Returns 0 if usable. */
 int obx_store_schema_problem(long version, const char *db, char *buf, size_t len);
+
+/* Whether an id cache of `cache` keeps per-key order (only 1 does); if not,
+ * one line into buf saying how to set it back. Returns 0 if fine. */
+int obx_store_id_cache_problem(long cache, char *buf, size_t len);
 
 /* The fetches (binary results: see record.h for the columns, and one extra
  * row without an id that carries the snapshot as text). The keyset fetch: $1
