@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Most keys held back at once under relay.on_reject = retry. Past this, a
- * refused row is still retried but no longer holds its key back. */
-#define MAX_BLOCKED 1024
+/* "No row" wherever an id is kept: ids may be 0 or below (an identity
+ * restarted or set there by an operator). */
+#define NO_ID INT64_MIN
 /* Longest pause between retries of a refused row. */
 #define MAX_REJECT_BACKOFF_MS (60 * 1000)
 /* The pause before the next look for new rows after a fetch that found
@@ -67,8 +67,9 @@ struct obx_relay {
     size_t n_topics, cap_topics;
     uint32_t last_topic;
 
-    struct blocked blocked[MAX_BLOCKED];
-    size_t n_blocked;
+    /* Refused rows and the keys they hold back: grown as needed. */
+    struct blocked *blocked;
+    size_t n_blocked, cap_blocked;
 
     /* Scratch arrays for the fetch and mark arguments, sized once. */
     int64_t *ids;
@@ -77,8 +78,8 @@ struct obx_relay {
     const char **off_topics;
     int32_t *off_partitions;
     int64_t *off_offsets;
-    struct obx_blocked_key keys[MAX_BLOCKED];
-    int64_t key_ids[MAX_BLOCKED];
+    struct obx_blocked_key *keys; /* cap_blocked of them */
+    int64_t *key_ids;             /* cap_blocked of them */
 
     struct slot **batch; /* slots of the rows of the fetch being produced */
 
@@ -97,17 +98,19 @@ struct obx_relay {
     int64_t hwm;
     char *snap;
     size_t snap_cap;
-    int64_t top_id;       /* highest id handed out in this session */
-    int64_t fetch_after;  /* > 0: the fetch in flight is a keyset fetch above this id */
+    int64_t top_id;       /* highest id handed out in this session (NO_ID: none) */
+    bool fetch_keyset;    /* the fetch in flight is a keyset fetch ... */
+    int64_t fetch_after;  /* ... above this id */
     int fetch_limit;      /* its row limit */
     int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
     int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
     bool fetch_riding;    /* the mark in flight carries the next fetch */
     bool caught_up;       /* the last fetch found fewer rows than it asked for */
-    int64_t fetch_probe;  /* the fetch in flight is a full one sent when this probe was due */
+    int64_t fetch_probe;  /* the fetch in flight is a full one sent when this probe was due
+                           * (NO_ID: none) */
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
-    int64_t probe_id;     /* a probe handed to Kafka alone, report pending (0 = none) */
+    int64_t probe_id;     /* a probe handed to Kafka alone, report pending (NO_ID: none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
 
     bool recovered;         /* the start-up recovery pass has succeeded */
@@ -193,7 +196,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->io = io;
     r->state = OBX_RELAY_WAIT_PG;
     r->slots = obx_calloc(n, sizeof(*r->slots));
-    r->ids = obx_calloc(n + MAX_BLOCKED, sizeof(*r->ids));
+    r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_blocked: see grow_blocked() */
     r->dead_ids = obx_calloc(n, sizeof(*r->dead_ids));
     r->dead_reasons = obx_calloc(n, sizeof(*r->dead_reasons));
     r->off_topics = obx_calloc(n, sizeof(*r->off_topics));
@@ -211,6 +214,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->want_fetch = true;
     r->poll_delay = POLL_MIN_MS;
     r->bytes_limit = s->batch_size;
+    r->top_id = r->hwm = r->probe_id = r->fetch_probe = NO_ID;
     *out = r;
     return 0;
 }
@@ -230,6 +234,9 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->snap);
     obx_free(r->slots);
     obx_free(r->ids);
+    obx_free(r->blocked);
+    obx_free(r->keys);
+    obx_free(r->key_ids);
     obx_free(r->dead_ids);
     obx_free(r->dead_reasons);
     obx_free(r->off_topics);
@@ -369,6 +376,31 @@ static struct blocked *due_probe(struct obx_relay *r, int64_t now)
     return best;
 }
 
+/* Room for twice as many refused rows: their entries, their keys for the
+ * fetch, and their ids among the fetch's exclusions. */
+static int grow_blocked(struct obx_relay *r)
+{
+    size_t cap = r->cap_blocked ? r->cap_blocked * 2 : 64;
+    struct blocked *b = obx_realloc(r->blocked, cap * sizeof(*b));
+    if (!b)
+        return -1;
+    r->blocked = b;
+    struct obx_blocked_key *k = obx_realloc(r->keys, cap * sizeof(*k));
+    if (!k)
+        return -1;
+    r->keys = k;
+    int64_t *ki = obx_realloc(r->key_ids, cap * sizeof(*ki));
+    if (!ki)
+        return -1;
+    r->key_ids = ki;
+    int64_t *ids = obx_realloc(r->ids, ((size_t)r->set.max_in_flight + cap) * sizeof(*ids));
+    if (!ids)
+        return -1;
+    r->ids = ids;
+    r->cap_blocked = cap;
+    return 0;
+}
+
 /* Row `id` was refused: retry it later, holding back its key meanwhile. */
 static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
                   int64_t now)
@@ -376,10 +408,10 @@ static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *k
     cursor_clear(r); /* it is below hwm, and comes back by a full fetch */
     struct blocked *b = find_block_by_id(r, id);
     if (!b) {
-        if (r->n_blocked == MAX_BLOCKED) {
-            obx_warn("relay: %d keys already held back; row %lld is retried without holding "
-                     "its key",
-                     MAX_BLOCKED, (long long)id);
+        if (r->n_blocked == r->cap_blocked && grow_blocked(r) != 0) {
+            /* Retried at once, and its key goes on: a fault we say out loud. */
+            obx_error("relay: out of memory holding back the key of row %lld (%zu held back)",
+                      (long long)id, r->n_blocked);
             return;
         }
         char *copy = NULL;
@@ -506,6 +538,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     if (keyset_only && !keyset)
         return false;
     if (keyset) {
+        f->keyset = true;
         f->after_id = r->hwm;
         f->snapshot = r->snap;
     } else {
@@ -529,17 +562,18 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
 /* The fetch `f` went to Postgres. */
 static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t now)
 {
-    int64_t max_ex = 0;
+    int64_t max_ex = NO_ID;
     for (size_t i = 0; i < f->n_exclude; i++)
         if (f->exclude[i] > max_ex)
             max_ex = f->exclude[i];
+    r->fetch_keyset = f->keyset;
     r->fetch_after = f->after_id;
     r->fetch_gen = r->cursor_gen;
-    r->fetches[f->after_id > 0]++;
+    r->fetches[f->keyset]++;
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
-    const struct blocked *probe = r->n_blocked > 0 && f->after_id == 0 ? due_probe(r, now) : NULL;
-    r->fetch_probe = probe ? probe->id : 0;
+    const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? due_probe(r, now) : NULL;
+    r->fetch_probe = probe ? probe->id : NO_ID;
     r->want_fetch = false;
 }
 
@@ -560,7 +594,8 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
         return false;
     /* A probe goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending. */
-    return !(r->probe_id != 0 || (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)));
+    return !(r->probe_id != NO_ID ||
+             (r->n_outstanding > 0 && r->n_blocked > 0 && due_probe(r, now)));
 }
 
 /* Whether a fetch should go now (beside a mark, or alone). */
@@ -810,9 +845,9 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
                            const char *snapshot)
 {
     bool cut = n_take < n || n >= (size_t)r->fetch_limit; /* rows may lie beyond */
-    int64_t last = n_take > 0 ? rows[n_take - 1].id : 0;
+    int64_t last = n_take > 0 ? rows[n_take - 1].id : NO_ID;
     bool ok;
-    if (r->fetch_after > 0) { /* a keyset fetch */
+    if (r->fetch_keyset) {
         /* Late rows (at or below fetch_after) come first: all of them are
          * in if the first row not taken, or the last one taken, is above. */
         int64_t beyond = n_take < n ? rows[n_take].id : last;
@@ -884,8 +919,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
      * a full fetch sent once it was due can tell: one sent a moment before
      * its refusal (even within the same millisecond) excluded it. */
     int64_t probe_id =
-        r->fetch_probe != 0 && find_block_by_id(r, r->fetch_probe) ? r->fetch_probe : 0;
-    if (probe_id != 0 && (n == 0 || rows[n - 1].id > probe_id)) {
+        r->fetch_probe != NO_ID && find_block_by_id(r, r->fetch_probe) ? r->fetch_probe : NO_ID;
+    if (probe_id != NO_ID && (n == 0 || rows[n - 1].id > probe_id)) {
         bool fetched = false;
         for (size_t i = 0; i < n && !fetched; i++)
             fetched = rows[i].id == probe_id;
@@ -893,7 +928,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
                      (long long)probe_id);
             drop_block(r, probe_id);
-            probe_id = 0;
+            probe_id = NO_ID;
             r->want_fetch = true;
         }
     }
@@ -1079,7 +1114,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     r->n_outstanding--;
     bool was_probe = s->id == r->probe_id;
     if (was_probe)
-        r->probe_id = 0;
+        r->probe_id = NO_ID;
     if (outcome == OBX_DELIVERY_BATCH_REFUSED && was_probe)
         outcome = OBX_DELIVERY_REJECTED; /* refused alone: it is the row itself */
     switch (outcome) {

@@ -19,14 +19,15 @@
 #error "relay.h must not include libpq, librdkafka or libuv"
 #endif
 
-#define MAX_CALLS 256
+#define MAX_CALLS 2048
 
 struct fake {
     int fetches;
     int64_t exclude[MAX_CALLS];
     size_t n_exclude;
     int limit;
-    int64_t after_id;      /* of the last fetch: > 0 for a keyset fetch */
+    bool keyset;           /* the last fetch was a keyset one ... */
+    int64_t after_id;      /* ... above this id (0 for a full one) */
     char snapshot[32];     /* ... and the snapshot it asked about */
     int64_t max_row_bytes; /* of the last fetch */
     bool combine;          /* mark_fetch takes both (else it answers 1: not together) */
@@ -73,7 +74,8 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     memcpy(fk->exclude, f->exclude, f->n_exclude * sizeof(*f->exclude));
     fk->n_exclude = f->n_exclude;
     fk->limit = f->limit;
-    fk->after_id = f->after_id;
+    fk->keyset = f->keyset;
+    fk->after_id = f->keyset ? f->after_id : 0;
     snprintf(fk->snapshot, sizeof(fk->snapshot), "%s", f->snapshot ? f->snapshot : "");
     fk->max_row_bytes = f->max_row_bytes;
     fk->n_blocked = f->n_blocked;
@@ -503,6 +505,30 @@ static void test_mark_carries_offsets(void **state)
     assert_int_equal(c->f.n_offsets, 1);
     assert_int_equal(c->f.off_partitions[0], 1);
     assert_int_equal(c->f.off_offsets[0], 7); /* the highest of partition 1 */
+}
+
+/* More refused rows than the old fixed table held (1,024), each of its own
+ * key: every one still holds its key back with a back-off of its own (it
+ * used to be retried at once, without a solo try or relay.on_reject). */
+static void test_many_keys_held_back(void **state)
+{
+    struct ctx *c = *state;
+    enum { KEYS = 1100 };
+    ready(c, 0);
+    for (int i = 0; i < KEYS; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "key-%d", i);
+        struct obx_row row = {.id = i + 1, .topic = "t", .key = key, .key_len = strlen(key)};
+        assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+        obx_relay_on_fetched(c->r, &row, 1, NULL, 1);
+        obx_relay_on_delivery(c->r, c->f.opaques[c->f.produced - 1], OBX_DELIVERY_REJECTED, 0, -1,
+                              key, strlen(key), "Broker: Message size too large", 1);
+    }
+    assert_int_equal(obx_relay_blocked_keys(c->r), KEYS);
+    /* The fetch after the last refusal holds every key back and leaves
+     * every refused row out until its back-off has passed. */
+    assert_int_equal(c->f.n_blocked, KEYS);
+    assert_int_equal(c->f.n_exclude, KEYS);
 }
 
 /* A possibly-persisted report that comes during the recovery pass: the pass
@@ -1034,6 +1060,29 @@ static void test_keyset_cleared_by_a_row_back(void **state)
     assert_int_equal(c->f.after_id, 0);
 }
 
+/* Ids of 0 and below (an identity restarted there) keep the cursor: a
+ * keyset fetch above -3 is one, not a full fetch that excludes nothing,
+ * and an empty answer does not move the cursor to 0. */
+static void test_ids_zero_and_below(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){-5, -4, -3}, 3, INT64_MIN, 0, 0);
+    look(c, 1);
+    assert_true(c->f.keyset);
+    assert_int_equal(c->f.after_id, -3);
+    assert_int_equal(c->f.n_exclude, 0);
+    fetched_snap(c, (const int64_t[]){}, 0, INT64_MIN, 0, 1);
+    look(c, 3);
+    assert_true(c->f.keyset);
+    assert_int_equal(c->f.after_id, -3);
+    fetched_snap(c, (const int64_t[]){-2, -1}, 2, INT64_MIN, 0, 3);
+    look(c, 4);
+    assert_int_equal(c->f.after_id, -1);
+    assert_int_equal(c->f.produced, 5);
+}
+
 /* A row back unsent while a keyset fetch is out: that fetch was sent while
  * the row was in flight, so its answer cannot set the cursor again (the row
  * lies below hwm, and no keyset fetch would find it). */
@@ -1199,6 +1248,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_mark_carries_offsets)                                                                   \
     X(test_recovery_retried)                                                                       \
     X(test_unknown_during_recovery_runs_it_again)                                                  \
+    X(test_many_keys_held_back)                                                                    \
     X(test_reject_retry_holds_key)                                                                 \
     X(test_reject_dead_letter)                                                                     \
     X(test_reject_then_transient_failure)                                                          \
@@ -1218,6 +1268,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_keyset_fetch)                                                                           \
     X(test_keyset_when_nothing_in_flight)                                                          \
     X(test_cursor_not_set_by_an_earlier_fetch)                                                     \
+    X(test_ids_zero_and_below)                                                                     \
     X(test_keyset_cleared_by_a_row_back)                                                           \
     X(test_keyset_not_from_a_short_look)                                                           \
     X(test_byte_budget_withholds)                                                                  \
