@@ -122,6 +122,64 @@ static void write_file(const char *path, const char *text)
     fclose(f);
 }
 
+void h_standby_start(struct h_env *e)
+{
+    char data[300], log[300], port[16], primary_port[16];
+    if (!e->pg_tcp)
+        fail_msg("h_standby_start needs the server on TCP (H_PG_TCP)");
+    snprintf(data, sizeof(data), "%s/standby", e->dir);
+    snprintf(log, sizeof(log), "%s/standby.log", e->dir);
+    snprintf(primary_port, sizeof(primary_port), "%d", e->pg_port);
+    /* -R writes primary_conninfo and standby.signal: a streaming standby. */
+    char *const backup[] = {PG_BINDIR "/pg_basebackup",
+                            "-D",
+                            data,
+                            "-R",
+                            "-X",
+                            "stream",
+                            "-h",
+                            "127.0.0.1",
+                            "-p",
+                            primary_port,
+                            "-U",
+                            "postgres",
+                            NULL};
+    if (run_as_server(backup, log) != 0)
+        fail_msg("pg_basebackup failed, see %s", log);
+    e->standby_port = h_free_port();
+    snprintf(port, sizeof(port), "%d", e->standby_port);
+    char *const argv[] = {PG_BINDIR "/postgres",
+                          "-D",
+                          data,
+                          "-k",
+                          e->dir,
+                          "-p",
+                          port,
+                          "-c",
+                          "listen_addresses=127.0.0.1",
+                          "-c",
+                          "hot_standby=on",
+                          "-c", /* at least the primary's (command-line) settings */
+                          "max_connections=60",
+                          "-c",
+                          "max_prepared_transactions=4",
+                          NULL};
+    e->standby_pid = spawn(argv, NULL, server_user(), SIGINT, log);
+    char conninfo[300];
+    snprintf(conninfo, sizeof(conninfo), "host=127.0.0.1 port=%d user=postgres dbname=postgres",
+             e->standby_port);
+    int64_t deadline = h_now_ms() + 30000;
+    while (PQping(conninfo) != PQPING_OK) {
+        if (h_now_ms() > deadline)
+            fail_msg("the standby did not start, see %s", log);
+        h_sleep_ms(50);
+    }
+    PGconn *c = PQconnectdb(conninfo);
+    assert_int_equal(PQstatus(c), CONNECTION_OK);
+    assert_int_equal(h_sql_int(c, "SELECT pg_is_in_recovery()::int"), 1);
+    PQfinish(c);
+}
+
 static void h_pg_restart_stop(struct h_env *e, int sig);
 
 void h_pg_start(struct h_env *e)
@@ -520,6 +578,14 @@ void h_env_stop(struct h_env *e)
     if (e->broker_out)
         fclose(e->broker_out);
     e->broker_in = e->broker_out = NULL;
+    if (e->standby_pid > 0) {
+        kill(e->standby_pid, SIGINT); /* fast shutdown */
+        if (wait_exit(e->standby_pid, 30000) == -1) {
+            kill(e->standby_pid, SIGKILL);
+            wait_exit(e->standby_pid, 5000);
+        }
+        e->standby_pid = 0;
+    }
     h_pg_stop(e);
     if (e->dir[0])
         buggy = find_bug_line(e->dir, bug, sizeof(bug));

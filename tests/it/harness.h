@@ -37,6 +37,8 @@ struct h_env {
     /* The relay's files are DIR/<relay_name>.log and .conf ("relay" when
      * empty): give each relay of a test its own name, so logs never mix. */
     char relay_name[32];
+    pid_t standby_pid; /* a hot standby of the server (h_standby_start), or 0 */
+    int standby_port;
 };
 
 /* h_env_start_with flags. */
@@ -75,6 +77,10 @@ void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags
 void h_env_stop(struct h_env *e);
 
 void h_pg_start(struct h_env *e);
+/* Starts a hot standby streaming from the server (which must listen on TCP:
+ * H_PG_TCP) on a free port, e->standby_port, and waits until it answers in
+ * recovery. h_env_stop() stops it. */
+void h_standby_start(struct h_env *e);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
 /* Stops the server with `mode` ("fast" or "immediate") and starts it again. */
 void h_pg_restart(struct h_env *e, const char *mode);

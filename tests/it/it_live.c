@@ -254,6 +254,52 @@ static void test_multi_host(void **state)
     assert_false(h_relay_log_contains(&env, "timed out connecting"));
 }
 
+/* Issue 21.5: after a failover the old primary, now a hot standby, is
+ * often still first in host=a,b. The relay goes on to the primary at once
+ * (target_session_attrs=read-write is its default), and one told to accept
+ * any server refuses the standby, saying why, rather than publishing from
+ * snapshots that do not list the primary's writers. */
+static void test_standby_first_in_hosts(void **state)
+{
+    (void)state;
+    char ci[700];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_standby_start(&env);
+    snprintf(ci, sizeof(ci),
+             "postgres.conninfo=host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres",
+             env.standby_port, env.pg_port);
+    s_prefill(&env, "it.a", 500);
+    h_relay_start(&env, NULL, (const char *const[]){ci, NULL});
+    expect_caught_up("standby first", 15000);
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 200; i++)
+        h_enqueue(c, "it.a", i % 2 ? "a" : "b", "after", 5, NULL);
+    expect_caught_up("writes after the start", 15000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    char primary[64];
+    snprintf(primary, sizeof(primary), "connected to 127.0.0.1:%d/", env.pg_port);
+    assert_true(h_relay_log_contains(&env, primary));
+    assert_int_equal(h_relay_log_count(&env, "postgres: connected"), 1); /* the first try */
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", NULL}, &recs);
+    assert_int_equal(recs.n, 700);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+
+    /* The standby alone, any server allowed: refused, nothing published. */
+    snprintf(ci, sizeof(ci),
+             "postgres.conninfo=host=127.0.0.1 port=%d user=postgres dbname=postgres"
+             " target_session_attrs=any",
+             env.standby_port);
+    h_enqueue(c, "it.a", "a", "waits", 5, NULL);
+    h_relay_start(&env, NULL, (const char *const[]){ci, NULL});
+    h_wait_log(&env, "is a hot standby (in recovery): outboxd publishes only from a primary",
+               10000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"), 1);
+    PQfinish(c);
+}
+
 /* "tuples: R removed, K remain, N are dead but not yet removable" */
 static void on_notice(void *arg, const PGresult *res)
 {
@@ -744,6 +790,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_standby_stop_terminate_continue, teardown_env),
         cmocka_unit_test_teardown(test_pg_restarts, teardown_env),
         cmocka_unit_test_teardown(test_multi_host, teardown_env),
+        cmocka_unit_test_teardown(test_standby_first_in_hosts, teardown_env),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
         cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
