@@ -65,7 +65,7 @@ static const struct key_def keys[] = {
      "asked for alone comes whole); a payload above kafka.message.max.bytes is never fetched"},
     {"relay.max_in_flight", KEY_INT, OFF(max_in_flight), "10000", 1, 1000000, NULL, 0,
      "most rows handed to Kafka and not yet marked (back-pressure)"},
-    {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "10ms", 1, 60000, NULL, 0,
+    {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "10ms", 1, MS_PER_HOUR, NULL, 0,
      "longest pause between two looks for new rows: the relay looks again 1ms after a fetch "
      "that found rows and twice as long after each one that found none, up to this (an idle "
      "relay runs this many cheap index lookups a second: 100 at 10ms)"},

@@ -77,7 +77,8 @@ struct obx_pg {
     struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
     int64_t *sorted_ids;       /* the mark's ids (relay.max_in_flight), sorted into ranges */
     size_t max_ids;
-    int setup_step; /* 0: the schema check and SETs; each prepared statement; SETUP_REPAIR */
+    int setup_step; /* 0: the schema check and SETs; then each prepared statement */
+    bool repairing; /* LOCKING: the lock is held, the xid repair in flight */
 };
 
 /* The statements of every cycle, prepared once a session, after the schema
@@ -89,8 +90,6 @@ struct obx_pg {
 #define STMT_MARK_PLAIN   "obx_mark_plain"
 #define STMT_MARK_FETCH   "obx_mark_fetch"
 enum { N_PREPARES = 4 };
-/* The setup step after the prepares: rows with another cluster's xid. */
-enum { SETUP_REPAIR = N_PREPARES + 1 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
                                           "standby",      "ready",      "busy",  "closed"};
@@ -410,6 +409,7 @@ static void continue_connect(struct obx_pg *pg)
  * the database's xmin horizon for as long as it waits). */
 static void try_lock(struct obx_pg *pg)
 {
+    pg->repairing = false;
     change_state(pg, OBX_PG_LOCKING, "try the relay lock");
     send_setup_statement(pg, "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
 }
@@ -430,22 +430,11 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         disconnect(pg, reason);
         return;
     }
-    if (pg->setup_step == SETUP_REPAIR) {
-        if (PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), "0") != 0)
-            obx_warn("postgres: %s unsent rows carried a transaction id from another cluster "
-                     "(restored or replicated); they now carry this one's and are published "
-                     "once",
-                     PQgetvalue(res, 0, 0));
-        try_lock(pg);
-        return;
-    }
     if (pg->setup_step > 0) { /* a statement prepared */
-        if (pg->setup_step < N_PREPARES) {
+        if (pg->setup_step < N_PREPARES)
             send_setup_prepare(pg, ++pg->setup_step);
-        } else {
-            pg->setup_step = SETUP_REPAIR;
-            send_setup_statement(pg, OBX_STORE_SQL_REPAIR_XIDS);
-        }
+        else
+            try_lock(pg);
         return;
     }
     long version = 0, id_cache = 1;
@@ -476,9 +465,47 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
     send_setup_prepare(pg, 1);
 }
 
-/* The answer of pg_try_advisory_lock. */
+/* The lock is held and the rows repaired: the relay may go. */
+static void become_ready(struct obx_pg *pg)
+{
+    change_state(pg, OBX_PG_READY, "relay lock acquired");
+    obx_info("postgres: connected to %s (schema version %ld)", pg->target, pg->schema_version);
+    if (pg->lost_pending) { /* the old session's end comes first */
+        uv_timer_stop(&pg->deferred);
+        pg->lost_pending = false;
+        pg->cb.lost(pg->arg);
+        if (pg->state != OBX_PG_READY)
+            return;
+    }
+    pg->cb.ready(pg->arg);
+}
+
+/* The answer of outbox.repair_writer_xids(), run on every acquisition of
+ * the lock: a standby may have been connected since before a restore. */
+static void finish_repair(struct obx_pg *pg, const PGresult *res)
+{
+    pg->repairing = false;
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        char reason[512];
+        snprintf(reason, sizeof(reason), "repairing rows with another cluster's xid failed: %s",
+                 PQresultErrorMessage(res));
+        disconnect(pg, reason);
+        return;
+    }
+    if (strcmp(PQgetvalue(res, 0, 0), "0") != 0)
+        obx_warn("postgres: %s unsent rows carried a transaction id from another cluster "
+                 "(restored or replicated); they now carry this one's and are published once",
+                 PQgetvalue(res, 0, 0));
+    become_ready(pg);
+}
+
+/* The answer of pg_try_advisory_lock (or, once it is held, of the repair). */
 static void finish_lock(struct obx_pg *pg, const PGresult *res)
 {
+    if (pg->repairing) {
+        finish_repair(pg, res);
+        return;
+    }
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
         char reason[512];
         snprintf(reason, sizeof(reason), "trying the relay lock failed: %s",
@@ -502,16 +529,8 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
     pg->standby_logged = false;
     uv_timer_stop(&pg->timer);
     pg->attempts = 0;
-    change_state(pg, OBX_PG_READY, "relay lock acquired");
-    obx_info("postgres: connected to %s (schema version %ld)", pg->target, pg->schema_version);
-    if (pg->lost_pending) { /* the old session's end comes first */
-        uv_timer_stop(&pg->deferred);
-        pg->lost_pending = false;
-        pg->cb.lost(pg->arg);
-        if (pg->state != OBX_PG_READY)
-            return;
-    }
-    pg->cb.ready(pg->arg);
+    pg->repairing = true;
+    send_setup_statement(pg, OBX_STORE_SQL_REPAIR_XIDS);
 }
 
 /* After a PQsend*: the statement goes out, or the connection is dropped. */

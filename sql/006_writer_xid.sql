@@ -16,15 +16,26 @@
 -- cluster's: such a row would look late to every fetch and be published
 -- again and again. A trigger puts the writer's own xid on every row inserted
 -- (its WHEN test costs a comparison for rows that already have it, which is
--- every row enqueue writes), and outbox.repair_writer_xids(), which the
--- relay runs on every new session, fixes rows that came in around it (a
--- restore with triggers disabled, rows written before this file).
+-- every row enqueue writes; it fires for logical replication too), and
+-- outbox.repair_writer_xids(), which the relay runs each time it takes the
+-- relay lock, fixes rows that came in around it (a restore with triggers
+-- disabled, rows written before this file). Until then the relay leaves
+-- such rows out of its keyset fetch rather than hand them out again and
+-- again.
 
 BEGIN;
 SET LOCAL client_min_messages = warning;
 DO $$ BEGIN PERFORM pg_advisory_xact_lock(1868724324, 0); END $$;
 
-ALTER TABLE outbox.events ALTER COLUMN id SET CACHE 1;
+-- Only when needed: the ALTER takes an exclusive lock on the table.
+DO $$
+BEGIN
+    IF (SELECT seqcache FROM pg_catalog.pg_sequence
+        WHERE seqrelid = pg_get_serial_sequence('outbox.events', 'id')::regclass) <> 1 THEN
+        ALTER TABLE outbox.events ALTER COLUMN id SET CACHE 1;
+    END IF;
+END
+$$;
 
 CREATE OR REPLACE FUNCTION outbox.own_xid() RETURNS trigger
 LANGUAGE plpgsql
@@ -41,6 +52,9 @@ CREATE OR REPLACE TRIGGER own_xid
     BEFORE INSERT ON outbox.events
     FOR EACH ROW WHEN (NEW.xid IS DISTINCT FROM pg_current_xact_id())
     EXECUTE FUNCTION outbox.own_xid();
+-- ALWAYS: it fires for logical replication's apply worker too
+-- (session_replication_role = replica), which skips ordinary triggers.
+ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER own_xid;
 
 -- Unsent rows whose xid this cluster's snapshot calls running or not yet
 -- begun, though the rows are committed and visible: written elsewhere. They

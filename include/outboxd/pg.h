@@ -8,8 +8,10 @@
  * connection fails or is lost it is retried after a capped, jittered,
  * doubling back-off, for ever: outboxd never needs a manual reset.
  *
- * After connecting, setup checks the outbox schema version, LISTENs on the
- * wake-up channel, sets statement_timeout and tries the relay lock. While
+ * After connecting, setup checks the outbox schema version, that the server
+ * is a primary and the id cache, sets statement_timeout, prepares the
+ * cycle's statements and tries the relay lock; once it holds the lock it
+ * repairs rows written with another cluster's xid (sql/006). While
  * another outboxd holds it, the connection stands by idle (no statement, so
  * no snapshot pins the xmin horizon) and tries again every
  * OBX_PG_STANDBY_POLL_MS; once it holds the lock it is READY.
