@@ -336,8 +336,9 @@ static void test_check_live(void **state)
     assert_int_equal(check_live(conninfo, env.bootstrap), 1);
     assert_non_null(strstr(body, "role weak lacks UPDATE (sent_at) on outbox.events"));
     assert_non_null(strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.kafka_offsets"));
+    assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.repair_writer_xids()"));
     assert_non_null(strstr(body, "GRANT outboxd_relay TO weak"));
-    assert_int_equal(count_lines(body, "problem:"), 4);
+    assert_int_equal(count_lines(body, "problem:"), 5);
     /* Exactly the grants of sql/ are enough. */
     h_sql(c, "GRANT outboxd_relay TO weak");
     assert_int_equal(check_live(conninfo, env.bootstrap), 0);
