@@ -116,6 +116,7 @@ struct obx_relay {
     bool recovered;         /* the start-up recovery pass has succeeded */
     uint64_t unknowns;      /* possibly-persisted reports so far */
     uint64_t pass_unknowns; /* ... when the recovery pass in flight started */
+    uint64_t settled;       /* ... when the last successful pass started */
     bool want_fetch;        /* rows may be waiting: a look is due, a full batch, ... */
     int64_t not_before;     /* back-off: no statement before this time */
     int64_t poll_delay;     /* the pause before the next look for new rows */
@@ -698,6 +699,17 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
     return true;
 }
 
+/* A possibly-persisted report is not yet settled by a recovery pass. Until
+ * it is, nothing is marked: a mark raises the stored offset of each of its
+ * partitions past the record it confirms, and the pass reads each partition
+ * from that offset on, so a record acknowledged after the uncertain one
+ * would move the pass past it, and a row that did land would be published
+ * again. The pass marks what it finds itself. */
+static bool uncertain(const struct obx_relay *r)
+{
+    return r->unknowns != r->settled;
+}
+
 /* During a drain: whether to stop now. Nothing in flight: at once, in any
  * state (a fetch or recovery statement still running is simply dropped).
  * Past the drain deadline: once nothing acknowledged is left to mark, or no
@@ -711,6 +723,10 @@ static bool drain_over(const struct obx_relay *r, int64_t now)
      * marked by us; once no delivery report is outstanding there is
      * nothing left to wait for: the next holder's recovery pass finds them. */
     if (r->state == OBX_RELAY_WAIT_PG && r->in_use == r->to_mark)
+        return true;
+    /* Marks wait for a pass, which a drain does not start: the next start's
+     * pass finds these rows, from offsets no mark has moved. */
+    if (uncertain(r) && r->in_use == r->to_mark)
         return true;
     if (now < r->drain_deadline)
         return false;
@@ -735,7 +751,7 @@ static void kick(struct obx_relay *r, int64_t now)
     }
     if (r->state != OBX_RELAY_IDLE || now < r->not_before)
         return;
-    if (r->to_mark > 0 && start_mark(r, now))
+    if (r->to_mark > 0 && !uncertain(r) && start_mark(r, now))
         return;
     if (r->draining)
         return;
@@ -802,6 +818,7 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
         /* A possibly-persisted report that came during the pass may be of
          * a record the pass read past before it landed: one more pass. */
         r->recovered = r->unknowns == r->pass_unknowns;
+        r->settled = r->pass_unknowns;
         r->want_fetch = true;
         cursor_clear(r); /* it may have marked rows, or left some */
         progress(r, now);
@@ -903,6 +920,15 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         return;
     }
     if (r->draining) { /* fetched before the shutdown began: leave them */
+        kick(r, now);
+        return;
+    }
+    if (!r->recovered) {
+        /* A possibly-persisted report came while this fetch was out: the
+         * recovery pass goes first, and these rows may be of the uncertain
+         * row's key. They are fetched again after it. */
+        cursor_clear(r);
+        r->want_fetch = true;
         kick(r, now);
         return;
     }

@@ -507,6 +507,49 @@ static void test_mark_carries_offsets(void **state)
     assert_int_equal(c->f.off_offsets[0], 7); /* the highest of partition 1 */
 }
 
+static void fetched_snap(struct ctx *c, const int64_t *ids, size_t n, int64_t big_id,
+                         size_t big_len, int64_t now);
+
+/* A possibly-persisted report holds every mark until a recovery pass has
+ * settled it: a mark of a row acknowledged after it would raise the stored
+ * offset past the uncertain record, and the pass, which reads from there,
+ * would miss it if it landed. */
+static void test_unknown_holds_marks(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched(c, 1, 3, 1);
+    ack_as(c, 0, OBX_DELIVERY_UNKNOWN, 2);
+    ack(c, 1, true, 3); /* acknowledged after the uncertain one */
+    assert_int_equal(c->f.marks, 0);
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.recovers, 2);
+    assert_int_equal(c->f.marks, 0); /* the pass first */
+    obx_relay_on_recovered(c->r, true, 601);
+    assert_int_equal(c->f.marks, 1);
+    assert_int_equal(c->f.marked[0], 2);
+}
+
+/* A fetch that was out when a possibly-persisted report came is set aside:
+ * its rows may be of the uncertain row's key, and the pass goes first. */
+static void test_fetch_after_unknown_set_aside(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2}, 2, 0, 0, 0);
+    look(c, 1);
+    assert_int_equal(c->f.fetches, 2);
+    ack_as(c, 0, OBX_DELIVERY_UNKNOWN, 2);
+    fetched_snap(c, (const int64_t[]){3, 4}, 2, 0, 0, 3);
+    assert_int_equal(c->f.produced, 2);
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.recovers, 2);
+    obx_relay_on_recovered(c->r, true, 601);
+    assert_int_equal(c->f.fetches, 3);
+    assert_int_equal(c->f.after_id, 0); /* a full fetch: 1, 3 and 4 come again */
+}
+
 /* More refused rows than the old fixed table held (1,024), each of its own
  * key: every one still holds its key back with a back-off of its own (it
  * used to be retried at once, without a solo try or relay.on_reject). */
@@ -1249,6 +1292,8 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_recovery_retried)                                                                       \
     X(test_unknown_during_recovery_runs_it_again)                                                  \
     X(test_many_keys_held_back)                                                                    \
+    X(test_unknown_holds_marks)                                                                    \
+    X(test_fetch_after_unknown_set_aside)                                                          \
     X(test_reject_retry_holds_key)                                                                 \
     X(test_reject_dead_letter)                                                                     \
     X(test_reject_then_transient_failure)                                                          \
