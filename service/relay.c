@@ -18,6 +18,13 @@
 /* The pause before the next look for new rows after a fetch that found
  * some; each look that finds none doubles it, up to relay.poll_interval. */
 #define POLL_MIN_MS 1
+/* How often the marks store the partitions' offsets (outbox.kafka_offsets).
+ * A stored offset only says where the recovery pass starts reading, so it
+ * may lag: the pass then reads up to this much more. Storing it with every
+ * mark updated a dozen rows a few hundred times a second, and under a held
+ * xmin horizon every one of those versions stays, and each upsert walked
+ * them all. */
+#define OFFSETS_STORE_MS 1000
 
 enum slot_state {
     SLOT_FREE = 0,
@@ -75,9 +82,13 @@ struct obx_relay {
     int64_t *ids;
     int64_t *dead_ids;
     const char **dead_reasons;
+    /* The highest acknowledged offset per partition not yet stored. */
     const char **off_topics;
     int32_t *off_partitions;
     int64_t *off_offsets;
+    size_t n_off, cap_off;
+    bool offsets_in_mark;         /* the mark in flight stores them */
+    int64_t offsets_due;          /* when the next mark stores them */
     struct obx_blocked_key *keys; /* cap_blocked of them */
     int64_t *key_ids;             /* cap_blocked of them */
 
@@ -209,6 +220,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
         obx_relay_free(r);
         return -1;
     }
+    r->cap_off = n;
     for (int32_t i = 0; i < s->max_in_flight; i++)
         r->slots[i].next_free = i + 1 < s->max_in_flight ? i + 1 : -1;
     r->free_head = 0;
@@ -497,20 +509,44 @@ static void stop(struct obx_relay *r, const char *why)
         r->ops->stopped(r->io, r->exit_code);
 }
 
-/* Adds slot `s`'s offset to the per-partition maxima of the mark. */
-static void note_offset(struct obx_relay *r, const struct slot *s, size_t *n)
+/* Room for twice as many partitions' offsets. */
+static int grow_offsets(struct obx_relay *r)
+{
+    size_t cap = r->cap_off * 2;
+    const char **t = obx_realloc(r->off_topics, cap * sizeof(*t));
+    if (!t)
+        return -1;
+    r->off_topics = t;
+    int32_t *p = obx_realloc(r->off_partitions, cap * sizeof(*p));
+    if (!p)
+        return -1;
+    r->off_partitions = p;
+    int64_t *o = obx_realloc(r->off_offsets, cap * sizeof(*o));
+    if (!o)
+        return -1;
+    r->off_offsets = o;
+    r->cap_off = cap;
+    return 0;
+}
+
+/* Adds slot `s`'s offset to the per-partition maxima waiting to be stored.
+ * Without memory for a new partition its stored offset lags, which costs
+ * the recovery pass a longer read and nothing else. */
+static void note_offset(struct obx_relay *r, const struct slot *s)
 {
     const char *topic = r->topics[s->topic];
-    for (size_t i = 0; i < *n; i++) {
+    for (size_t i = 0; i < r->n_off; i++) {
         if (r->off_partitions[i] == s->partition && r->off_topics[i] == topic) {
             if (s->offset > r->off_offsets[i])
                 r->off_offsets[i] = s->offset;
             return;
         }
     }
-    r->off_topics[*n] = topic;
-    r->off_partitions[*n] = s->partition;
-    r->off_offsets[(*n)++] = s->offset;
+    if (r->n_off == r->cap_off && grow_offsets(r) != 0)
+        return;
+    r->off_topics[r->n_off] = topic;
+    r->off_partitions[r->n_off] = s->partition;
+    r->off_offsets[r->n_off++] = s->offset;
 }
 
 /* Fills `f` for the next fetch; false if none can go (no free slot, or
@@ -636,7 +672,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
         struct slot *s = &r->slots[i];
         if (s->state == SLOT_ACKED) {
             r->ids[m.n_ids++] = s->id;
-            note_offset(r, s, &m.n_offsets);
+            note_offset(r, s);
         } else if (s->state == SLOT_DEAD) {
             r->dead_reasons[m.n_dead] = s->reason;
             r->dead_ids[m.n_dead++] = s->id;
@@ -644,6 +680,10 @@ static bool start_mark(struct obx_relay *r, int64_t now)
     }
     if (m.n_ids + m.n_dead == 0)
         return false;
+    /* The offsets go with a mark once a second, and with every mark of a
+     * drain (the next start reads less). */
+    r->offsets_in_mark = r->n_off > 0 && (now >= r->offsets_due || r->draining);
+    m.n_offsets = r->offsets_in_mark ? r->n_off : 0;
     if (failpoint(r, OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
@@ -1075,6 +1115,11 @@ static void mark_done(struct obx_relay *r, int64_t now)
     }
     r->marked_total += marked;
     r->dead_total += dead;
+    if (r->offsets_in_mark) {
+        r->n_off = 0;
+        r->offsets_due = now + OFFSETS_STORE_MS;
+        r->offsets_in_mark = false;
+    }
     progress(r, now);
     obx_debug("relay: marked %zu rows, dead-lettered %zu", marked, dead);
     set_state(r, OBX_RELAY_IDLE, "mark done");
