@@ -20,6 +20,33 @@
  * 4. Latency: one event per transaction at fixed rates; commit -> record
  *    read by a consumer in this process, on one clock.
  * 5. Footprint of the outboxd process.
+ *
+ * Each outboxd started here serves /metrics on a port of its own (not
+ * http.listen's default), so a second benchmark on the machine can neither
+ * block it nor answer for it.
+ *
+ * What the application's database does to the relay, each run alone
+ * instead of the table above (bench/run passes the environment through):
+ *
+ * OBX_BENCH_HORIZON=mark|delete [OBX_BENCH_HORIZON_SECONDS=300]
+ *    A held xmin horizon: one more session keeps a REPEATABLE READ snapshot
+ *    (BEGIN; SELECT count(*) FROM outbox.kafka_offsets) for the whole run,
+ *    as a report or pg_dump does, while writers commit 1,000 rows/s with
+ *    outbox.enqueue and the real outboxd relays them. Prints the latency of
+ *    4. for the first 10 s and every minute of commits, last minute's p99
+ *    over the first's, n_dead_tup of outbox.events at the end, and the
+ *    relay's backend CPU per 1,000 rows (each minute and over the run).
+ *    Minute N goes to topic lat-N (bench/run creates them): on one topic
+ *    the mock broker's fetches slow down as its log grows, and latency
+ *    grew over two minutes with no horizon held at all.
+ *    OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held (control).
+ * OBX_BENCH_OPEN_WRITER=mark|delete (--rows N)
+ *    One writing transaction open during a drain: the drain of 3. without
+ *    (a) and with (b) a session that took an xid before the prefill
+ *    (BEGIN; SELECT pg_current_xact_id()) and rolls back only after the
+ *    drain, PAIRS pairs in alternating order. Prints rates, their ratio
+ *    (b)/(a) and the CPU per row of the relay's backend and of outboxd
+ *    (steadier than rates on a few shared cores).
  */
 #include "outboxd/buf.h"
 #include "outboxd/config.h"
@@ -63,10 +90,24 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static void die(const char *what, const char *detail)
+/* The outboxd we started and have not stopped: an error or a signal here
+ * stops it too, or it would live on holding its port. */
+static volatile sig_atomic_t live_relay;
+
+static _Noreturn void die(const char *what, const char *detail)
 {
     fprintf(stderr, "obx-bench: %s: %s\n", what, detail ? detail : "");
+    if (live_relay > 0)
+        kill((pid_t)live_relay, SIGTERM);
     exit(1);
+}
+
+static void on_fatal_signal(int sig)
+{
+    if (live_relay > 0)
+        kill((pid_t)live_relay, SIGTERM);
+    signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 static PGconn *connect_db(const struct opts *o)
@@ -444,9 +485,28 @@ struct proc_stats {
     long peak_kb; /* VmHWM */
 };
 
+/* The port of the relay's /metrics: one of our own, not http.listen's
+ * default, so that another benchmark on this machine neither takes it nor
+ * answers for our relay. */
+static int http_port;
+
+static int free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 ||
+        getsockname(fd, (struct sockaddr *)&a, &len) != 0)
+        die("a port for /metrics", strerror(errno));
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
 static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
 {
-    char conninfo[1024], bootstrap[600];
+    char conninfo[1024], bootstrap[600], listen[64];
+    snprintf(listen, sizeof(listen), "http.listen=127.0.0.1:%d", http_port);
     snprintf(conninfo, sizeof(conninfo), "postgres.conninfo=%s", o->conninfo);
     snprintf(bootstrap, sizeof(bootstrap), "kafka.bootstrap.servers=%s", o->bootstrap);
     pid_t pid = fork();
@@ -474,18 +534,21 @@ static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_
                                                       : "relay.on_sent=mark",
                         "-X",
                         "log.level=warn",
+                        "-X",
+                        listen,
                         NULL,
                         NULL,
                         NULL};
         /* OBX_BENCH_X=key=value: one extra setting, for trying alternatives. */
         const char *extra = getenv("OBX_BENCH_X");
         if (extra && *extra) {
-            argv[9] = "-X";
-            argv[10] = (char *)extra;
+            argv[11] = "-X";
+            argv[12] = (char *)extra;
         }
         execve(o->outboxd, argv, envp);
         _exit(127);
     }
+    live_relay = pid;
     return pid;
 }
 
@@ -526,6 +589,7 @@ static void stop_outboxd(pid_t pid)
     int status;
     kill(pid, SIGTERM);
     waitpid(pid, &status, 0);
+    live_relay = 0;
 }
 
 struct drain_result {
@@ -553,19 +617,27 @@ static long read_count(const char *path)
 /* Waits until `sql` (an EXISTS probe) says nothing is left. The probe is
  * cheap and rare enough not to compete with the relay for Postgres: a
  * count(*) every few ms slowed the drain in proportion to the backlog. */
-static void wait_drained(PGconn *c, const char *sql)
+static void wait_drained(PGconn *c, const char *sql, pid_t relay)
 {
-    while (query_int(c, sql) > 0)
+    while (query_int(c, sql) > 0) {
+        int status;
+        if (waitpid(relay, &status, WNOHANG) == relay) { /* else it would wait for ever */
+            live_relay = 0;
+            die("outboxd", "exited while rows were waiting (its stderr goes to /dev/null)");
+        }
         usleep(20000);
+    }
 }
 
-/* outboxd_rows_marked_total from the relay's /metrics (http.listen's
- * default address), or -1 if it cannot be read. */
-static long long marked_total(void)
+/* A sample of the relay's /metrics (at http_port), e.g.
+ * "outboxd_rows_marked_total", or -1 if it cannot be read. */
+static long long relay_metric(const char *sample)
 {
     static char buf[1 << 16];
+    char needle[128];
+    snprintf(needle, sizeof(needle), "\n%s ", sample);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(9187)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)http_port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     long long v = -1;
     if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
@@ -576,13 +648,18 @@ static long long marked_total(void)
                (n = read(fd, buf + got, sizeof(buf) - 1 - got)) > 0)
             got += (size_t)n;
         buf[got] = 0;
-        const char *p = strstr(buf, "\noutboxd_rows_marked_total ");
+        const char *p = strstr(buf, needle);
         if (p)
-            v = strtoll(p + strlen("\noutboxd_rows_marked_total "), NULL, 10);
+            v = strtoll(p + strlen(needle), NULL, 10);
     }
     if (fd >= 0)
         close(fd);
     return v;
+}
+
+static long long marked_total(void)
+{
+    return relay_metric("outboxd_rows_marked_total");
 }
 
 /* Waits until the relay has confirmed `target` rows in all, asking it and
@@ -590,36 +667,59 @@ static long long marked_total(void)
  * competes with the drain it measures (in delete mode each probe also
  * prunes the pages deleted since the one before). Falls back to the
  * probe if /metrics cannot be read. */
-static void wait_marked(PGconn *c, const char *sql, long long target)
+static void wait_marked(PGconn *c, const char *sql, long long target, pid_t relay)
 {
     long long v;
     while ((v = marked_total()) >= 0 && v < target)
         usleep(2000);
     if (v < 0)
-        wait_drained(c, sql);
+        wait_drained(c, sql, relay);
 }
+
+/* The probe for "is anything left to relay" in each mode. */
+static const char *left_sql_for(int on_sent)
+{
+    return on_sent == OBX_ON_SENT_DELETE
+               ? "SELECT EXISTS (SELECT FROM outbox.events)::int"
+               : "SELECT EXISTS (SELECT FROM outbox.events WHERE sent_at IS NULL)::int";
+}
+
+/* The relay's own Postgres backend (its maintenance session has another
+ * application_name), or 0 if it is not connected. */
+static int relay_backend_pid(PGconn *c)
+{
+    return (int)query_int(c, "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
+                             " WHERE application_name = 'outboxd'");
+}
+
+/* What another session does around a drain: before_prefill runs before
+ * the rows are written, after_drain once the last one is confirmed and
+ * measured. */
+struct drain_hook {
+    void (*before_prefill)(void *arg);
+    void (*after_drain)(void *arg);
+    void *arg;
+};
 
 /* A warm relay (recovered, producer connected) is handed N rows committed
  * in one transaction with NOTIFY; the clock runs from that commit until the
  * last row is confirmed. */
 static void drain(const struct opts *o, int on_sent, int rows, int payload, bool idle,
-                  struct drain_result *res, long *allocs)
+                  struct drain_result *res, long *allocs, const struct drain_hook *hook)
 {
     PGconn *c = connect_db(o);
-    const char *left_sql =
-        on_sent == OBX_ON_SENT_DELETE
-            ? "SELECT EXISTS (SELECT FROM outbox.events)::int"
-            : "SELECT EXISTS (SELECT FROM outbox.events WHERE sent_at IS NULL)::int";
+    const char *left_sql = left_sql_for(on_sent);
     const char *count_file = allocs ? "/tmp/obx-bench-allocs" : NULL;
     settle(c);
     pid_t pid = spawn_outboxd(o, on_sent, count_file);
     exec_ok(c, "SELECT outbox.enqueue('bench', 'warm-up', 'x'::bytea)");
-    wait_drained(c, left_sql);
+    wait_drained(c, left_sql, pid);
     sleep(1);
     struct proc_stats s0 = {0}, s1 = {0}, s2 = {0};
-    int relay_backend = (int)query_int(c, "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
-                                          " WHERE application_name = 'outboxd'");
+    int relay_backend = relay_backend_pid(c);
     char lsn[64];
+    if (hook && hook->before_prefill)
+        hook->before_prefill(hook->arg);
     exec_ok(c, "BEGIN");
     prefill(c, rows, payload);
     exec_ok(c, "NOTIFY outboxd");
@@ -629,9 +729,9 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     double b0 = backend_cpu_s(relay_backend);
     double t0 = now_s();
     exec_ok(c, "COMMIT");
-    wait_marked(c, left_sql, rows + 1LL); /* and the warm-up row */
+    wait_marked(c, left_sql, rows + 1LL, pid); /* and the warm-up row */
     double t1 = now_s();
-    wait_drained(c, left_sql); /* what the relay says, Postgres confirms */
+    wait_drained(c, left_sql, pid); /* what the relay says, Postgres confirms */
     proc_stats(pid, &s1);
     res->pg_cpu_ms_per_1k = (backend_cpu_s(relay_backend) - b0) * 1e6 / rows;
     res->wal_per_row = wal_since(c, lsn) / rows;
@@ -640,6 +740,8 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     res->rows_per_s = rows / (t1 - t0);
     res->cpu_per_100k = (s1.cpu_s - s0.cpu_s) / rows * 100000.0;
     res->peak_kb = s1.peak_kb;
+    if (hook && hook->after_drain)
+        hook->after_drain(hook->arg);
     if (idle) {
         sleep(10);
         proc_stats(pid, &s2);
@@ -676,7 +778,7 @@ static void paired(const struct opts *o, int on_sent, int payload, bool idle, st
         struct drain_result d;
         struct pg_cost job = job_limit(o, on_sent, payload);
         struct pg_cost mine = pg_limit(o, on_sent, payload);
-        drain(o, on_sent, o->rows, payload, idle && i == 0, &d, NULL);
+        drain(o, on_sent, o->rows, payload, idle && i == 0, &d, NULL, NULL);
         if (i == 0) {
             p->first = d;
             p->job_cost = job;
@@ -707,11 +809,32 @@ static void paired(const struct opts *o, int on_sent, int payload, bool idle, st
 static double *commit_at; /* by outbox id - id_base: when the writer sent the commit */
 static long long id_base; /* ids keep growing over the runs (TRUNCATE keeps the identity) */
 static atomic_int writers_done;
+static atomic_long written; /* rows the writers of the current run committed */
+
+/* Windows of WINDOW_S seconds (the horizon run), each on a topic of its
+ * own, "lat-1" ... "lat-<MAX_WINDOWS>" (bench/run creates them): the mock
+ * broker walks a partition's whole log on every fetch that returns data,
+ * so on one topic the latency would grow with the run whatever the relay
+ * did. */
+#define WINDOW_S    60
+#define MAX_WINDOWS 60
+
+/* The topic of window w (from 0) of a run with `windows` windows, or "lat"
+ * for a run without. */
+static void lat_topic(char *buf, size_t len, int windows, int w)
+{
+    if (windows == 0)
+        snprintf(buf, len, "lat");
+    else
+        snprintf(buf, len, "lat-%d", (w < windows ? w : windows - 1) + 1);
+}
 
 struct lat_writer {
     const struct opts *o;
     double rate; /* events/s for this thread */
     double seconds;
+    double start; /* the run's clock, for the windows */
+    int windows;  /* 0: one topic */
 };
 
 static void *lat_writer_main(void *arg)
@@ -724,18 +847,20 @@ static void *lat_writer_main(void *arg)
         double wait = next - now_s();
         if (wait > 0)
             usleep((useconds_t)(wait * 1e6));
-        char key[32];
+        char key[32], topic[32];
         snprintf(key, sizeof(key), "key-%d", k++ % KEYS);
-        const char *v[2] = {key, "{\"event\": \"latency probe\"}"};
         double t = now_s(); /* one statement = one transaction: commit at its end */
-        PGresult *r = PQexecParams(c, "SELECT outbox.enqueue('lat', $1, $2::jsonb)", 2, NULL, v,
-                                   NULL, NULL, 0);
+        lat_topic(topic, sizeof(topic), w->windows, (int)((t - w->start) / WINDOW_S));
+        const char *v[3] = {key, "{\"event\": \"latency probe\"}", topic};
+        PGresult *r =
+            PQexecParams(c, "SELECT outbox.enqueue($3, $1, $2::jsonb)", 3, NULL, v, NULL, NULL, 0);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("enqueue", PQresultErrorMessage(r));
         long long id = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
         PQclear(r);
         if (id > id_base && id - id_base < MAX_IDS)
             commit_at[id - id_base] = t;
+        atomic_fetch_add(&written, 1);
         next += period;
     }
     PQfinish(c);
@@ -749,12 +874,36 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* One record read back: its row, when the row's commit was sent (seconds
+ * after the writers started) and how long it took to reach the consumer. */
+struct lat_sample {
+    long long id;
+    double at, lat;
+};
+
 struct lat_result {
-    double achieved, p50, p99, p999, max;
+    double achieved, p50, p99, p999, max; /* ms, but achieved: records/s */
     long n;
 };
 
-static void latency(const struct opts *o, int rate, struct lat_result *res)
+/* The horizon run's windows of wall time: the relay backend's CPU at each
+ * window's start (and at the end of the run), and the records that arrived
+ * in each (the last window runs on until the backlog is read). */
+struct lat_probe {
+    int backend_pid;
+    int windows;
+    double *cpu;   /* [windows + 1] */
+    long *arrived; /* [windows] */
+};
+
+/* Writers commit `rate` events/s on 'lat' for `seconds`, one event per
+ * transaction; a consumer in this process reads the records back until
+ * every committed row has arrived (or nothing came for 10 s: a relay that
+ * merely falls behind still delivers in that time) and matches each by its
+ * outbox-id to the commit, on one clock. Returns the samples (*n of them,
+ * in arrival order; the caller frees them). */
+static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
+                                  struct lat_probe *probe, size_t *n_out)
 {
     char err[512];
     int threads = rate >= 1000 ? 4 : 1;
@@ -767,9 +916,15 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
     if (!rk)
         die("consumer", err);
     rd_kafka_poll_set_consumer(rk);
-    rd_kafka_topic_partition_list_t *parts = rd_kafka_topic_partition_list_new(PARTITIONS);
-    for (int p = 0; p < PARTITIONS; p++)
-        rd_kafka_topic_partition_list_add(parts, "lat", p)->offset = RD_KAFKA_OFFSET_END;
+    int windows = probe ? probe->windows : 0;
+    rd_kafka_topic_partition_list_t *parts =
+        rd_kafka_topic_partition_list_new(PARTITIONS * (windows ? windows : 1));
+    for (int w = 0; w < (windows ? windows : 1); w++) {
+        char topic[32];
+        lat_topic(topic, sizeof(topic), windows, w);
+        for (int p = 0; p < PARTITIONS; p++)
+            rd_kafka_topic_partition_list_add(parts, topic, p)->offset = RD_KAFKA_OFFSET_END;
+    }
     rd_kafka_assign(rk, parts);
     rd_kafka_topic_partition_list_destroy(parts);
     for (int i = 0; i < 20; i++) { /* let the assignment settle */
@@ -778,18 +933,29 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
             rd_kafka_message_destroy(m);
     }
 
-    size_t cap = (size_t)rate * (size_t)o->latency_seconds + 1024, n = 0;
-    double *samples = malloc(cap * sizeof(double));
-    struct lat_writer w = {o, (double)rate / threads, o->latency_seconds};
+    /* Each writer commits at most rate / threads x seconds rows, + 1. */
+    size_t cap = (size_t)rate * (size_t)seconds + 1024, n = 0, matched = 0;
+    struct lat_sample *samples = malloc(cap * sizeof(*samples));
+    if (!samples)
+        die("latency samples", "out of memory");
     pthread_t t[8];
     atomic_store(&writers_done, 0);
+    atomic_store(&written, 0);
+    long arrived = 0; /* records of this run's ids, sampled or not */
+    int window = 0;
     double start = now_s();
+    struct lat_writer w = {o, (double)rate / threads, seconds, start, windows};
+    if (probe)
+        probe->cpu[0] = backend_cpu_s(probe->backend_pid);
     for (int i = 0; i < threads; i++)
-        pthread_create(&t[i], NULL, lat_writer_main, &w);
+        if (pthread_create(&t[i], NULL, lat_writer_main, &w) != 0)
+            die("pthread_create", "latency writer");
     double quiet_since = 0;
     for (;;) {
         rd_kafka_message_t *m = rd_kafka_consumer_poll(rk, 10);
         double now = now_s();
+        while (probe && window < probe->windows - 1 && now - start >= (window + 1) * WINDOW_S)
+            probe->cpu[++window] = backend_cpu_s(probe->backend_pid);
         if (m) {
             rd_kafka_headers_t *h;
             const void *val;
@@ -800,33 +966,307 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
                 memcpy(buf, val, len);
                 buf[len] = '\0';
                 long long id = strtoll(buf, NULL, 10);
-                if (id > id_base && id - id_base < MAX_IDS && commit_at[id - id_base] > 0 &&
-                    n < cap)
-                    samples[n++] = now - commit_at[id - id_base];
+                if (id > id_base && id - id_base < MAX_IDS) {
+                    arrived++;
+                    if (probe)
+                        probe->arrived[window]++;
+                    /* Matched to the commit once the writers are done: a
+                     * record can arrive before its writer noted the time. */
+                    if (n < cap)
+                        samples[n++] = (struct lat_sample){id, 0, now};
+                }
             }
             rd_kafka_message_destroy(m);
             quiet_since = 0;
         } else if (atomic_load(&writers_done) == threads) {
+            if (arrived >= atomic_load(&written))
+                break;
             if (quiet_since == 0)
                 quiet_since = now;
-            else if (now - quiet_since > 2.0)
+            else if (now - quiet_since > 10.0)
                 break;
         }
     }
-    double elapsed = o->latency_seconds;
-    (void)start;
+    if (probe)
+        probe->cpu[probe->windows] = backend_cpu_s(probe->backend_pid);
     for (int i = 0; i < threads; i++)
         pthread_join(t[i], NULL);
     rd_kafka_consumer_close(rk);
     rd_kafka_destroy(rk);
-    qsort(samples, n, sizeof(double), cmp_double);
-    res->n = (long)n;
-    res->achieved = n / elapsed;
-    res->p50 = n ? samples[n / 2] * 1e3 : 0;
-    res->p99 = n ? samples[(size_t)(n * 0.99)] * 1e3 : 0;
-    res->p999 = n ? samples[(size_t)(n * 0.999)] * 1e3 : 0;
-    res->max = n ? samples[n - 1] * 1e3 : 0;
-    free(samples);
+    for (size_t i = 0; i < n; i++) {
+        double at = commit_at[samples[i].id - id_base];
+        if (at > 0)
+            samples[matched++] =
+                (struct lat_sample){samples[i].id, at - start, samples[i].lat - at};
+    }
+    *n_out = matched;
+    return samples;
+}
+
+/* Percentiles of the samples whose commit came in [from, to) seconds. */
+static void lat_summary(const struct lat_sample *s, size_t n, double from, double to,
+                        struct lat_result *res)
+{
+    double *lat = malloc((n ? n : 1) * sizeof(double));
+    if (!lat)
+        die("latency summary", "out of memory");
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (s[i].at >= from && s[i].at < to)
+            lat[k++] = s[i].lat;
+    qsort(lat, k, sizeof(double), cmp_double);
+    res->n = (long)k;
+    res->p50 = k ? lat[k / 2] * 1e3 : 0;
+    res->p99 = k ? lat[(size_t)((double)k * 0.99)] * 1e3 : 0;
+    res->p999 = k ? lat[(size_t)((double)k * 0.999)] * 1e3 : 0;
+    res->max = k ? lat[k - 1] * 1e3 : 0;
+    free(lat);
+}
+
+static void latency(const struct opts *o, int rate, struct lat_result *res)
+{
+    size_t n;
+    struct lat_sample *s = lat_run(o, rate, o->latency_seconds, NULL, &n);
+    lat_summary(s, n, -1e9, 1e9, res);
+    res->achieved = (double)n / o->latency_seconds;
+    free(s);
+}
+
+/* ---- what the application's database does to the relay ---- */
+
+static double per_1k_ms(double cpu_s, long rows)
+{
+    return rows > 0 ? cpu_s * 1e6 / (double)rows : 0;
+}
+
+/* A held xmin horizon: a read-only REPEATABLE READ transaction keeps its
+ * snapshot for the whole run while writers commit 1,000 rows/s and the
+ * relay publishes them. Without `hold`, the same run with no snapshot held:
+ * the control. */
+static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, const char *context)
+{
+    const int rate = 1000;
+    int windows = (seconds + WINDOW_S - 1) / WINDOW_S;
+    /* commit_at is indexed by id: the run's rows, the warm-ups and a margin */
+    if ((long long)rate * seconds + 10000 > MAX_IDS || windows > MAX_WINDOWS)
+        die("OBX_BENCH_HORIZON_SECONDS", "more than MAX_WINDOWS minutes");
+    PGconn *c = connect_db(o);
+    settle(c);
+    pid_t relay = spawn_outboxd(o, on_sent, NULL);
+    /* A warm relay and topics: a topic's first record waits for metadata. */
+    for (int w = 0; w < windows; w++) {
+        char topic[32];
+        lat_topic(topic, sizeof(topic), windows, w);
+        const char *v[1] = {topic};
+        PGresult *r = PQexecParams(c, "SELECT outbox.enqueue($1, 'warm-up', 'x'::bytea)", 1, NULL,
+                                   v, NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("warm-up", PQresultErrorMessage(r));
+        PQclear(r);
+    }
+    wait_drained(c, left_sql_for(on_sent), relay);
+    sleep(1);
+    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+
+    struct lat_probe probe = {.backend_pid = relay_backend_pid(c), .windows = windows};
+    if (probe.backend_pid == 0)
+        die("horizon", "the relay has no Postgres session");
+    probe.cpu = calloc((size_t)windows + 1, sizeof(double));
+    probe.arrived = calloc((size_t)windows, sizeof(long));
+    if (!probe.cpu || !probe.arrived)
+        die("horizon windows", "out of memory");
+
+    /* The horizon, held as a report or pg_dump holds it: no xid, one
+     * snapshot kept to the end of the transaction. */
+    PGconn *h = connect_db(o);
+    if (hold) {
+        exec_ok(h, "BEGIN ISOLATION LEVEL REPEATABLE READ");
+        exec_ok(h, "SELECT count(*) FROM outbox.kafka_offsets");
+    }
+
+    /* How often the relay asked: a fetch's cost is what the horizon grows. */
+    static const char full_fetches[] = "outboxd_fetches_total{kind=\"full\"}",
+                      keyset_fetches[] = "outboxd_fetches_total{kind=\"keyset\"}";
+    long long full0 = relay_metric(full_fetches), keyset0 = relay_metric(keyset_fetches);
+    /* The relay's other session (backlog and purge) reads the same table. */
+    int maint_pid = (int)query_int(c, "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
+                                      " WHERE application_name = 'outboxd-maintenance'");
+    double maint0 = backend_cpu_s(maint_pid);
+    struct proc_stats s0 = {0}, s1 = {0};
+    proc_stats(relay, &s0);
+    const char *mode = on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark";
+    fprintf(stderr, "obx-bench: %s, %s mode, %d s at %d rows/s...\n",
+            hold ? "held xmin horizon" : "control, no horizon held", mode, seconds, rate);
+    size_t n;
+    struct lat_sample *s = lat_run(o, rate, seconds, &probe, &n);
+    proc_stats(relay, &s1);
+    double maint1 = backend_cpu_s(maint_pid);
+    long long full1 = relay_metric(full_fetches), keyset1 = relay_metric(keyset_fetches);
+    long rows = atomic_load(&written);
+
+    /* Backends publish their statistics at most once a second: wait, then
+     * read them in a fresh session (no cached stats snapshot), the horizon
+     * still held. */
+    sleep(2);
+    PGconn *f = connect_db(o);
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(age(backend_xmin), 0) FROM pg_stat_activity WHERE pid = %d",
+             PQbackendPID(h));
+    long long xmin_age = query_int(f, sql);
+    long long dead = query_int(f, "SELECT n_dead_tup FROM pg_stat_user_tables"
+                                  " WHERE relid = 'outbox.events'::regclass");
+    long long live = query_int(f, "SELECT n_live_tup FROM pg_stat_user_tables"
+                                  " WHERE relid = 'outbox.events'::regclass");
+    long long bytes = query_int(f, "SELECT pg_total_relation_size('outbox.events')");
+    PQfinish(f);
+    if (hold)
+        exec_ok(h, "ROLLBACK");
+    PQfinish(h);
+    stop_outboxd(relay);
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    PQfinish(c);
+
+    if (hold)
+        printf("outboxd under a held xmin horizon, %s mode: %s. One session holds a REPEATABLE "
+               "READ snapshot (BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM "
+               "outbox.kafka_offsets) for the whole run",
+               mode, context);
+    else
+        printf("outboxd, control run for the held xmin horizon (no snapshot held), %s mode: %s. "
+               "Nothing holds the horizon",
+               mode, context);
+    printf(" while 4 writers commit %d rows/s with outbox.enqueue for %d s, minute N on topic "
+           "lat-N (%d partitions, %d keys; a fresh topic a minute: the mock broker's fetch walks a "
+           "partition's whole log). Latency: commit -> record read by a consumer in this process, "
+           "by the minute of the commit.\n\n",
+           rate, seconds, PARTITIONS, KEYS);
+    printf("| minute | rows committed | p50 | p99 | max | relay's backend CPU per 1k rows "
+           "delivered in that minute |\n| --- | --- | --- | --- | --- | --- |\n");
+    /* The damage builds up within the first minute: its first seconds are
+     * the relay before it. */
+    struct lat_result early;
+    lat_summary(s, n, 0, 10, &early);
+    printf("| first 10 s of 1 | %ld | %.2f ms | %.2f ms | %.2f ms | |\n", early.n, early.p50,
+           early.p99, early.max);
+    struct lat_result first = {0}, last = {0};
+    for (int w = 0; w < windows; w++) {
+        struct lat_result r;
+        int from = w * WINDOW_S, to = w == windows - 1 ? seconds : from + WINDOW_S;
+        /* The writers' clocks start a little after this one: the last
+         * window takes every commit after its start. */
+        lat_summary(s, n, from, w == windows - 1 ? 1e9 : to, &r);
+        if (w == 0)
+            first = r;
+        last = r;
+        printf("| %d (%d-%d s) | %ld | %.2f ms | %.2f ms | %.2f ms | %.1f ms |\n", w + 1, from, to,
+               r.n, r.p50, r.p99, r.max,
+               per_1k_ms(probe.cpu[w + 1] - probe.cpu[w], probe.arrived[w]));
+    }
+    long arrived = 0;
+    for (int w = 0; w < windows; w++)
+        arrived += probe.arrived[w];
+    printf("\n| over the run | |\n| --- | --- |\n");
+    printf("| p99, last minute / first minute | **%.1f x** (%.2f ms / %.2f ms) |\n",
+           first.p99 > 0 ? last.p99 / first.p99 : 0, last.p99, first.p99);
+    printf("| n_dead_tup of outbox.events at the end%s | %lld (n_live_tup %lld) |\n",
+           hold ? ", horizon held" : "", dead, live);
+    printf("| outbox.events with its indexes at the end | %.1f MB |\n", (double)bytes / 1048576.0);
+    if (hold)
+        printf("| age of the held snapshot's xmin at the end | %lld xids |\n", xmin_age);
+    printf("| the relay's backend CPU per 1k rows, whole run | %.1f ms |\n",
+           per_1k_ms(probe.cpu[windows] - probe.cpu[0], arrived));
+    printf("| outboxd CPU per 1k rows, whole run | %.1f ms |\n",
+           per_1k_ms(s1.cpu_s - s0.cpu_s, arrived));
+    if (maint_pid)
+        printf("| its maintenance session's backend CPU per 1k rows, whole run | %.1f ms |\n",
+               per_1k_ms(maint1 - maint0, arrived));
+    if (full0 >= 0 && keyset0 >= 0 && full1 >= 0 && keyset1 >= 0 && arrived > 0)
+        printf("| the relay's fetches per 1k rows, whole run | %.0f full, %.0f keyset |\n",
+               (double)(full1 - full0) * 1000.0 / (double)arrived,
+               (double)(keyset1 - keyset0) * 1000.0 / (double)arrived);
+    printf("| rows committed / records read back / matched to a commit | %ld / %ld / %zu |\n", rows,
+           arrived, n);
+    free(s);
+    free(probe.cpu);
+    free(probe.arrived);
+}
+
+/* One writing transaction open during a drain: a session that took an xid
+ * (as an application transaction that wrote something) before the rows. */
+struct open_writer {
+    const struct opts *o;
+    PGconn *c;
+};
+
+static void open_writer_begin(void *arg)
+{
+    struct open_writer *w = arg;
+    w->c = connect_db(w->o);
+    exec_ok(w->c, "BEGIN");
+    exec_ok(w->c, "SELECT pg_current_xact_id()");
+}
+
+static void open_writer_end(void *arg)
+{
+    struct open_writer *w = arg;
+    exec_ok(w->c, "ROLLBACK");
+    PQfinish(w->c);
+    w->c = NULL;
+}
+
+/* The drain of 3. without (a) and with (b) the open writer, PAIRS pairs,
+ * (a) first in odd pairs and (b) first in even ones so that drift on this
+ * machine favours neither. */
+static void open_writer_bench(const struct opts *o, int on_sent, const char *context)
+{
+    struct open_writer w = {.o = o};
+    const struct drain_hook hook = {open_writer_begin, open_writer_end, &w};
+    struct drain_result a[PAIRS], b[PAIRS];
+    double rate[PAIRS], pg[PAIRS], own[PAIRS];
+    const char *mode = on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark";
+    for (int i = 0; i < PAIRS; i++) {
+        if (i % 2 == 0) {
+            drain(o, on_sent, o->rows, 200, false, &a[i], NULL, NULL);
+            drain(o, on_sent, o->rows, 200, false, &b[i], NULL, &hook);
+        } else {
+            drain(o, on_sent, o->rows, 200, false, &b[i], NULL, &hook);
+            drain(o, on_sent, o->rows, 200, false, &a[i], NULL, NULL);
+        }
+        rate[i] = b[i].rows_per_s / a[i].rows_per_s;
+        pg[i] = b[i].pg_cpu_ms_per_1k / a[i].pg_cpu_ms_per_1k;
+        own[i] = b[i].cpu_per_100k / a[i].cpu_per_100k;
+        fprintf(stderr, "obx-bench:   open writer, %s, pair %d: %.0f -> %.0f rows/s = %.2f\n", mode,
+                i + 1, a[i].rows_per_s, b[i].rows_per_s, rate[i]);
+    }
+
+    printf("outboxd drain with one writing transaction open, %s mode: %s. (a) the drain of %d "
+           "pre-filled rows (200-byte payloads, one transaction) by the real outboxd; (b) the "
+           "same while another session, which ran BEGIN; SELECT pg_current_xact_id() before the "
+           "rows were written, stays open until the drain has ended (then ROLLBACK). %d pairs, "
+           "alternating order. CPU: the relay's Postgres backend per 1,000 rows, outboxd's "
+           "process (all threads) per row.\n\n",
+           mode, context, o->rows, PAIRS);
+    printf("| pair (order) | (a) rows/s | (b) open writer, rows/s | (b)/(a) | backend CPU per 1k "
+           "rows (a) -> (b) | outboxd CPU per row (a) -> (b) |\n"
+           "| --- | --- | --- | --- | --- | --- |\n");
+    for (int i = 0; i < PAIRS; i++)
+        printf("| %d (%s) | %.0f | %.0f | %.2f | %.1f -> %.1f ms (%.2f x) | %.1f -> %.1f us "
+               "(%.2f x) |\n",
+               i + 1, i % 2 == 0 ? "a, b" : "b, a", a[i].rows_per_s, b[i].rows_per_s, rate[i],
+               a[i].pg_cpu_ms_per_1k, b[i].pg_cpu_ms_per_1k, pg[i], a[i].cpu_per_100k * 10.0,
+               b[i].cpu_per_100k * 10.0, own[i]);
+    printf("| **median** | %.0f | %.0f | **%.2f** | %.1f -> %.1f ms (**%.2f x**) | %.1f -> %.1f "
+           "us (%.2f x) |\n",
+           median3(a[0].rows_per_s, a[1].rows_per_s, a[2].rows_per_s),
+           median3(b[0].rows_per_s, b[1].rows_per_s, b[2].rows_per_s),
+           median3(rate[0], rate[1], rate[2]),
+           median3(a[0].pg_cpu_ms_per_1k, a[1].pg_cpu_ms_per_1k, a[2].pg_cpu_ms_per_1k),
+           median3(b[0].pg_cpu_ms_per_1k, b[1].pg_cpu_ms_per_1k, b[2].pg_cpu_ms_per_1k),
+           median3(pg[0], pg[1], pg[2]),
+           median3(a[0].cpu_per_100k, a[1].cpu_per_100k, a[2].cpu_per_100k) * 10.0,
+           median3(b[0].cpu_per_100k, b[1].cpu_per_100k, b[2].cpu_per_100k) * 10.0,
+           median3(own[0], own[1], own[2]));
 }
 
 /* ---- main ---- */
@@ -849,6 +1289,16 @@ static void machine(char *buf, size_t len)
     }
     if (f)
         fclose(f);
+}
+
+/* mark or delete, from the variable `name`. */
+static int mode_of(const char *name, const char *value)
+{
+    if (strcmp(value, "mark") == 0)
+        return OBX_ON_SENT_MARK;
+    if (strcmp(value, "delete") == 0)
+        return OBX_ON_SENT_DELETE;
+    die(name, "want mark or delete");
 }
 
 /* One table row of a Postgres-side measurement and what it cost. */
@@ -895,7 +1345,12 @@ int main(int argc, char **argv)
     }
     if (!o.conninfo || !o.bootstrap || !o.outboxd)
         die("usage", "--conninfo, --bootstrap and --outboxd are required");
+    http_port = free_port();
+    signal(SIGTERM, on_fatal_signal);
+    signal(SIGINT, on_fatal_signal);
     commit_at = calloc(MAX_IDS, sizeof(double));
+    if (!commit_at)
+        die("commit times", "out of memory");
 
     char cpu[256], date[32];
     machine(cpu, sizeof(cpu));
@@ -905,6 +1360,32 @@ int main(int argc, char **argv)
     char pgver[64];
     snprintf(pgver, sizeof(pgver), "%lld", query_int(c, "SHOW server_version_num"));
     PQfinish(c);
+    char context[512];
+    snprintf(context, sizeof(context),
+             "%s, %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s mock cluster (3 "
+             "brokers, TCP_NODELAY), all on this machine; outboxd defaults",
+             date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str());
+
+    /* The application's database against the relay: each alone. */
+    const char *held = getenv("OBX_BENCH_HORIZON");
+    if (held) {
+        const char *env = getenv("OBX_BENCH_HORIZON_SECONDS");
+        char *end = NULL;
+        long seconds = env ? strtol(env, &end, 10) : 300;
+        if (env &&
+            (*env == '\0' || *end != '\0' || seconds <= 0 || seconds > MAX_WINDOWS * WINDOW_S))
+            die("OBX_BENCH_HORIZON_SECONDS", "want a number of seconds");
+        /* OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held. */
+        const char *hold = getenv("OBX_BENCH_HORIZON_HOLD");
+        horizon(&o, mode_of("OBX_BENCH_HORIZON", held), (int)seconds,
+                !hold || strcmp(hold, "0") != 0, context);
+        return 0;
+    }
+    const char *open_writer = getenv("OBX_BENCH_OPEN_WRITER");
+    if (open_writer) {
+        open_writer_bench(&o, mode_of("OBX_BENCH_OPEN_WRITER", open_writer), context);
+        return 0;
+    }
 
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
         /* OBX_BENCH_DRAIN_ONLY=delete: delete mode; anything else: mark mode. */
@@ -912,7 +1393,7 @@ int main(int argc, char **argv)
                                                                          : OBX_ON_SENT_MARK;
         struct pg_cost job = job_limit(&o, mode, 200);
         struct drain_result d;
-        drain(&o, mode, o.rows, 200, false, &d, NULL);
+        drain(&o, mode, o.rows, 200, false, &d, NULL, NULL);
         printf("job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows), drain %.0f rows/s = "
                "%.2f (%.1f ms backend CPU per 1k rows), %.2f s outboxd CPU per 100k\n",
                job.rows_per_s, job.cpu_ms_per_1k, d.rows_per_s, d.rows_per_s / job.rows_per_s,
@@ -925,11 +1406,11 @@ int main(int argc, char **argv)
     paired(&o, OBX_ON_SENT_DELETE, 200, false, &p_delete);
     struct drain_result d_mark = p_mark.first, d_4k, d_alloc;
     struct pg_cost job_4k = job_limit(&o, OBX_ON_SENT_MARK, 4096);
-    drain(&o, OBX_ON_SENT_MARK, o.rows, 4096, false, &d_4k, NULL);
+    drain(&o, OBX_ON_SENT_MARK, o.rows, 4096, false, &d_4k, NULL, NULL);
     double purge = purge_rate(&o, 1000);
     long allocs = -1;
     if (o.malloc_lib)
-        drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d_alloc, &allocs);
+        drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d_alloc, &allocs, NULL);
     fprintf(stderr, "obx-bench: 4/5 latency...\n");
     pid_t relay = spawn_outboxd(&o, OBX_ON_SENT_MARK, NULL);
     sleep(2);

@@ -2,7 +2,8 @@
 # Kafka cluster in a temporary directory, stopped again by sandbox_stop (the
 # callers run it from an EXIT trap, so Ctrl-C and errors clean up too).
 #
-# After sandbox_start: $work, $conninfo, $bootstrap are set.
+# After sandbox_start: $work, $conninfo, $bootstrap are set. SANDBOX_BROKER
+# names the mock broker binary (default: the test build's).
 
 sandbox_pids=()
 pg_bin=$(pg_config --bindir)
@@ -25,7 +26,7 @@ sandbox_start() {
     psql -X -q -v ON_ERROR_STOP=1 -d "$conninfo" -f "$f"
   done
   for t in "$@"; do args+=(-t "$t"); done
-  build/tests/obx-mock-broker "${args[@]}" -f "$work/bootstrap" </dev/null \
+  "${SANDBOX_BROKER:-build/tests/obx-mock-broker}" "${args[@]}" -f "$work/bootstrap" </dev/null \
     >"$work/broker.log" 2>&1 &
   sandbox_pids+=($!)
   for _ in $(seq 100); do [ -s "$work/bootstrap" ] && break; sleep 0.1; done
