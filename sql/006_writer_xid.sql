@@ -37,21 +37,12 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox.own_xid() RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    NEW.xid := pg_current_xact_id();
-    RETURN NEW;
-END
-$$;
-REVOKE ALL ON FUNCTION outbox.own_xid() FROM PUBLIC;
-
+-- sql/004's outbox.unsent_again() does what is needed: it gives NEW the
+-- xid of the transaction that writes it.
 CREATE OR REPLACE TRIGGER own_xid
     BEFORE INSERT ON outbox.events
     FOR EACH ROW WHEN (NEW.xid IS DISTINCT FROM pg_current_xact_id())
-    EXECUTE FUNCTION outbox.own_xid();
+    EXECUTE FUNCTION outbox.unsent_again();
 -- ALWAYS: it fires for logical replication's apply worker too
 -- (session_replication_role = replica), which skips ordinary triggers.
 ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER own_xid;

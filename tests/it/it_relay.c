@@ -174,6 +174,23 @@ static PGresult *wait_result(PGconn *c, int timeout_ms)
     return r;
 }
 
+/* Rows `first` and `second` are each in Kafka, in one partition, `first`
+ * before `second`. */
+static void assert_published_in_order(const struct h_records *recs, int64_t first, int64_t second)
+{
+    const struct h_record *a = NULL, *b = NULL;
+    for (size_t i = 0; i < recs->n; i++) {
+        if (recs->v[i].outbox_id == first)
+            a = &recs->v[i];
+        if (recs->v[i].outbox_id == second)
+            b = &recs->v[i];
+    }
+    if (!a || !b)
+        fail_msg("row %lld or %lld is not in Kafka", (long long)first, (long long)second);
+    assert_int_equal(a->partition, b->partition);
+    assert_true(a->offset < b->offset);
+}
+
 /* G1 + G3: a transaction holding a low id commits after higher ids were
  * published; it is published too, and a same-key writer that waited for it
  * comes after it in the key's partition. */
@@ -403,17 +420,8 @@ static void test_late_commit(void **state)
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.late", NULL}, &recs);
     assert_int_equal(recs.n, 52);
-    const struct h_record *first_rec = NULL, *second_rec = NULL;
-    for (size_t i = 0; i < recs.n; i++) {
-        if (recs.v[i].outbox_id == low)
-            first_rec = &recs.v[i];
-        if (recs.v[i].outbox_id == second)
-            second_rec = &recs.v[i];
-    }
     /* Both published, same partition, the waiting writer's record after. */
-    assert_true(first_rec && second_rec);
-    assert_true(first_rec && second_rec && first_rec->partition == second_rec->partition);
-    assert_true(first_rec && second_rec && first_rec->offset < second_rec->offset);
+    assert_published_in_order(&recs, low, second);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
     PQfinish(a);
@@ -466,17 +474,9 @@ static void test_prepared_transactions(void **state)
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.2pc", NULL}, &recs);
     assert_int_equal(recs.n, 52);
-    const struct h_record *first_rec = NULL, *second_rec = NULL;
-    for (size_t i = 0; i < recs.n; i++) {
+    for (size_t i = 0; i < recs.n; i++)
         assert_true(recs.v[i].outbox_id != never);
-        if (recs.v[i].outbox_id == first)
-            first_rec = &recs.v[i];
-        if (recs.v[i].outbox_id == second)
-            second_rec = &recs.v[i];
-    }
-    assert_true(first_rec && second_rec);
-    assert_true(first_rec && second_rec && first_rec->partition == second_rec->partition);
-    assert_true(first_rec && second_rec && first_rec->offset < second_rec->offset);
+    assert_published_in_order(&recs, first, second);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
     h_records_free(&recs);
     PQfinish(a);

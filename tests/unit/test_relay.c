@@ -1081,15 +1081,22 @@ static void test_keyset_when_nothing_in_flight(void **state)
     assert_int_equal(c->f.after_id, 10);
 }
 
+/* Rows 1 to 3 handed out by a short full fetch (the cursor at 3), and the
+ * keyset fetch above it sent. */
+static void three_out_keyset_sent(struct ctx *c)
+{
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2, 3}, 3, 0, 0, 0);
+    look(c, 1);
+    assert_int_equal(c->f.after_id, 3);
+}
+
 /* Whatever puts a row back below the cursor makes the next fetch a full one. */
 static void test_keyset_cleared_by_a_row_back(void **state)
 {
     struct ctx *c = *state;
-    c->snapshot = "100:100:";
-    ready(c, 0);
-    fetched_snap(c, (const int64_t[]){1, 2, 3}, 3, 0, 0, 0); /* short: cursor at 3 */
-    look(c, 1);
-    assert_int_equal(c->f.after_id, 3);
+    three_out_keyset_sent(c);
     fetched_snap(c, (const int64_t[]){}, 0, 0, 0, 1);
     ack(c, 1, false, 2); /* row 2 comes back unsent */
     obx_relay_tick(c->r, 600);
@@ -1141,11 +1148,7 @@ static void test_ids_zero_and_below(void **state)
 static void test_cursor_not_set_by_an_earlier_fetch(void **state)
 {
     struct ctx *c = *state;
-    c->snapshot = "100:100:";
-    ready(c, 0);
-    fetched_snap(c, (const int64_t[]){1, 2, 3}, 3, 0, 0, 0); /* short: cursor at 3 */
-    look(c, 1);
-    assert_int_equal(c->f.after_id, 3);
+    three_out_keyset_sent(c);
     ack(c, 1, false, 2); /* row 2 comes back unsent while the fetch is out */
     fetched_snap(c, (const int64_t[]){4}, 1, 0, 0, 3);
     obx_relay_tick(c->r, 600); /* after the back-off */
