@@ -31,10 +31,16 @@
  * statements below. Its prepared statements are planned once, not for every
  * execution: planning the keyset fetch and the mark (the selectivity of each
  * of the 1000 ids) took a third of their statement's time. No parallel
- * workers for a batch of 1000. */
+ * workers for a batch of 1000. No sort where an index gives the order: with
+ * statistics that say nearly every row is sent (a table marked for hours),
+ * both indexes of unsent rows look empty, and the keyset fetch's late part
+ * (store.c, part n) was planned on the (id) one, sorted after: a walk of
+ * every entry up to the cursor, which a held xmin horizon leaves in the
+ * index for each row sent since (56 ms a fetch at 150,000; the relay's p99
+ * 5x in five minutes). Its (xid, id) order comes only from the other one. */
 #define OBX_STORE_SQL_PLANNER_SETTINGS                                                             \
     "SET plan_cache_mode = force_generic_plan; SET max_parallel_workers_per_gather = "             \
-    "0; " OBX_STORE_SQL_READ_BY_INDEX
+    "0; SET enable_sort = off; " OBX_STORE_SQL_READ_BY_INDEX
 /* One row, one column: how many ids of outbox.events a session draws at
  * once (the identity's CACHE; 1 unless someone raised it). */
 #define OBX_STORE_SQL_ID_CACHE                                                                     \
