@@ -40,6 +40,7 @@
  *    the mock broker's fetches slow down as its log grows, and latency
  *    grew over two minutes with no horizon held at all.
  *    OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held (control).
+ *    OBX_BENCH_SAMPLES=FILE: every sample to FILE, "seconds latency-ms".
  * OBX_BENCH_OPEN_WRITER=mark|delete (--rows N)
  *    One writing transaction open during a drain: the drain of 3. without
  *    (a) and with (b) a session that took an xid before the prefill
@@ -1127,6 +1128,18 @@ static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, c
     exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
     PQfinish(c);
 
+    /* OBX_BENCH_SAMPLES=FILE: every sample, "seconds-after-start latency-ms" a line, for
+     * finding when the slow ones came. */
+    const char *dump = getenv("OBX_BENCH_SAMPLES");
+    if (dump && *dump) {
+        FILE *out = fopen(dump, "w");
+        if (!out)
+            die(dump, strerror(errno));
+        for (size_t i = 0; i < n; i++)
+            fprintf(out, "%.3f %.3f\n", s[i].at, s[i].lat * 1e3);
+        if (fclose(out) != 0)
+            die(dump, strerror(errno));
+    }
     if (hold)
         printf("outboxd under a held xmin horizon, %s mode: %s. One session holds a REPEATABLE "
                "READ snapshot (BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM "
