@@ -174,7 +174,7 @@ static void test_kill_loop(void **state)
     (void)state;
     struct writers ws;
     const char *k = getenv("OBX_KILLS");
-    int kills = k ? atoi(k) : 50;
+    int kills = k ? atoi(k) : 25;
     unsigned seed = getenv("OBX_SEED") ? (unsigned)atoi(getenv("OBX_SEED")) : (unsigned)time(NULL);
     srand(seed);
     h_env_start(&env, TOPICS_SPEC);
