@@ -213,7 +213,7 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_rows_in_flight_limit", "gauge", "relay.max_in_flight.",
            (double)g->in_flight_limit);
     simple(out, "outboxd_keys_held_back", "gauge",
-           "Keys whose later rows wait behind a refused row (relay.on_reject = retry).",
+           "Keys whose later rows wait behind a refused, failed or unsettled row.",
            (double)g->keys_held_back);
     if (g->backlog_rows >= 0)
         simple(out, "outboxd_outbox_backlog_rows", "gauge",

@@ -109,16 +109,17 @@ struct obx_relay {
     int64_t hwm;
     char *snap;
     size_t snap_cap;
-    int64_t top_id;       /* highest id handed out in this session (NO_ID: none) */
-    bool fetch_keyset;    /* the fetch in flight is a keyset fetch ... */
-    int64_t fetch_after;  /* ... above this id */
-    int fetch_limit;      /* its row limit */
-    int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
-    int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
-    bool fetch_riding;    /* the mark in flight carries the next fetch */
-    bool caught_up;       /* the last fetch found fewer rows than it asked for */
-    int64_t fetch_probe;  /* the fetch in flight is a full one sent when this probe was due
-                           * (NO_ID: none) */
+    int64_t top_id;        /* highest id handed out in this session (NO_ID: none) */
+    bool fetch_keyset;     /* the fetch in flight is a keyset fetch ... */
+    int64_t fetch_after;   /* ... above this id */
+    int fetch_limit;       /* its row limit */
+    int64_t fetch_max_ex;  /* full fetch: the highest id it excluded */
+    int bytes_limit;       /* most rows relay.fetch_max_bytes allows for now */
+    bool fetch_riding;     /* the mark in flight carries the next fetch */
+    bool caught_up;        /* the last fetch found fewer rows than it asked for */
+    int64_t fetch_probe;   /* the fetch in flight is a full one sent when this probe was due
+                            * (NO_ID: none) */
+    int64_t fetch_sent_at; /* when the fetch in flight was sent */
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (NO_ID: none) */
@@ -351,7 +352,7 @@ static void unblock(struct obx_relay *r, int64_t id)
     if (!b)
         return;
     cursor_clear(r); /* its key's later rows may be waiting below hwm */
-    obx_info("relay: row %lld delivered after %d refusals; its key goes on", (long long)id,
+    obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
              b->attempts);
     obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
@@ -368,6 +369,18 @@ static void drop_block(struct obx_relay *r, int64_t id)
     *b = r->blocked[--r->n_blocked];
 }
 
+/* True if an earlier held row of its key holds `b` back too. */
+static bool behind_another(const struct obx_relay *r, const struct blocked *b)
+{
+    for (size_t j = 0; j < r->n_blocked && b->key; j++) {
+        const struct blocked *o = &r->blocked[j];
+        if (o->key && o->id < b->id && o->topic == b->topic && o->key_len == b->key_len &&
+            memcmp(o->key, b->key, b->key_len) == 0)
+            return true;
+    }
+    return false;
+}
+
 /* The probe to try next: the lowest-id due one that no earlier refused row
  * of its key holds back. NULL if none. */
 static struct blocked *due_probe(struct obx_relay *r, int64_t now)
@@ -377,16 +390,35 @@ static struct blocked *due_probe(struct obx_relay *r, int64_t now)
         struct blocked *b = &r->blocked[i];
         if (!b->probe || b->retry_at > now || (best && best->id < b->id))
             continue;
-        bool behind = false;
-        for (size_t j = 0; j < r->n_blocked && b->key && !behind; j++) {
-            const struct blocked *o = &r->blocked[j];
-            behind = o->key && o->id < b->id && o->topic == b->topic && o->key_len == b->key_len &&
-                     memcmp(o->key, b->key, b->key_len) == 0;
-        }
-        if (!behind)
+        if (!behind_another(r, b))
             best = b;
     }
     return best;
+}
+
+/* After a full fetch: a held row that was due when it was sent, that no
+ * earlier held row of its key holds back, and whose place the answer
+ * passed without it, is no longer unsent (the recovery pass found it in
+ * Kafka and marked it, or another relay published it): its key goes on.
+ * `rows` are the answer's n rows, `full`: it had as many as it asked for. */
+static void drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full)
+{
+    for (size_t i = 0; i < r->n_blocked;) {
+        const struct blocked *b = &r->blocked[i];
+        bool passed = !full || (n > 0 && rows[n - 1].id > b->id);
+        bool due = !b->probe && b->retry_at <= r->fetch_sent_at;
+        bool fetched = false;
+        for (size_t j = 0; j < n && passed && due && !fetched; j++)
+            fetched = rows[j].id == b->id;
+        if (!passed || !due || fetched || behind_another(r, b)) {
+            i++;
+            continue;
+        }
+        obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
+                 (long long)b->id);
+        drop_block(r, b->id); /* moves the last entry here */
+        r->want_fetch = true;
+    }
 }
 
 /* Room for twice as many refused rows: their entries, their keys for the
@@ -609,6 +641,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->fetches[f->keyset]++;
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
+    r->fetch_sent_at = now;
     const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : NO_ID;
     r->want_fetch = false;
@@ -998,6 +1031,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             r->want_fetch = true;
         }
     }
+    if (r->n_blocked > 0 && !r->fetch_keyset)
+        drop_settled(r, rows, n, n >= (size_t)r->fetch_limit);
     size_t n_take = 0;
     while (n_take < n && !withheld(r, &rows[n_take]))
         n_take++;
@@ -1203,8 +1238,15 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     case OBX_DELIVERY_UNKNOWN: {
         /* Not persisted, or perhaps: the row stays unsent in Postgres and
          * is fetched again after the back-off; a refused row being retried
-         * is due again then too (not stuck until a restart). */
+         * is due again then too (not stuck until a restart). Until it is
+         * delivered (or found in Kafka), later rows of its key wait: one
+         * fetched meanwhile, or already in a fetch on its way, would land
+         * before it. */
         struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, s->id) : NULL;
+        if (!b && key) {
+            block(r, s->id, s->topic, key, key_len, now);
+            b = find_block_by_id(r, s->id);
+        }
         if (b)
             b->retry_at = now + r->set.retry_backoff_ms;
         if (outcome == OBX_DELIVERY_UNKNOWN) {

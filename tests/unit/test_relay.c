@@ -785,6 +785,85 @@ static void report(struct ctx *c, int k, enum obx_delivery outcome, int64_t now)
                           outcome == OBX_DELIVERED ? NULL : "Broker: Message size too large", now);
 }
 
+/* Marks done and the relay woken until its next fetch goes out (by `now`,
+ * or by a look up to a few poll intervals later). */
+static void until_fetching(struct ctx *c, int64_t now)
+{
+    for (int i = 0; i < 8 && obx_relay_state(c->r) != OBX_RELAY_FETCHING; i++) {
+        if (obx_relay_state(c->r) == OBX_RELAY_MARKING) {
+            obx_relay_on_marked(c->r, now);
+            continue;
+        }
+        obx_relay_tick(c->r, now);
+        now += 1000;
+    }
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+}
+
+/* A row whose delivery failed (not persisted) holds its key back until it
+ * is delivered: a later row of its key in a fetch already on its way is
+ * not produced, the next fetch carries the key, and the row, fetched again
+ * with the later one, goes first and alone of its key (issue 21.1). */
+static void test_failed_row_holds_its_key(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2}, 2, 0, 0, 0); /* 1:k1 2:k2 */
+    look(c, 1);
+    assert_int_equal(c->f.fetches, 2);
+    report(c, 0, OBX_DELIVERY_RETRY, 2); /* row 1 (k1) not delivered */
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    fetched_snap(c, (const int64_t[]){4, 5}, 2, 0, 0, 3); /* 4:k1 5:k2, fetched before */
+    assert_int_equal(c->f.produced, 3);
+    assert_int_equal(c->f.produced_ids[2], 5); /* k2 goes on, k1's row 4 waits */
+    report(c, 1, OBX_DELIVERED, 4);
+    report(c, 2, OBX_DELIVERED, 5);
+    until_fetching(c, 600); /* after the back-off: a full fetch, with k1 held */
+    assert_int_equal(c->f.after_id, 0);
+    assert_false(excluded(c, 1));
+    assert_int_equal(c->f.n_blocked, 1);
+    assert_string_equal(c->f.blocked_key, "t/k1");
+    assert_int_equal(c->f.blocked_id, 1);
+    /* Had the SQL let row 4 through, the relay itself holds it back. */
+    fetched_snap(c, (const int64_t[]){1, 4}, 2, 0, 0, 601);
+    assert_int_equal(c->f.produced, 4);
+    assert_int_equal(c->f.produced_ids[3], 1);
+    report(c, 3, OBX_DELIVERED, 602);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    until_fetching(c, 603);
+    assert_int_equal(c->f.n_blocked, 0);
+    fetched_snap(c, (const int64_t[]){4}, 1, 0, 0, 5000);
+    assert_int_equal(c->f.produced, 5);
+    assert_int_equal(c->f.produced_ids[4], 4);
+}
+
+/* A row whose delivery is unknown holds its key back too; when the
+ * recovery pass finds it in Kafka (and marks it), the full fetch after the
+ * pass passes its place without it, and its key goes on. */
+static void test_uncertain_row_found_frees_its_key(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched_ids(c, (const int64_t[]){1, 2}, 2, 0); /* 1:k1 2:k2 */
+    report(c, 1, OBX_DELIVERED, 1);
+    report(c, 0, OBX_DELIVERY_UNKNOWN, 2);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    if (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 3); /* row 2's, sent before the report */
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    obx_relay_on_recovered(c->r, true, 601); /* it marked row 1 */
+    until_fetching(c, 602);
+    assert_int_equal(c->f.after_id, 0);
+    assert_false(excluded(c, 1));
+    int produced = c->f.produced;
+    fetched_ids(c, (const int64_t[]){4}, 1, 5000); /* 4:k1, and no row 1 */
+    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(c->f.produced, produced + 1);
+    assert_int_equal(c->f.produced_ids[produced], 4);
+}
+
 /* A refused batch (MSG_SIZE_TOO_LARGE for all of it) dead-letters only the
  * row that is refused alone too: each row of the batch is tried alone, in
  * id order, and later rows of its key wait for it. */
@@ -1304,6 +1383,8 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_recovery_retried)                                                                       \
     X(test_unknown_during_recovery_runs_it_again)                                                  \
     X(test_many_keys_held_back)                                                                    \
+    X(test_failed_row_holds_its_key)                                                               \
+    X(test_uncertain_row_found_frees_its_key)                                                      \
     X(test_unknown_holds_marks)                                                                    \
     X(test_fetch_after_unknown_set_aside)                                                          \
     X(test_reject_retry_holds_key)                                                                 \
