@@ -41,6 +41,8 @@
  *    grew over two minutes with no horizon held at all.
  *    OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held (control).
  *    OBX_BENCH_SAMPLES=FILE: every sample to FILE, "seconds latency-ms".
+ * OBX_BENCH_LATENCY_ONLY=N
+ *    Only the latency rows of the table (100, 1,000 and 5,000 rows/s), N s each.
  * OBX_BENCH_OPEN_WRITER=mark|delete (--rows N)
  *    One writing transaction open during a drain: the drain of 3. without
  *    (a) and with (b) a session that took an xid before the prefill
@@ -1400,6 +1402,34 @@ int main(int argc, char **argv)
         return 0;
     }
 
+    if (getenv("OBX_BENCH_LATENCY_ONLY")) { /* the latency rows alone, N s a rate */
+        char *end = NULL;
+        long secs = strtol(getenv("OBX_BENCH_LATENCY_ONLY"), &end, 10);
+        if (end == getenv("OBX_BENCH_LATENCY_ONLY") || *end != '\0' || secs < 1 || secs > 600)
+            die("OBX_BENCH_LATENCY_ONLY", "want seconds a rate, 1 to 600");
+        o.latency_seconds = (int)secs;
+        pid_t relay = spawn_outboxd(&o, OBX_ON_SENT_MARK, NULL);
+        sleep(2);
+        c = connect_db(&o);
+        exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+        sleep(2);
+        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+        PQfinish(c);
+        printf("outboxd latency, %s: commit -> record read by a consumer in this process, "
+               "4 writers, mark mode, outboxd defaults, %d s a rate.\n\n",
+               context, o.latency_seconds);
+        printf("| rate | achieved | samples | p50 | p99 | p99.9 | max |\n"
+               "| --- | --- | --- | --- | --- | --- | --- |\n");
+        static const int only_rates[3] = {100, 1000, 5000};
+        for (int i = 0; i < 3; i++) {
+            struct lat_result l;
+            latency(&o, only_rates[i], &l);
+            printf("| %d/s | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | %.2f ms |\n",
+                   only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
+        }
+        stop_outboxd(relay);
+        return 0;
+    }
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
         /* OBX_BENCH_DRAIN_ONLY=delete: delete mode; anything else: mark mode. */
         int mode = strcmp(getenv("OBX_BENCH_DRAIN_ONLY"), "delete") == 0 ? OBX_ON_SENT_DELETE
