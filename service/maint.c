@@ -40,6 +40,10 @@ struct obx_maint {
     int64_t purged, batches;
     int64_t backlog_out;
     double lag_out;
+    /* Where the next backlog count starts (store.c, backlog_since): the
+     * lowest unsent id the last one saw and its snapshot's xmin. */
+    int64_t count_floor;
+    char count_xmin[24];
     int64_t stats_ms; /* how long the count took */
     char error[256];
     char last_error[256]; /* last one logged, and when */
@@ -50,6 +54,8 @@ struct obx_maint {
     int64_t round_purged;
     int64_t round_batches;
 };
+
+static void count_from_start(struct obx_maint *m);
 
 int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats,
                   struct obx_maint **out)
@@ -65,6 +71,7 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->retention_interval_ms = cfg->retention_interval_ms;
     m->retention_batch = cfg->retention_batch;
     m->stats_spacing_ms = OBX_MAINT_STATS_MS;
+    count_from_start(m);
     m->with_stats = with_stats;
     m->backlog = -1;
     m->lag = -1;
@@ -130,8 +137,8 @@ static bool connect_if_needed(struct obx_maint *m)
         1, NULL, param, NULL, NULL, 0);
     bool ok = PQresultStatus(res) == PGRES_TUPLES_OK;
     PQclear(res);
-    if (ok) {
-        res = PQexec(m->conn, OBX_STORE_SQL_READ_BY_INDEX);
+    if (ok) { /* and no sort where an index gives the order: see backlog_since */
+        res = PQexec(m->conn, OBX_STORE_SQL_READ_BY_INDEX "; SET enable_sort = off");
         ok = PQresultStatus(res) == PGRES_COMMAND_OK;
         PQclear(res);
     }
@@ -140,15 +147,30 @@ static bool connect_if_needed(struct obx_maint *m)
     return ok;
 }
 
+/* The first count, and the one after a failure, reads from the start. */
+static void count_from_start(struct obx_maint *m)
+{
+    m->count_floor = INT64_MIN;
+    snprintf(m->count_xmin, sizeof(m->count_xmin), "0");
+}
+
 static void run_stats(struct obx_maint *m)
 {
     uint64_t t0 = uv_hrtime();
-    PGresult *res = PQexec(m->conn, obx_store_sql_backlog());
-    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+    char floor[24];
+    snprintf(floor, sizeof(floor), "%lld", (long long)m->count_floor);
+    const char *params[] = {floor, m->count_xmin};
+    PGresult *res =
+        PQexecParams(m->conn, obx_store_sql_backlog_since(), 2, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1 ||
+        strlen(PQgetvalue(res, 0, 3)) >= sizeof(m->count_xmin)) {
         set_error(m, "backlog query failed");
+        count_from_start(m);
     } else {
         m->backlog_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
         m->lag_out = strtod(PQgetvalue(res, 0, 1), NULL);
+        m->count_floor = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
+        snprintf(m->count_xmin, sizeof(m->count_xmin), "%s", PQgetvalue(res, 0, 3));
     }
     PQclear(res);
     m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);

@@ -115,6 +115,10 @@ const char *obx_store_sql_recovery_plan(void);
 
 /* The backlog gauges: unsent rows, age in seconds of the oldest. */
 const char *obx_store_sql_backlog(void);
+/* The same, read from the floor and xmin the last one returned (see
+ * store.c); parameters floor, xmin; columns: unsent, age, next floor, next
+ * xmin. The first count passes the lowest bigint and xmin 0. */
+const char *obx_store_sql_backlog_since(void);
 
 /* Unsent rows per topic (for --check): topic, count. */
 const char *obx_store_sql_waiting(void);

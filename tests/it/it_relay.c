@@ -405,6 +405,73 @@ static void test_fetch_statements(void **state)
     PQfinish(c);
 }
 
+/* The maintenance session's backlog count from its floor: rows below the
+ * floor that become unsent later (a writer that drew its id before the
+ * floor's row and commits after, a row put back unsent) are counted, and
+ * the count reads from the floor on, not from the lowest unsent id. */
+struct since {
+    int64_t n, floor;
+    char xmin[24];
+};
+
+static void backlog_since(PGconn *c, struct since *s)
+{
+    char floor[24];
+    snprintf(floor, sizeof(floor), "%lld", (long long)s->floor);
+    const char *v[2] = {floor, s->xmin};
+    PGresult *r = PQexecParams(c, obx_store_sql_backlog_since(), 2, NULL, v, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
+        fail_msg("backlog_since: %s", PQresultErrorMessage(r));
+    s->n = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+    s->floor = strtoll(PQgetvalue(r, 0, 2), NULL, 10);
+    snprintf(s->xmin, sizeof(s->xmin), "%s", PQgetvalue(r, 0, 3));
+    PQclear(r);
+}
+
+static void test_backlog_count_from_floor(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:1", NULL});
+    PGconn *c = h_connect(&env), *a = h_connect(&env);
+    h_sql(c, "%s; SET enable_sort = off", OBX_STORE_SQL_READ_BY_INDEX);
+    struct since s = {.floor = INT64_MIN, .xmin = "0"};
+    int64_t first = h_enqueue(c, "it.a", "k", "x", 1, NULL);
+    for (int i = 0; i < 2; i++)
+        h_enqueue(c, "it.a", "k", "x", 1, NULL);
+    backlog_since(c, &s);
+    assert_int_equal(s.n, 3);
+    assert_int_equal(s.floor, first);
+    assert_int_equal(s.n, h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"));
+
+    /* A writer draws its id and stays open; a later row is sent. */
+    h_sql(a, "BEGIN");
+    int64_t late = h_enqueue(a, "it.a", "late", "x", 1, NULL);
+    int64_t later = h_enqueue(c, "it.a", "other", "x", 1, NULL);
+    h_sql(c, "UPDATE outbox.events SET sent_at = now()");
+    backlog_since(c, &s);
+    assert_int_equal(s.n, 0);
+    assert_true(s.floor > late); /* past the open writer's id */
+    assert_int_equal(s.floor, later + 1);
+    h_sql(a, "COMMIT");
+    backlog_since(c, &s);
+    assert_int_equal(s.n, 1); /* below the floor, and counted */
+    assert_int_equal(s.floor, late);
+
+    /* Sent, then put back unsent (a replay): counted again. */
+    h_sql(c, "UPDATE outbox.events SET sent_at = now() WHERE id = %lld", (long long)late);
+    backlog_since(c, &s);
+    backlog_since(c, &s);
+    assert_int_equal(s.n, 0);
+    assert_true(s.floor > late);
+    h_sql(c, "UPDATE outbox.events SET sent_at = NULL WHERE id = %lld", (long long)first);
+    backlog_since(c, &s);
+    assert_int_equal(s.n, 1);
+    assert_int_equal(s.floor, first);
+    assert_int_equal(s.n, h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"));
+    PQfinish(a);
+    PQfinish(c);
+}
+
 static void test_late_commit(void **state)
 {
     (void)state;
@@ -1236,6 +1303,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_late_commit, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_burst_with_stale_statistics, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_fetch_statements, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_backlog_count_from_floor, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_late_commit_same_key_during_backlog, setup_env,
                                         teardown_env),
         cmocka_unit_test_setup_teardown(test_prepared_transactions, setup_env, teardown_env),
