@@ -54,7 +54,8 @@ struct blocked {
     uint32_t topic;
     int attempts;
     bool probe;
-    char *key; /* owned; NULL = no key (only the row itself waits) */
+    bool behind_at_fetch; /* an earlier one of its key held it back in the fetch in flight */
+    char *key;            /* owned; NULL = no key (only the row itself waits) */
     size_t key_len;
 };
 
@@ -397,8 +398,8 @@ static struct blocked *due_probe(struct obx_relay *r, int64_t now)
 }
 
 /* After a full fetch: a held row that was due when it was sent, that no
- * earlier held row of its key holds back, and whose place the answer
- * passed without it, is no longer unsent (the recovery pass found it in
+ * earlier held row of its key held back in it (one may have gone since),
+ * and whose place the answer passed without it, is no longer unsent (the recovery pass found it in
  * Kafka and marked it, or another relay published it): its key goes on.
  * `rows` are the answer's n rows, `full`: it had as many as it asked for. */
 static void drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full)
@@ -410,7 +411,7 @@ static void drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t
         bool fetched = false;
         for (size_t j = 0; j < n && passed && due && !fetched; j++)
             fetched = rows[j].id == b->id;
-        if (!passed || !due || fetched || behind_another(r, b)) {
+        if (!passed || !due || fetched || b->behind_at_fetch) {
             i++;
             continue;
         }
@@ -642,6 +643,8 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
     r->fetch_sent_at = now;
+    for (size_t i = 0; i < r->n_blocked; i++) /* as the fetch's held-back keys say */
+        r->blocked[i].behind_at_fetch = behind_another(r, &r->blocked[i]);
     const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : NO_ID;
     r->want_fetch = false;
@@ -1246,7 +1249,8 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         if (!b && key) {
             block(r, s->id, s->topic, key, key_len, now);
             b = find_block_by_id(r, s->id);
-        }
+        } else if (b)
+            b->attempts++;
         if (b)
             b->retry_at = now + r->set.retry_backoff_ms;
         if (outcome == OBX_DELIVERY_UNKNOWN) {

@@ -359,8 +359,8 @@ const char *obx_store_sql_backlog_since(void)
            "   WHERE sent_at IS NULL AND id >= $1::bigint ORDER BY id),"
            " below AS ("
            "   SELECT id, created_at FROM outbox.events"
-           "   WHERE sent_at IS NULL AND (xid, id) >= ($2::xid8, " MIN_BIGINT
-           ") AND id < $1::bigint"
+           "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
+           "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT ") AND id < $1::bigint"
            "   ORDER BY xid, id),"
            " oldest AS ("
            "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"

@@ -864,6 +864,28 @@ static void test_uncertain_row_found_frees_its_key(void **state)
     assert_int_equal(c->f.produced_ids[produced], 4);
 }
 
+/* Two failed rows of one key: the later one, held back in a full fetch by
+ * the earlier one, is not taken for gone when that fetch's answer comes
+ * after the earlier one was delivered (review of 21.1). */
+static void test_held_row_behind_another_not_dropped(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched_ids(c, (const int64_t[]){1, 4}, 2, 0); /* both k1 */
+    report(c, 0, OBX_DELIVERY_RETRY, 1);
+    report(c, 1, OBX_DELIVERY_RETRY, 2);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 2);
+    until_fetching(c, 600);
+    fetched_ids(c, (const int64_t[]){1}, 1, 601); /* 4 held back in the SQL by 1 */
+    int k = c->f.produced - 1;
+    assert_int_equal(c->f.produced_ids[k], 1);
+    until_fetching(c, 602); /* 4 is due: another full fetch, 4 still behind 1 */
+    report(c, k, OBX_DELIVERED, 603);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    fetched_ids(c, NULL, 0, 604); /* its answer: without 4, which it held back */
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+}
+
 /* A refused batch (MSG_SIZE_TOO_LARGE for all of it) dead-letters only the
  * row that is refused alone too: each row of the batch is tried alone, in
  * id order, and later rows of its key wait for it. */
@@ -1385,6 +1407,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_many_keys_held_back)                                                                    \
     X(test_failed_row_holds_its_key)                                                               \
     X(test_uncertain_row_found_frees_its_key)                                                      \
+    X(test_held_row_behind_another_not_dropped)                                                    \
     X(test_unknown_holds_marks)                                                                    \
     X(test_fetch_after_unknown_set_aside)                                                          \
     X(test_reject_retry_holds_key)                                                                 \
