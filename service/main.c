@@ -51,6 +51,10 @@ struct app {
     struct obx_kafka *kafka;
     struct obx_recovery *recovery;
     struct obx_relay *relay;
+    /* A fatal Kafka error reported while the producer was being made, before
+     * the relay exists (obx_kafka_new serves librdkafka's queue once): the
+     * relay gets it as soon as it does. */
+    char early_fatal[256];
     struct obx_http *http;   /* NULL when http.listen is empty */
     struct obx_maint *maint; /* backlog figures and retention */
     uv_signal_t sigterm, sigint, sighup;
@@ -229,6 +233,10 @@ static void kafka_delivery(void *opaque, enum obx_delivery outcome, int32_t part
 static void kafka_fatal(const char *reason, void *arg)
 {
     struct app *a = arg;
+    if (!a->relay) {
+        snprintf(a->early_fatal, sizeof(a->early_fatal), "%s", reason ? reason : "fatal");
+        return;
+    }
     obx_relay_fatal(a->relay, reason, (int64_t)uv_now(&a->loop));
 }
 
@@ -575,6 +583,8 @@ static int start(struct app *a)
              a->cfg.batch_size, a->cfg.max_in_flight,
              a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark");
     obx_pg_start(a->pg);
+    if (a->early_fatal[0]) /* now that every part exists, as for an early signal */
+        obx_relay_fatal(a->relay, a->early_fatal, (int64_t)uv_now(&a->loop));
     return 0;
 }
 
