@@ -399,25 +399,22 @@ const char *obx_store_sql_purge(void)
 
 #define UTC(col) "to_char((" col ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
 
+/* clang-format off */
 const char *obx_store_sql_relay_sessions(void)
 {
     /* A standby's last statement is always its try of the lock (every
      * 250 ms); the active relay holds the lock. */
     return "SELECT a.pid, coalesce(a.application_name, ''),"
-           "       coalesce(host(a.client_addr), 'local socket'), " UTC(
-               "a.backend_start") ","
-                                  "       l.pid IS NOT NULL, extract(epoch FROM now() - "
-                                  "a.backend_start)::bigint"
-                                  " FROM pg_stat_activity a"
-                                  " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = "
-                                  "'advisory' AND l.granted"
-                                  "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid "
-                                  "= 2"
-                                  " WHERE l.pid IS NOT NULL"
-                                  "    OR a.query LIKE 'SELECT pg_try_advisory_lock(1868724338, "
-                                  "0)%'"
-                                  " ORDER BY 5 DESC, a.backend_start";
+           "       coalesce(host(a.client_addr), 'local socket'), " UTC("a.backend_start") ","
+           "       l.pid IS NOT NULL, extract(epoch FROM now() - a.backend_start)::bigint"
+           " FROM pg_stat_activity a"
+           " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
+           "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid = 2"
+           " WHERE l.pid IS NOT NULL"
+           "    OR a.query LIKE 'SELECT pg_try_advisory_lock(1868724338, 0)%'"
+           " ORDER BY 5 DESC, a.backend_start";
 }
+/* clang-format on */
 
 const char *obx_store_sql_dead_summary(void)
 {
@@ -441,22 +438,24 @@ const char *obx_store_sql_oldest_slot(void)
            " WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY 2 DESC LIMIT 1";
 }
 
+/* clang-format off */
 const char *obx_store_sql_events_tuples(void)
 {
     return "SELECT n_live_tup, n_dead_tup,"
-           "       coalesce(" UTC(
-               "greatest(last_autovacuum, last_vacuum)") ", 'never')"
-                                                         " FROM pg_stat_user_tables WHERE relid = "
-                                                         "'outbox.events'::regclass";
+           "       coalesce(" UTC("greatest(last_autovacuum, last_vacuum)") ", 'never')"
+           " FROM pg_stat_user_tables WHERE relid = 'outbox.events'::regclass";
 }
+/* clang-format on */
 
+/* clang-format off */
 const char *obx_store_sql_dead_list(void)
 {
     return "SELECT id, topic, coalesce(key, ''), key IS NULL, reason,"
-           "       extract(epoch FROM now() - failed_at)::bigint, coalesce(octet_length(payload), "
-           "0)"
+           "       extract(epoch FROM now() - failed_at)::bigint,"
+           "       coalesce(octet_length(payload), 0)"
            " FROM outbox.dead_letters ORDER BY id LIMIT $1::int";
 }
+/* clang-format on */
 
 const char *obx_store_sql_dead_existing(void)
 {
