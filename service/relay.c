@@ -399,9 +399,10 @@ static struct blocked *due_probe(struct obx_relay *r, int64_t now)
 
 /* After a full fetch: a held row that was due when it was sent, that no
  * earlier held row of its key held back in it (one may have gone since),
- * and whose place the answer passed without it, is no longer unsent (the recovery pass found it in
- * Kafka and marked it, or another relay published it): its key goes on.
- * `rows` are the answer's n rows, `full`: it had as many as it asked for. */
+ * and whose place the answer passed without it, is no longer unsent (the
+ * recovery pass found it in Kafka and marked it, or another relay published
+ * it): its key goes on. `rows` are the answer's n rows, `full`: it had as
+ * many as it asked for. */
 static void drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full)
 {
     for (size_t i = 0; i < r->n_blocked;) {
@@ -643,8 +644,12 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->fetch_limit = f->limit;
     r->fetch_max_ex = max_ex;
     r->fetch_sent_at = now;
-    for (size_t i = 0; i < r->n_blocked; i++) /* as the fetch's held-back keys say */
-        r->blocked[i].behind_at_fetch = behind_another(r, &r->blocked[i]);
+    /* As the full fetch's held-back keys say, for the entries drop_settled
+     * looks at (a keyset fetch settles none). */
+    for (size_t i = 0; i < r->n_blocked && !f->keyset; i++) {
+        struct blocked *e = &r->blocked[i];
+        e->behind_at_fetch = !e->probe && e->retry_at <= now && behind_another(r, e);
+    }
     const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : NO_ID;
     r->want_fetch = false;
