@@ -160,6 +160,13 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
          * we replace it (see serve()). */
         {"enable.gapless.guarantee", "true"},
         {"message.timeout.ms", "0"},
+        /* One Produce request at a time per broker: librdkafka 2.0.2 answers
+         * a refusal behind a failed request by bumping the producer epoch,
+         * and resends a record whose earlier send may have been stored
+         * (replication timed out, connection lost) under the new epoch,
+         * where the broker cannot recognise it: a duplicate. With one
+         * request in flight there is nothing behind a failure to refuse. */
+        {"max.in.flight.requests.per.connection", "1"},
         {"partitioner", "murmur2_random"},
         {"client.id", "outboxd"},
         /* librdkafka's 5 ms cost 4 ms of p99 at 1,000 events/s; under a
@@ -217,6 +224,17 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[38
                  "kafka.enable.gapless.guarantee=false: when Kafka refuses a batch for good "
                  "(too large, not authorized), later records of its keys may be stored before "
                  "the refused one is retried (per-key order no longer holds)");
+    len = sizeof(v);
+    if (n < max &&
+        rd_kafka_conf_get(conf, "max.in.flight.requests.per.connection", v, &len) ==
+            RD_KAFKA_CONF_OK &&
+        strcmp(v, "1") != 0)
+        snprintf(out[n++], sizeof(out[0]),
+                 "kafka.max.in.flight.requests.per.connection=%s: a refusal behind other "
+                 "requests makes librdkafka bump the producer epoch and resend records that "
+                 "may be stored already, which the broker then stores twice (no-duplicates no "
+                 "longer holds); 1 is our default",
+                 v);
     len = sizeof(v);
     if (n < max && rd_kafka_conf_get(conf, "acks", v, &len) == RD_KAFKA_CONF_OK &&
         strcmp(v, "-1") != 0 && strcmp(v, "all") != 0)

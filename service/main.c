@@ -34,7 +34,7 @@
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE   2
 #define EXIT_DONE    -1 /* --help or --version printed: exit 0 */
-#define MAX_WEAKENED 4
+#define MAX_WEAKENED 5
 
 /* Housekeeping period: poll fallback, back-offs and deadlines are checked
  * this often. Cheap enough to leave the process idle at ~0% CPU. */

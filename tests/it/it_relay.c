@@ -1080,12 +1080,14 @@ static void test_cli(void **state)
 
     /* Settings that weaken the guarantees are accepted, with a warning each. */
     assert_int_equal(
-        run_outboxd(out, sizeof(out),
-                    (char *const[]){"outboxd", "--config", path, "-X",
-                                    "kafka.enable.idempotence=false", "-X",
-                                    "kafka.message.timeout.ms=30000", "-X", "kafka.acks=1", "-X",
-                                    "kafka.enable.gapless.guarantee=false", "--check", NULL}),
+        run_outboxd(
+            out, sizeof(out),
+            (char *const[]){"outboxd", "--config", path, "-X", "kafka.enable.idempotence=false",
+                            "-X", "kafka.message.timeout.ms=30000", "-X", "kafka.acks=1", "-X",
+                            "kafka.enable.gapless.guarantee=false", "-X",
+                            "kafka.max.in.flight.requests.per.connection=5", "--check", NULL}),
         0);
+    assert_non_null(strstr(out, "warning: kafka.max.in.flight.requests.per.connection=5: "));
     assert_non_null(strstr(out, "warning: kafka.enable.gapless.guarantee=false: "));
     assert_non_null(strstr(out, "warning: kafka.enable.idempotence=false: "));
     assert_non_null(strstr(out, "warning: kafka.message.timeout.ms=30000: "));
