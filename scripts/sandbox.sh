@@ -26,7 +26,7 @@ sandbox_start() {
     psql -X -q -v ON_ERROR_STOP=1 -d "$conninfo" -f "$f"
   done
   for t in "$@"; do args+=(-t "$t"); done
-  "${SANDBOX_BROKER:-build/tests/obx-mock-broker}" "${args[@]}" -f "$work/bootstrap" </dev/null \
+  "${SANDBOX_BROKER:-build/tests/obx-mock-broker}" ${SANDBOX_BROKER_OPTS:-} "${args[@]}" -f "$work/bootstrap" </dev/null \
     >"$work/broker.log" 2>&1 &
   sandbox_pids+=($!)
   for _ in $(seq 100); do [ -s "$work/bootstrap" ] && break; sleep 0.1; done

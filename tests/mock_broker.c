@@ -2,7 +2,7 @@
  * obx-mock-broker: librdkafka's mock Kafka cluster in a process of its own,
  * so that tests can kill the relay while the "broker" lives on.
  *
- *   obx-mock-broker [-b BROKERS] [-t TOPIC:PARTITIONS]... [-f BOOTSTRAP_FILE]
+ *   obx-mock-broker [-P] [-b BROKERS] [-t TOPIC:PARTITIONS]... [-f BOOTSTRAP_FILE]
  *
  * The bootstrap list is written to BOOTSTRAP_FILE (atomically) once the
  * cluster is up, and printed as "bootstrap <list>" on stdout. Control
@@ -14,18 +14,27 @@
  *   topic <name> <partitions>         create a topic
  *   push-errors <apikey> <err>...     fail the next requests of an API
  *                                     (err by name, e.g. NOT_LEADER_FOR_PARTITION,
- *                                     or number; apikey 0 = Produce)
+ *                                     or number; apikey 0 = Produce: with the
+ *                                     checks on, REQUEST_TIMED_OUT and
+ *                                     NOT_ENOUGH_REPLICAS_AFTER_APPEND store
+ *                                     the batch first, as a broker does)
  *   clear-errors <apikey>
  *   topic-error <topic> <err>         Metadata answers this error for the
  *                                     topic (UNKNOWN_TOPIC_OR_PART = a topic
  *                                     that does not exist, auto-create off)
  *   leader <topic> <partition> <broker|-1>
+ *   stats                             print the sequence checks' counters
  *
  * SIGTERM or SIGINT: destroy the cluster and exit 0.
  *
- * Limits of librdkafka 2.0.2's mock (what tests cannot prove here): about
- * 5 MiB kept per partition, no sequence checks for non-transactional
- * idempotent producers, no read_committed filtering, no TLS/SASL.
+ * Every connection passes through a layer that checks an idempotent
+ * producer's sequence numbers as a real broker does and carries the "rtt"
+ * latency (seq_proxy.c); -P leaves it out: the bare mock, which stores
+ * out-of-sequence batches and duplicates of retried ones.
+ *
+ * Limits of librdkafka 2.0.2's mock that remain (what tests cannot prove
+ * here): about 5 MiB kept per partition, no replication (acks=all is one
+ * copy), no read_committed filtering, no TLS/SASL.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -33,6 +42,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +51,8 @@
 
 #include <librdkafka/rdkafka.h>
 #include <librdkafka/rdkafka_mock.h>
+
+#include "seq_proxy.h"
 
 /* The mock accepts connections with plain accept() and leaves Nagle on, so
  * responses stall behind delayed ACKs (~40 ms). A real broker sets
@@ -57,7 +69,7 @@ int accept(int fd, struct sockaddr *addr, socklen_t *len)
         int one = 1;
         (void)setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     }
-    return s;
+    return sp_wrap_accepted(fd, s);
 }
 
 static volatile sig_atomic_t stop_requested;
@@ -111,6 +123,8 @@ static int parse_error(const char *s, rd_kafka_resp_err_t *out)
     return -1;
 }
 
+static bool checking = true; /* the sequence-checking layer is on (not -P) */
+
 static const char *run_command(rd_kafka_mock_cluster_t *mc, char *line)
 {
     char *argv[32];
@@ -122,13 +136,29 @@ static const char *run_command(rd_kafka_mock_cluster_t *mc, char *line)
         argv[argc++] = tok;
     if (argc == 0)
         return NULL;
-    if (strcmp(argv[0], "down") == 0 && argc == 2 && parse_broker(argv[1], &broker) == 0)
+    if (strcmp(argv[0], "down") == 0 && argc == 2 && parse_broker(argv[1], &broker) == 0) {
+        /* Let the mock answer what it has first: the checking layer must
+         * know whether each batch was stored (see seq_proxy.h). Forwarding
+         * stays paused until "up". */
+        sp_pause(broker);
         return rd_kafka_mock_broker_set_down(mc, broker) ? "error: down failed" : "ok";
-    if (strcmp(argv[0], "up") == 0 && argc == 2 && parse_broker(argv[1], &broker) == 0)
-        return rd_kafka_mock_broker_set_up(mc, broker) ? "error: up failed" : "ok";
+    }
+    if (strcmp(argv[0], "up") == 0 && argc == 2 && parse_broker(argv[1], &broker) == 0) {
+        int rc = rd_kafka_mock_broker_set_up(mc, broker);
+        sp_resume(broker);
+        return rc ? "error: up failed" : "ok";
+    }
     if (strcmp(argv[0], "rtt") == 0 && argc == 3 && parse_broker(argv[1], &broker) == 0 &&
-        parse_int(argv[2], &a) == 0)
-        return rd_kafka_mock_broker_set_rtt(mc, broker, (int)a) ? "error: rtt failed" : "ok";
+        parse_int(argv[2], &a) == 0) {
+        if (!checking)
+            return rd_kafka_mock_broker_set_rtt(mc, broker, (int)a) ? "error: rtt failed" : "ok";
+        sp_set_rtt(broker, (int)a);
+        return "ok";
+    }
+    if (strcmp(argv[0], "stats") == 0 && argc == 1) {
+        sp_print_stats(stdout);
+        return "ok";
+    }
     if (strcmp(argv[0], "topic") == 0 && argc == 3 && parse_int(argv[2], &a) == 0)
         return rd_kafka_mock_topic_create(mc, argv[1], (int)a, 1) ? "error: topic create failed"
                                                                   : "ok";
@@ -139,10 +169,15 @@ static const char *run_command(rd_kafka_mock_cluster_t *mc, char *line)
                    : "ok";
     if (strcmp(argv[0], "push-errors") == 0 && argc >= 3 && parse_int(argv[1], &a) == 0) {
         rd_kafka_resp_err_t errs[30];
+        int16_t codes[30];
         int n = 0;
-        for (int i = 2; i < argc; i++)
-            if (parse_error(argv[i], &errs[n++]) != 0)
+        for (int i = 2; i < argc; i++, n++) {
+            if (parse_error(argv[i], &errs[n]) != 0)
                 return "error: unknown error code";
+            codes[n] = (int16_t)errs[n];
+        }
+        if (checking && a == 0) /* Produce errors: stored or not as a broker does */
+            return sp_push_produce_errors(codes, n) ? "error: too many errors waiting" : "ok";
         rd_kafka_mock_push_request_errors_array(mc, (int16_t)a, (size_t)n, errs);
         return "ok";
     }
@@ -154,6 +189,8 @@ static const char *run_command(rd_kafka_mock_cluster_t *mc, char *line)
         return "ok";
     }
     if (strcmp(argv[0], "clear-errors") == 0 && argc == 2 && parse_int(argv[1], &a) == 0) {
+        if (checking && a == 0)
+            sp_clear_produce_errors();
         rd_kafka_mock_clear_request_errors(mc, (int16_t)a);
         return "ok";
     }
@@ -188,8 +225,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "mock-broker: cannot find accept()\n");
         return 1;
     }
-    while ((opt = getopt(argc, argv, "b:t:f:h")) != -1) {
+    while ((opt = getopt(argc, argv, "b:t:f:Ph")) != -1) {
         switch (opt) {
+        case 'P':
+            checking = false;
+            break;
         case 'b':
             brokers = atoi(optarg);
             break;
@@ -201,7 +241,8 @@ int main(int argc, char **argv)
             bootstrap_file = optarg;
             break;
         default:
-            fprintf(stderr, "usage: %s [-b brokers] [-t topic:partitions]... [-f file]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-P] [-b brokers] [-t topic:partitions]... [-f file]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -243,6 +284,10 @@ int main(int argc, char **argv)
         }
     }
     const char *servers = rd_kafka_mock_cluster_bootstraps(mc);
+    if (checking && sp_start(servers) != 0) {
+        fprintf(stderr, "mock-broker: cannot start the sequence checks: %s\n", strerror(errno));
+        return 1;
+    }
     if (bootstrap_file && write_bootstrap_file(bootstrap_file, servers) != 0) {
         fprintf(stderr, "mock-broker: cannot write %s: %s\n", bootstrap_file, strerror(errno));
         return 1;
@@ -279,6 +324,10 @@ int main(int argc, char **argv)
         }
         if (used == sizeof(line) - 1)
             used = 0; /* an absurdly long line: drop it */
+    }
+    if (checking) {
+        sp_print_stats(stderr);
+        sp_stop();
     }
     rd_kafka_mock_cluster_destroy(mc);
     rd_kafka_destroy(rk);

@@ -323,6 +323,10 @@ static void broker_start(struct h_env *e, const char *const *topics)
     char line[sizeof(e->bootstrap) - 32];
 
     argv[argc++] = OBX_BINARY_DIR "/tests/obx-mock-broker";
+    /* OBX_MOCK_PLAIN=1: the bare mock, without its sequence checks, to see
+     * what a test would let through against it. */
+    if (getenv("OBX_MOCK_PLAIN") && strcmp(getenv("OBX_MOCK_PLAIN"), "1") == 0)
+        argv[argc++] = "-P";
     for (int i = 0; topics && topics[i] && argc < 76; i++) {
         argv[argc++] = "-t";
         argv[argc++] = (char *)topics[i];
@@ -365,6 +369,22 @@ bool h_broker_cmd(struct h_env *e, const char *fmt, ...)
     if (!fgets(reply, sizeof(reply), e->broker_out))
         return false;
     return strncmp(reply, "ok", 2) == 0;
+}
+
+void h_broker_seq_stats(struct h_env *e, struct h_seq_stats *out)
+{
+    char line[256];
+    memset(out, 0, sizeof(*out));
+    fputs("stats\n", e->broker_in);
+    fflush(e->broker_in);
+    if (!fgets(line, sizeof(line), e->broker_out) ||
+        sscanf(line,
+               "seq-check batches %lu out-of-order %lu duplicates %lu fenced %lu unchecked %lu",
+               &out->checked, &out->out_of_order, &out->duplicates, &out->fenced,
+               &out->unchecked) != 5)
+        fail_msg("broker stats: unexpected answer: %s", line);
+    if (!fgets(line, sizeof(line), e->broker_out) || strncmp(line, "ok", 2) != 0)
+        fail_msg("broker stats: no ok");
 }
 
 void h_env_start(struct h_env *e, const char *const *topics)

@@ -90,6 +90,13 @@ const char *h_relay_log_path(const struct h_env *e, char *buf, size_t len);
 /* Sends a control command to the broker; returns true on "ok". */
 bool h_broker_cmd(struct h_env *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* The broker's sequence checks so far ("stats"): batches checked, refused
+ * out of sequence, answered as duplicates of a stored batch. */
+struct h_seq_stats {
+    unsigned long checked, out_of_order, duplicates, fenced, unchecked;
+};
+void h_broker_seq_stats(struct h_env *e, struct h_seq_stats *out);
+
 /* Starts outboxd with the env's config plus extra -X settings (NULL-ended);
  * `failpoints` may be NULL. Output goes to DIR/relay.log. */
 void h_relay_start(struct h_env *e, const char *failpoints, const char *const *xargs);
