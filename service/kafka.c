@@ -212,9 +212,9 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[38
         strcmp(v, "0") != 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.message.timeout.ms=%s: a record not acknowledged within %s ms fails and "
-                 "is published again later (after a recovery pass if it may have landed), so "
-                 "records of a key can be reordered around an outage; 0 (our default) retries "
-                 "in order for ever",
+                 "is published again (after a recovery pass if it may have landed); a key's "
+                 "next record waits for the one before (slower for busy keys); 0 (our "
+                 "default) retries for ever",
                  v, v);
     len = sizeof(v);
     if (n < max &&

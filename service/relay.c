@@ -4,6 +4,7 @@
 #include "outboxd/relay.h"
 #include "outboxd/alloc.h"
 #include "outboxd/failpoint.h"
+#include "outboxd/keycount.h"
 #include "outboxd/log.h"
 
 #include <stdio.h>
@@ -122,6 +123,11 @@ struct obx_relay {
                             * (NO_ID: none) */
     int64_t fetch_sent_at; /* when the fetch in flight was sent */
 
+    /* set.one_per_key: the keys with a record at Kafka, and whether a row
+     * was left for a later fetch because its key had one. */
+    struct obx_keycount busy_keys;
+    bool key_waits;
+
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (NO_ID: none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
@@ -195,6 +201,14 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->stall_timeout_ms = cfg->stall_timeout_ms;
     s->fetch_max_bytes = cfg->fetch_max_bytes;
     s->max_payload = 1000000; /* librdkafka's default; main.c sets the effective value */
+    /* librdkafka times out a record still in its queue while a later one of
+     * its partition is sent after it: with a finite timeout (its two names),
+     * a key's next record goes to Kafka once the one before is settled. */
+    s->one_per_key = false;
+    for (size_t i = 0; i < cfg->kafka_count; i++)
+        if ((strcmp(cfg->kafka[i].name, "message.timeout.ms") == 0 ||
+             strcmp(cfg->kafka[i].name, "delivery.timeout.ms") == 0))
+            s->one_per_key = strcmp(cfg->kafka[i].value, "0") != 0;
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -218,7 +232,8 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->off_offsets = obx_calloc(n, sizeof(*r->off_offsets));
     r->batch = obx_calloc((size_t)s->batch_size, sizeof(*r->batch));
     if (!r->slots || !r->ids || !r->dead_ids || !r->dead_reasons || !r->off_topics ||
-        !r->off_partitions || !r->off_offsets || !r->batch) {
+        !r->off_partitions || !r->off_offsets || !r->batch ||
+        (s->one_per_key && obx_keycount_init(&r->busy_keys, n) != 0)) {
         obx_relay_free(r);
         return -1;
     }
@@ -258,6 +273,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->off_partitions);
     obx_free(r->off_offsets);
     obx_free(r->batch);
+    obx_keycount_free(&r->busy_keys);
     obx_free(r);
 }
 
@@ -1100,6 +1116,21 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             cursor_clear(r);
             continue;
         }
+        uint64_t key_hash = 0;
+        if (r->set.one_per_key && row->key) {
+            key_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
+            if (obx_keycount_busy(&r->busy_keys, key_hash)) {
+                /* A record of its key is with Kafka: this row and the later
+                 * ones of its key wait for a fetch after its report. A fetch
+                 * on its way may bring those later ones without this one. */
+                slot_release(r, s);
+                cursor_clear(r);
+                if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
+                    r->discard_fetch = true;
+                r->key_waits = true;
+                continue;
+            }
+        }
         bool alone = row->id == probe_id;
         if (alone && r->n_outstanding > 0) {
             /* Rows before it are still out: it and the rest wait for the
@@ -1111,6 +1142,9 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         const char *reason = NULL;
         enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
         if (pr == OBX_PRODUCE_OK) {
+            if (key_hash && obx_keycount_add(&r->busy_keys, key_hash) != 0)
+                obx_error("relay: more keys with Kafka than rows in flight (row %lld)",
+                          (long long)row->id); /* cannot happen: sized for max_in_flight */
             struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, row->id) : NULL;
             if (b)
                 b->retry_at = INT64_MAX; /* being retried: not due again until refused */
@@ -1224,6 +1258,12 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     if (!s || s->state != SLOT_PRODUCED) {
         obx_error("relay: delivery report for an unknown or finished row");
         return;
+    }
+    if (r->set.one_per_key && key &&
+        obx_keycount_remove(&r->busy_keys, obx_keycount_hash(s->topic, key, key_len)) == 0 &&
+        r->key_waits) {
+        r->key_waits = false; /* rows left behind for their key: fetch them now */
+        r->want_fetch = true;
     }
     r->n_outstanding--;
     bool was_probe = s->id == r->probe_id;

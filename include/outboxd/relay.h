@@ -143,6 +143,7 @@ struct obx_relay_settings {
     int64_t stall_timeout_ms; /* 0 = never report a stall */
     int64_t fetch_max_bytes;  /* payload bytes one fetch may bring */
     int64_t max_payload;      /* the producer's message.max.bytes */
+    bool one_per_key; /* a finite message timeout: one record of a key with Kafka at a time */
 };
 
 struct obx_relay;

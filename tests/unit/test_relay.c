@@ -1392,6 +1392,43 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     assert_int_equal(c->f.produced_ids[c->f.produced - 1], 1); /* alone */
 }
 
+/* With a finite message timeout (set.one_per_key), a key has one record at
+ * Kafka at a time: librdkafka could time an earlier one out while a later
+ * one of its partition is sent. A later row of a busy key waits for a fetch
+ * after the report, a fetch already on its way is ignored (it may bring the
+ * key's rows after the one left), and other keys go on. */
+static void test_one_record_per_key(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_relay_settings one = settings;
+    one.one_per_key = true;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&one, &ops, &c->f, &c->r), 0);
+    ready(c, 0);
+    fetched_ids(c, (const int64_t[]){1, 2, 4, 5}, 4, 1); /* 1:k1 2:k2 4:k1 5:k2; full */
+    assert_int_equal(c->f.fetches, 2);                   /* the next one went at once */
+    assert_int_equal(c->f.produced, 2);                  /* rows 1 and 2; 4 and 5 wait */
+    assert_int_equal(c->f.produced_ids[0], 1);
+    assert_int_equal(c->f.produced_ids[1], 2);
+    fetched_ids(c, (const int64_t[]){7}, 1, 2); /* 7:k1, sent before 4 was left: ignored */
+    assert_int_equal(c->f.produced, 2);
+    report(c, 0, OBX_DELIVERED, 3); /* row 1: k1 is free */
+    until_fetching(c, 4);
+    assert_int_equal(c->f.after_id, 0); /* a full fetch, which can bring row 4 */
+    assert_false(excluded(c, 4));
+    assert_true(excluded(c, 2)); /* still at Kafka */
+    fetched_ids(c, (const int64_t[]){4, 5, 7}, 3, 5);
+    assert_int_equal(c->f.produced, 3); /* 4 goes; 5 waits for 2, 7 for 4 */
+    assert_int_equal(c->f.produced_ids[2], 4);
+    report(c, 1, OBX_DELIVERED, 6); /* row 2 */
+    report(c, 2, OBX_DELIVERED, 6); /* row 4 */
+    until_fetching(c, 7);
+    fetched_ids(c, (const int64_t[]){5, 7}, 2, 8);
+    assert_int_equal(c->f.produced, 5);
+    assert_int_equal(c->f.produced_ids[3], 5);
+    assert_int_equal(c->f.produced_ids[4], 7);
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
@@ -1434,6 +1471,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_keyset_not_from_a_short_look)                                                           \
     X(test_byte_budget_withholds)                                                                  \
     X(test_fetch_rides_on_mark)                                                                    \
-    X(test_batch_refused_as_a_fetch_goes)
+    X(test_batch_refused_as_a_fetch_goes)                                                          \
+    X(test_one_record_per_key)
 
 OBX_FIXTURE_MAIN(TESTS)
