@@ -578,3 +578,61 @@ void obx_config_describe(FILE *out)
     fprintf(out, "  %-32s %s\n", "kafka.<property>",
             "any librdkafka producer property, passed as-is (like kcat -X)");
 }
+
+/* Text for a Markdown table cell or an mdoc line: '|' and '\\' escaped,
+ * and for mdoc a leading '.' or '\'' made literal. */
+static void put_text(FILE *out, const char *text, enum obx_config_doc format)
+{
+    if (format == OBX_CONFIG_DOC_MDOC && (text[0] == '.' || text[0] == '\''))
+        fputs("\\&", out);
+    for (const char *c = text; *c; c++) {
+        if (*c == '\\')
+            fputs(format == OBX_CONFIG_DOC_MDOC ? "\\e" : "\\\\", out);
+        else if (*c == '|' && format == OBX_CONFIG_DOC_MARKDOWN)
+            fputs("\\|", out);
+        else
+            fputc(*c, out);
+    }
+}
+
+void obx_config_reference(FILE *out, enum obx_config_doc format)
+{
+    char range[160];
+    bool md = format == OBX_CONFIG_DOC_MARKDOWN;
+    if (md)
+        fputs("| key | default | values | meaning |\n| --- | --- | --- | --- |\n", out);
+    else
+        fputs(".Bl -tag -width Ds\n", out);
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        const struct key_def *k = &keys[i];
+        describe_range(k, range, sizeof(range));
+        const char *def = (k->flags & KEY_REQUIRED) ? "required" : k->def ? k->def : "none";
+        const char *secret = (k->flags & KEY_SECRET) ? " (never printed: may hold a password)" : "";
+        if (md) {
+            bool literal = *def && !(k->flags & KEY_REQUIRED);
+            fprintf(out, "| `%s` | %s%s%s | %s | ", k->name, literal ? "`" : "",
+                    *def ? def : "empty", literal ? "`" : "",
+                    k->type == KEY_KAFKA ? "a string" : range);
+            put_text(out, k->help, format);
+            fprintf(out, "%s |\n", secret);
+        } else {
+            fprintf(out, ".It Cm %s\n", k->name);
+            put_text(out, k->help, format);
+            fprintf(out, "%s.\n", secret);
+            if (k->flags & KEY_REQUIRED)
+                fprintf(out, "Values: %s.\nRequired.\n", k->type == KEY_KAFKA ? "a string" : range);
+            else
+                fprintf(out, "Values: %s; default: %s.\n",
+                        k->type == KEY_KAFKA ? "a string" : range, *def ? def : "empty");
+        }
+    }
+    if (md) {
+        fputs("| `kafka.<property>` | librdkafka's, or ours below | see librdkafka's "
+              "CONFIGURATION.md | any librdkafka producer property, passed as it is |\n",
+              out);
+    } else {
+        fputs(".It Cm kafka. Ns Ar property\nAny librdkafka producer property, passed as it "
+              "is.\n.El\n",
+              out);
+    }
+}

@@ -150,37 +150,52 @@ static int conf_set(rd_kafka_conf_t *conf, const char *name, const char *value, 
     return 0;
 }
 
+/* Producer settings we set before the user's kafka.* keys. */
+static const char *const producer_defaults[][2] = {
+    {"enable.idempotence", "true"},
+    /* A batch refused for good must not let later records of its
+     * partition go first (G3): librdkafka then stops the producer and
+     * we replace it (see serve()). */
+    {"enable.gapless.guarantee", "true"},
+    {"message.timeout.ms", "0"},
+    /* One Produce request at a time per broker: librdkafka 2.0.2 answers
+     * a refusal behind a failed request by bumping the producer epoch,
+     * and resends a record whose earlier send may have been stored
+     * (replication timed out, connection lost) under the new epoch,
+     * where the broker cannot recognise it: a duplicate. With one
+     * request in flight there is nothing behind a failure to refuse. */
+    {"max.in.flight.requests.per.connection", "1"},
+    {"partitioner", "murmur2_random"},
+    {"client.id", "outboxd"},
+    /* librdkafka's 5 ms cost 4 ms of p99 at 1,000 events/s; under a
+     * backlog, batches fill from the 1,000-row fetches anyway. */
+    {"linger.ms", "1"},
+};
+
+#define N_PRODUCER_DEFAULTS (sizeof(producer_defaults) / sizeof(producer_defaults[0]))
+
+size_t obx_kafka_producer_default_count(void)
+{
+    return N_PRODUCER_DEFAULTS;
+}
+
+void obx_kafka_producer_default(size_t i, const char **name, const char **value)
+{
+    *name = i < N_PRODUCER_DEFAULTS ? producer_defaults[i][0] : NULL;
+    *value = i < N_PRODUCER_DEFAULTS ? producer_defaults[i][1] : NULL;
+}
+
 int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
                          rd_kafka_conf_t **out, char *err, size_t errlen)
 {
-    static const char *const defaults[][2] = {
-        {"enable.idempotence", "true"},
-        /* A batch refused for good must not let later records of its
-         * partition go first (G3): librdkafka then stops the producer and
-         * we replace it (see serve()). */
-        {"enable.gapless.guarantee", "true"},
-        {"message.timeout.ms", "0"},
-        /* One Produce request at a time per broker: librdkafka 2.0.2 answers
-         * a refusal behind a failed request by bumping the producer epoch,
-         * and resends a record whose earlier send may have been stored
-         * (replication timed out, connection lost) under the new epoch,
-         * where the broker cannot recognise it: a duplicate. With one
-         * request in flight there is nothing behind a failure to refuse. */
-        {"max.in.flight.requests.per.connection", "1"},
-        {"partitioner", "murmur2_random"},
-        {"client.id", "outboxd"},
-        /* librdkafka's 5 ms cost 4 ms of p99 at 1,000 events/s; under a
-         * backlog, batches fill from the 1,000-row fetches anyway. */
-        {"linger.ms", "1"},
-    };
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
     if (!conf) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && i < sizeof(defaults) / sizeof(defaults[0]);
-         i++)
-        if (conf_set(conf, defaults[i][0], defaults[i][1], "default", err, errlen) != 0)
+    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && i < N_PRODUCER_DEFAULTS; i++)
+        if (conf_set(conf, producer_defaults[i][0], producer_defaults[i][1], "default", err,
+                     errlen) != 0)
             goto fail;
     for (size_t i = 0; i < cfg->kafka_count; i++)
         if (conf_set(conf, cfg->kafka[i].name, cfg->kafka[i].value, cfg->kafka[i].origin, err,

@@ -204,11 +204,10 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     /* librdkafka times out a record still in its queue while a later one of
      * its partition is sent after it: with a finite timeout (its two names),
      * a key's next record goes to Kafka once the one before is settled. */
-    s->one_per_key = false;
-    for (size_t i = 0; i < cfg->kafka_count; i++)
-        if ((strcmp(cfg->kafka[i].name, "message.timeout.ms") == 0 ||
-             strcmp(cfg->kafka[i].name, "delivery.timeout.ms") == 0))
-            s->one_per_key = strcmp(cfg->kafka[i].value, "0") != 0;
+    const char *t = obx_config_kafka_get(cfg, "message.timeout.ms");
+    if (!t)
+        t = obx_config_kafka_get(cfg, "delivery.timeout.ms");
+    s->one_per_key = t && strcmp(t, "0") != 0;
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,

@@ -109,6 +109,11 @@ const char *obx_config_kafka_get(const struct obx_config *cfg, const char *name)
 /* Prints every key with its type, default and help text (for --help). */
 void obx_config_describe(FILE *out);
 
+/* The key table as reference text: a Markdown table, or an mdoc(7) tag
+ * list (the man page's KEYS). Generated docs come from it (doc/gen_docs.c). */
+enum obx_config_doc { OBX_CONFIG_DOC_MARKDOWN, OBX_CONFIG_DOC_MDOC };
+void obx_config_reference(FILE *out, enum obx_config_doc format);
+
 /* Number of keys in the table and their names (for tests and docs). */
 size_t obx_config_key_count(void);
 const char *obx_config_key_name(size_t i);

@@ -55,6 +55,11 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
 /* Settings of a producer configuration that weaken DESIGN's guarantees
  * (idempotence off, a finite message.timeout.ms, acks below all): one
  * sentence each into out[0..max). Returns how many. */
+/* The librdkafka producer settings outboxd sets before the user's kafka.*
+ * keys (for the configuration reference); NULLs past the end. */
+size_t obx_kafka_producer_default_count(void);
+void obx_kafka_producer_default(size_t i, const char **name, const char **value);
+
 size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[384], size_t max);
 
 /* The effective message.max.bytes of a configuration, and of the producer:
