@@ -212,47 +212,44 @@ fail:
     return -1;
 }
 
+/* The producer's value of `name` into v ("" when it has none). */
+static const char *prop(const rd_kafka_conf_t *conf, const char *name, char *v, size_t cap)
+{
+    size_t len = cap;
+    if (rd_kafka_conf_get(conf, name, v, &len) != RD_KAFKA_CONF_OK)
+        v[0] = '\0';
+    return v;
+}
+
 size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[384], size_t max)
 {
     char v[64];
-    size_t len, n = 0;
-    len = sizeof(v);
-    if (n < max && rd_kafka_conf_get(conf, "enable.idempotence", v, &len) == RD_KAFKA_CONF_OK &&
-        strcmp(v, "false") == 0)
+    size_t n = 0;
+    if (n < max && strcmp(prop(conf, "enable.idempotence", v, sizeof(v)), "false") == 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.enable.idempotence=false: librdkafka's own retries may then store a "
                  "record twice or out of order (no-duplicates and per-key order no longer hold)");
-    len = sizeof(v);
-    if (n < max && rd_kafka_conf_get(conf, "message.timeout.ms", v, &len) == RD_KAFKA_CONF_OK &&
-        strcmp(v, "0") != 0)
+    if (n < max && strcmp(prop(conf, "message.timeout.ms", v, sizeof(v)), "0") != 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.message.timeout.ms=%s: a record not acknowledged within %s ms fails and "
                  "is published again (after a recovery pass if it may have landed); a key's "
                  "next record waits for the one before (slower for busy keys); 0 (our "
                  "default) retries for ever",
                  v, v);
-    len = sizeof(v);
-    if (n < max &&
-        rd_kafka_conf_get(conf, "enable.gapless.guarantee", v, &len) == RD_KAFKA_CONF_OK &&
-        strcmp(v, "false") == 0)
+    if (n < max && strcmp(prop(conf, "enable.gapless.guarantee", v, sizeof(v)), "false") == 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.enable.gapless.guarantee=false: when Kafka refuses a batch for good "
                  "(too large, not authorized), later records of its keys may be stored before "
                  "the refused one is retried (per-key order no longer holds)");
-    len = sizeof(v);
     if (n < max &&
-        rd_kafka_conf_get(conf, "max.in.flight.requests.per.connection", v, &len) ==
-            RD_KAFKA_CONF_OK &&
-        strcmp(v, "1") != 0)
+        strcmp(prop(conf, "max.in.flight.requests.per.connection", v, sizeof(v)), "1") != 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.max.in.flight.requests.per.connection=%s: a refusal behind other "
                  "requests makes librdkafka bump the producer epoch and resend records that "
                  "may be stored already, which the broker then stores twice (no-duplicates no "
                  "longer holds); 1 is our default",
                  v);
-    len = sizeof(v);
-    if (n < max && rd_kafka_conf_get(conf, "acks", v, &len) == RD_KAFKA_CONF_OK &&
-        strcmp(v, "-1") != 0 && strcmp(v, "all") != 0)
+    if (n < max && strcmp(prop(conf, "acks", v, sizeof(v)), "-1") != 0 && strcmp(v, "all") != 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.acks=%s: a record acknowledged by fewer than all in-sync replicas can "
                  "be lost with its broker (no-loss no longer holds)",
