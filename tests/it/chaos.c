@@ -23,6 +23,7 @@
  */
 #include "harness.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -371,6 +372,7 @@ struct run {
     bool zombie_window;     /* a relay frozen while its session ended, with another to take over */
     struct h_seq_stats seq; /* the broker's sequence checks, at the end */
     long timed_out;         /* records the relays' producers timed out (slow-acks) */
+    int64_t timeline_t0;    /* when the faults' clock started */
     char findings[8][512];
     int n_findings;
     unsigned fault_counts[F_COUNT];
@@ -687,6 +689,76 @@ static int cmp_step(const void *a, const void *b)
     return x->t != y->t ? (x->t < y->t ? -1 : 1) : (x->phase - y->phase);
 }
 
+/* ---- the picture's data (OBX_CHAOS_PLOT=DIR) ---- */
+
+/* With OBX_CHAOS_PLOT set, the driver writes DIR/faults.dat (a line per
+ * fault: start and end in seconds since the driver started, kind number,
+ * kind name), DIR/schedules.dat (start, end, seed, 1 if it had findings)
+ * and DIR/behind.dat (seconds, committed rows not yet published, sampled
+ * twice a second); scripts/chaos-plot.gp draws them. */
+static FILE *plot_faults, *plot_schedules, *plot_behind;
+static int64_t plot_t0;
+static int64_t plot_next_sample;
+
+static void plot_open(void)
+{
+    const char *dir = getenv("OBX_CHAOS_PLOT");
+    char path[512];
+    if (!dir || !*dir)
+        return;
+    plot_t0 = h_now_ms();
+    snprintf(path, sizeof(path), "%s/faults.dat", dir);
+    plot_faults = fopen(path, "w");
+    snprintf(path, sizeof(path), "%s/schedules.dat", dir);
+    plot_schedules = fopen(path, "w");
+    snprintf(path, sizeof(path), "%s/behind.dat", dir);
+    plot_behind = fopen(path, "w");
+    if (!plot_faults || !plot_schedules || !plot_behind)
+        fail_msg("OBX_CHAOS_PLOT: cannot write in %s: %s", dir, strerror(errno));
+}
+
+static double plot_time(int64_t ms)
+{
+    return (double)(ms - plot_t0) / 1000.0;
+}
+
+/* Rows committed and not yet published, twice a second (nothing while
+ * Postgres is down). */
+static void plot_sample(struct run *x)
+{
+    int64_t now = h_now_ms();
+    if (!plot_behind || x->pg_down || now < plot_next_sample)
+        return;
+    plot_next_sample = now + 500;
+    PGconn *c = PQconnectdb(x->env.conninfo);
+    if (PQstatus(c) == CONNECTION_OK) {
+        PGresult *r = PQexec(c, x->s.delete_mode ? "SELECT count(*) FROM outbox.events"
+                                                 : "SELECT count(*) FROM outbox.events"
+                                                   " WHERE sent_at IS NULL");
+        if (PQresultStatus(r) == PGRES_TUPLES_OK)
+            fprintf(plot_behind, "%.2f %s\n", plot_time(now), PQgetvalue(r, 0, 0));
+        PQclear(r);
+    }
+    PQfinish(c);
+}
+
+static void plot_schedule(const struct run *x, int64_t start)
+{
+    if (!plot_faults)
+        return;
+    for (int i = 0; i < x->s.n_faults; i++) {
+        const struct fault *f = &x->s.f[i];
+        int64_t at = x->timeline_t0 + f->at_ms;
+        fprintf(plot_faults, "%.2f %.2f %d %s\n", plot_time(at), plot_time(at + f->dur_ms),
+                (int)f->kind, fault_names[f->kind]);
+    }
+    fprintf(plot_schedules, "%.2f %.2f %llu %d\n", plot_time(start), plot_time(h_now_ms()),
+            (unsigned long long)x->s.seed, x->n_findings > 0);
+    fflush(plot_faults);
+    fflush(plot_schedules);
+    fflush(plot_behind);
+}
+
 static void run_timeline(struct run *x)
 {
     struct step steps[2 * MAX_FAULTS];
@@ -697,10 +769,12 @@ static void run_timeline(struct run *x)
     }
     qsort(steps, (size_t)n, sizeof(steps[0]), cmp_step);
     int64_t t0 = h_now_ms();
+    x->timeline_t0 = t0;
     for (int i = 0; i <= n; i++) {
         int64_t at = t0 + (i < n ? steps[i].t : x->s.duration_ms);
         while (h_now_ms() < at) {
             check_notices(x);
+            plot_sample(x);
             int64_t left = at - h_now_ms();
             h_sleep_ms(left > 100 ? 100 : (int)(left > 0 ? left : 0));
         }
@@ -1056,6 +1130,7 @@ static void run_schedule(struct run *x)
     int64_t healed = h_now_ms();
     while (!drained(x) && h_now_ms() - healed < DRAIN_DEADLINE_MS) {
         check_notices(x);
+        plot_sample(x);
         h_sleep_ms(100);
     }
     for (;;) { /* the last cuts' expectations */
@@ -1111,6 +1186,7 @@ static void test_chaos(void **state)
     (void)state;
     struct totals t = {0};
     int64_t start = h_now_ms();
+    plot_open();
     fprintf(stderr, "chaos: base seed %llu (replay one schedule: --seed N --schedules 1)\n",
             (unsigned long long)opt_seed);
     for (int k = 0;; k++) {
@@ -1120,7 +1196,9 @@ static void test_chaos(void **state)
             break;
         memset(&run, 0, sizeof(run));
         gen_schedule(&run.s, opt_seed + (uint64_t)k, opt_faults);
+        int64_t started = h_now_ms();
         run_schedule(&run);
+        plot_schedule(&run, started);
         t.schedules++;
         for (int f = 0; f < F_COUNT; f++)
             t.faults[f] += run.fault_counts[f];
