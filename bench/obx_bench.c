@@ -41,6 +41,10 @@
  *    grew over two minutes with no horizon held at all.
  *    OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held (control).
  *    OBX_BENCH_SAMPLES=FILE: every sample to FILE, "seconds latency-ms".
+ * OBX_BENCH_PLOT=DIR (bench/run sets it)
+ *    The first drain of each mode over time with the job's limit
+ *    (drain-MODE.dat, limit-MODE.dat) and the latency distribution of each
+ *    rate (latency-RATE.dat), for bench/plot.gp.
  * OBX_BENCH_LATENCY_ONLY=N
  *    Only the latency rows of the table (100, 1,000 and 5,000 rows/s), N s each.
  * OBX_BENCH_OPEN_WRITER=mark|delete (--rows N)
@@ -665,6 +669,25 @@ static long long marked_total(void)
     return relay_metric("outboxd_rows_marked_total");
 }
 
+/* OBX_BENCH_PLOT=DIR: series for bench/plot.gp. While plot_drain is open,
+ * wait_marked() writes "seconds-since-commit rows-confirmed" every 20 ms. */
+static FILE *plot_drain;
+static double plot_drain_t0;
+static long long plot_drain_base;
+
+static FILE *plot_open(const char *name)
+{
+    const char *dir = getenv("OBX_BENCH_PLOT");
+    char path[512];
+    if (!dir || !*dir)
+        return NULL;
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    if (!f)
+        die(path, strerror(errno));
+    return f;
+}
+
 /* Waits until the relay has confirmed `target` rows in all, asking it and
  * not Postgres: a probe of the table, even a cheap EXISTS every 20 ms,
  * competes with the drain it measures (in delete mode each probe also
@@ -673,8 +696,16 @@ static long long marked_total(void)
 static void wait_marked(PGconn *c, const char *sql, long long target, pid_t relay)
 {
     long long v;
-    while ((v = marked_total()) >= 0 && v < target)
+    double next = 0;
+    while ((v = marked_total()) >= 0 && v < target) {
+        if (plot_drain && now_s() >= next) {
+            fprintf(plot_drain, "%.3f %lld\n", now_s() - plot_drain_t0, v - plot_drain_base);
+            next = now_s() + 0.02;
+        }
         usleep(2000);
+    }
+    if (plot_drain && v >= 0)
+        fprintf(plot_drain, "%.3f %lld\n", now_s() - plot_drain_t0, v - plot_drain_base);
     if (v < 0)
         wait_drained(c, sql, relay);
 }
@@ -731,6 +762,8 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     long a0 = count_file ? read_count(count_file) : 0;
     double b0 = backend_cpu_s(relay_backend);
     double t0 = now_s();
+    plot_drain_t0 = t0;
+    plot_drain_base = 1; /* the warm-up row */
     exec_ok(c, "COMMIT");
     wait_marked(c, left_sql, rows + 1LL, pid); /* and the warm-up row */
     double t1 = now_s();
@@ -781,7 +814,20 @@ static void paired(const struct opts *o, int on_sent, int payload, bool idle, st
         struct drain_result d;
         struct pg_cost job = job_limit(o, on_sent, payload);
         struct pg_cost mine = pg_limit(o, on_sent, payload);
+        /* The first pair's drain, over time, beside the job's limit. */
+        const char *mode = on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark";
+        char name[64];
+        snprintf(name, sizeof(name), "drain-%s.dat", mode);
+        plot_drain = i == 0 ? plot_open(name) : NULL;
         drain(o, on_sent, o->rows, payload, idle && i == 0, &d, NULL, NULL);
+        if (plot_drain) {
+            fclose(plot_drain);
+            plot_drain = NULL;
+            snprintf(name, sizeof(name), "limit-%s.dat", mode);
+            FILE *f = plot_open(name);
+            fprintf(f, "%.0f %.0f\n", job.rows_per_s, d.rows_per_s);
+            fclose(f);
+        }
         if (i == 0) {
             p->first = d;
             p->job_cost = job;
@@ -1032,6 +1078,21 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
     struct lat_sample *s = lat_run(o, rate, o->latency_seconds, NULL, &n);
     lat_summary(s, n, -1e9, 1e9, res);
     res->achieved = (double)n / o->latency_seconds;
+    char name[64];
+    snprintf(name, sizeof(name), "latency-%d.dat", rate);
+    FILE *f = plot_open(name); /* the distribution: "ms fraction-at-or-below" */
+    if (f) {
+        double *lat = malloc((n ? n : 1) * sizeof(double));
+        if (!lat)
+            die("latency plot", "out of memory");
+        for (size_t i = 0; i < n; i++)
+            lat[i] = s[i].lat * 1e3;
+        qsort(lat, n, sizeof(double), cmp_double);
+        for (size_t i = 0; i < n; i++)
+            fprintf(f, "%.3f %.5f\n", lat[i], (double)(i + 1) / (double)n);
+        free(lat);
+        fclose(f);
+    }
     free(s);
 }
 
