@@ -2,6 +2,7 @@
  * check: see include/outboxd/check.h.
  */
 #include "outboxd/check.h"
+#include "outboxd/pgconn.h"
 #include "outboxd/alloc.h"
 #include "outboxd/kafka.h"
 #include "outboxd/pg.h"
@@ -155,11 +156,8 @@ static void read_waiting(PGconn *conn, struct waiting *w, FILE *out, int *proble
 static void check_postgres(const struct obx_config *cfg, struct waiting *w, FILE *out,
                            int *problems)
 {
-    char line[300], timeout[16];
-    snprintf(timeout, sizeof(timeout), "%d", OBX_CHECK_TIMEOUT_S);
-    const char *const keys[] = {"application_name", "connect_timeout", "dbname", NULL};
-    const char *const values[] = {"outboxd-check", timeout, cfg->pg_conninfo, NULL};
-    PGconn *conn = PQconnectdbParams(keys, values, 1);
+    char line[300];
+    PGconn *conn = obx_pg_connect(cfg->pg_conninfo, "outboxd-check", OBX_CHECK_TIMEOUT_S);
     if (!conn || PQstatus(conn) != CONNECTION_OK) {
         problem(out, problems,
                 "postgres: cannot connect: %s (check postgres.conninfo, the server and the "

@@ -2,6 +2,7 @@
  * maint: see include/outboxd/maint.h.
  */
 #include "outboxd/maint.h"
+#include "outboxd/pgconn.h"
 #include "outboxd/alloc.h"
 #include "outboxd/log.h"
 #include "outboxd/metrics.h"
@@ -110,10 +111,8 @@ static bool connect_if_needed(struct obx_maint *m)
     if (m->conn && PQstatus(m->conn) == CONNECTION_OK)
         return true;
     disconnect(m);
-    /* Ours first: keys in the user's conninfo (dbname, expanded) win. */
-    const char *const keys[] = {"application_name", "connect_timeout", "dbname", NULL};
-    const char *const values[] = {"outboxd", "10", m->conninfo, NULL};
-    m->conn = PQconnectdbParams(keys, values, 1);
+    /* A primary, as the relay's own session: retention deletes. */
+    m->conn = obx_pg_connect(m->conninfo, "outboxd", 10);
     if (!m->conn || PQstatus(m->conn) != CONNECTION_OK) {
         set_error(m, "cannot connect");
         disconnect(m);

@@ -2,6 +2,7 @@
  * pg: see include/outboxd/pg.h.
  */
 #include "outboxd/pg.h"
+#include "outboxd/pgconn.h"
 #include "outboxd/alloc.h"
 #include "outboxd/failpoint.h"
 #include "outboxd/log.h"
@@ -298,25 +299,14 @@ static void on_notice(void *arg, const char *message)
 
 static void start_connect(struct obx_pg *pg)
 {
-    /* Our defaults come before dbname, so that the user's conninfo (expanded
-     * in place of dbname) overrides them. */
-    /* target_session_attrs: with several hosts (host=a,b), libpq skips one
-     * that is read-only, such as a hot standby that was the primary before
-     * a failover, and tries the next at once. */
-    const char *const keys[] = {"application_name",
-                                "keepalives_idle",
-                                "keepalives_interval",
-                                "keepalives_count",
-                                "target_session_attrs",
-                                "dbname",
-                                NULL};
-    const char *const values[] = {"outboxd", "30", "10", "3", "read-write", pg->conninfo, NULL};
+    struct obx_pg_params params; /* a primary, keepalives; the user's keys win */
+    obx_pg_params(&params, pg->conninfo, "outboxd", 0);
 
     pg->target[0] = '\0';
     if (pg->started)
         pg->reconnects++;
     pg->started = true;
-    pg->conn = PQconnectStartParams(keys, values, 1);
+    pg->conn = PQconnectStartParams(params.keys, params.values, 1);
     if (!pg->conn) {
         obx_error("postgres: out of memory starting a connection");
         pg->attempts++;

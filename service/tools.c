@@ -2,6 +2,7 @@
  * tools: see include/outboxd/tools.h.
  */
 #include "outboxd/tools.h"
+#include "outboxd/pgconn.h"
 #include "outboxd/alloc.h"
 #include "outboxd/http.h"
 #include "outboxd/log.h"
@@ -170,9 +171,7 @@ static PGconn *tool_connect(const struct obx_config *cfg, const char *tool)
 {
     char app[64];
     snprintf(app, sizeof(app), "outboxd-%s", tool);
-    const char *const keys[] = {"application_name", "dbname", NULL};
-    const char *const values[] = {app, cfg->pg_conninfo, NULL};
-    PGconn *c = PQconnectdbParams(keys, values, 1);
+    PGconn *c = obx_pg_connect(cfg->pg_conninfo, app, 0);
     if (!c || PQstatus(c) != CONNECTION_OK) {
         char msg[300];
         snprintf(msg, sizeof(msg), "%s", c ? PQerrorMessage(c) : "out of memory");

@@ -275,6 +275,17 @@ static void test_standby_first_in_hosts(void **state)
     for (int i = 0; i < 200; i++)
         h_enqueue(c, "it.a", i % 2 ? "a" : "b", "after", 5, NULL);
     expect_caught_up("writes after the start", 15000);
+    /* The operator tools reach the primary too: on the standby, status
+     * would see no relay holding the lock (its sessions are the primary's). */
+    char out[8192], bs[600], http[64];
+    snprintf(bs, sizeof(bs), "kafka.bootstrap.servers=%s", env.bootstrap);
+    snprintf(http, sizeof(http), "http.listen=127.0.0.1:%d", env.http_port);
+    char *const tool[] = {"outboxd", "status", "-X", ci, "-X", bs, "-X", http, NULL};
+    char *const tool_env[] = {"PATH=/usr/bin:/bin", NULL};
+    int status_rc = h_run_outboxd(tool, tool_env, out, sizeof(out));
+    print_message("%s", out);
+    assert_int_equal(status_rc, 0);
+    assert_non_null(strstr(out, "  active  outboxd"));
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     char primary[64];
     snprintf(primary, sizeof(primary), "connected to 127.0.0.1:%d/", env.pg_port);
