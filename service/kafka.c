@@ -32,9 +32,10 @@ struct obx_kafka {
     /* Connectivity probe: a metadata request in the thread pool. */
     uv_work_t probe;
     bool probe_busy;
-    bool probe_ok;  /* written by the worker, read in after_work */
-    bool connected; /* the last probe's answer */
-    int refs;       /* the poll handle and a running probe hold k */
+    bool probe_ok;              /* written by the worker, read in after_work */
+    bool connected;             /* the last probe's answer */
+    int refs;                   /* the poll handle and a running probe hold k */
+    int64_t message_timeout_ms; /* 0 = for ever */
     int64_t max_message_bytes;
     char reason[160];                   /* the last refusal's reason */
     struct obx_record_opts record;      /* record.format and its settings */
@@ -271,6 +272,11 @@ int64_t obx_kafka_max_message_bytes(const struct obx_kafka *k)
     return k->max_message_bytes;
 }
 
+int64_t obx_kafka_message_timeout_ms(const struct obx_kafka *k)
+{
+    return k->message_timeout_ms;
+}
+
 /* Creates the producer from `conf` (taken over in every case) and routes
  * its queue to our pipe. */
 static int client_start(struct obx_kafka *k, rd_kafka_conf_t *conf, char *err, size_t errlen)
@@ -435,6 +441,14 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
     k->cb = *cb;
     k->arg = arg;
     k->max_message_bytes = obx_kafka_conf_max_message_bytes(conf);
+    /* The effective value: librdkafka keeps whichever of its two names
+     * (message.timeout.ms, delivery.timeout.ms) was set last. */
+    char timeout[32];
+    size_t timeout_len = sizeof(timeout);
+    k->message_timeout_ms =
+        rd_kafka_conf_get(conf, "message.timeout.ms", timeout, &timeout_len) == RD_KAFKA_CONF_OK
+            ? strtoll(timeout, NULL, 10)
+            : 0;
     /* cfg outlives the producer (main's, for the whole run). */
     k->record = (struct obx_record_opts){.format = cfg->record_format, .ce_source = cfg->ce_source};
     rd_kafka_conf_set_dr_msg_cb(conf, on_delivery);

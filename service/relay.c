@@ -34,6 +34,7 @@ enum slot_state {
     SLOT_MARKING,      /* in the mark transaction now in flight */
     SLOT_DEAD,         /* refused; to be moved to outbox.dead_letters */
     SLOT_DEAD_MARKING, /* in the mark transaction now in flight, as a dead letter */
+    SLOT_PARKED,       /* set.one_per_key: fetched, waiting behind its key's record at Kafka */
 };
 
 struct slot {
@@ -43,8 +44,10 @@ struct slot {
     int32_t partition;
     uint32_t topic; /* index into obx_relay.topics */
     enum slot_state state;
-    int32_t next_free; /* free-list link, -1 = end */
-    char *reason;      /* SLOT_DEAD*: why Kafka refused it (owned) */
+    int32_t next_free;      /* free-list link, -1 = end */
+    char *reason;           /* SLOT_DEAD*: why Kafka refused it (owned) */
+    struct obx_row *parked; /* SLOT_PARKED: a copy of the row (owned, one allocation) */
+    uint64_t key_hash;      /* set.one_per_key and a key: its obx_keycount_hash */
 };
 
 /* A refused row under relay.on_reject = retry, or a row whose whole batch
@@ -123,8 +126,9 @@ struct obx_relay {
                             * (NO_ID: none) */
     int64_t fetch_sent_at; /* when the fetch in flight was sent */
 
-    /* set.one_per_key: the keys with a record at Kafka, and whether a row
-     * was left for a later fetch because its key had one. */
+    /* set.one_per_key: the keys with a record at Kafka and the rows parked
+     * behind them; key_waits: a row was left for a later fetch instead (no
+     * memory to park it). */
     struct obx_keycount busy_keys;
     bool key_waits;
 
@@ -201,13 +205,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->stall_timeout_ms = cfg->stall_timeout_ms;
     s->fetch_max_bytes = cfg->fetch_max_bytes;
     s->max_payload = 1000000; /* librdkafka's default; main.c sets the effective value */
-    /* librdkafka times out a record still in its queue while a later one of
-     * its partition is sent after it: with a finite timeout (its two names),
-     * a key's next record goes to Kafka once the one before is settled. */
-    const char *t = obx_config_kafka_get(cfg, "message.timeout.ms");
-    if (!t)
-        t = obx_config_kafka_get(cfg, "delivery.timeout.ms");
-    s->one_per_key = t && strcmp(t, "0") != 0;
+    s->one_per_key = false;   /* main.c sets it from the producer's message timeout */
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -311,6 +309,7 @@ static struct slot *slot_alloc(struct obx_relay *r, int64_t id, uint32_t topic)
     s->topic = topic;
     s->partition = -1;
     s->offset = -1;
+    s->key_hash = 0;
     s->state = SLOT_PRODUCED;
     r->in_use++;
     return s;
@@ -322,6 +321,8 @@ static void slot_release(struct obx_relay *r, struct slot *s)
         r->to_mark--;
     obx_free(s->reason);
     s->reason = NULL;
+    obx_free(s->parked);
+    s->parked = NULL;
     s->state = SLOT_FREE;
     s->next_free = r->free_head;
     r->free_head = (int32_t)(s - r->slots);
@@ -873,6 +874,121 @@ static void progress(struct obx_relay *r, int64_t now)
     }
 }
 
+/* ---- one record of a key at a time (set.one_per_key) ---- */
+
+/* A copy of `row` in one allocation, or NULL. */
+static struct obx_row *row_copy(const struct obx_row *row)
+{
+    size_t topic_len = strlen(row->topic) + 1;
+    size_t payload_len = row->payload ? row->payload_len : 0;
+    struct obx_row *c =
+        obx_malloc(sizeof(*c) + topic_len + row->key_len + payload_len + row->headers_len);
+    if (!c)
+        return NULL;
+    char *p = (char *)(c + 1);
+    *c = *row;
+    memcpy(p, row->topic, topic_len);
+    c->topic = p;
+    p += topic_len;
+    if (row->key) {
+        memcpy(p, row->key, row->key_len);
+        c->key = p;
+        p += row->key_len;
+    }
+    if (row->payload) {
+        memcpy(p, row->payload, payload_len);
+        c->payload = p;
+        p += payload_len;
+    }
+    if (row->headers) {
+        memcpy(p, row->headers, row->headers_len);
+        c->headers = p;
+    }
+    return c;
+}
+
+/* The fetched rows after a released one must not run ahead of it: the next
+ * fetch is a full one, and one already sent is ignored. */
+static void after_release(struct obx_relay *r)
+{
+    cursor_clear(r);
+    if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
+        r->discard_fetch = true;
+    r->want_fetch = true;
+}
+
+/* The rows parked behind key hash h go back unsent, to be fetched again. */
+static void release_parked_of(struct obx_relay *r, uint64_t h)
+{
+    int32_t i;
+    bool any = false;
+    while ((i = obx_keycount_unpark(&r->busy_keys, h)) >= 0) {
+        slot_release(r, &r->slots[i]);
+        any = true;
+    }
+    if (any)
+        after_release(r);
+}
+
+/* Every parked row goes back unsent: the relay stops handing rows to Kafka
+ * (shutdown, fatal error, session lost). */
+static void release_all_parked(struct obx_relay *r)
+{
+    if (!r->set.one_per_key)
+        return;
+    for (int i = 0; i < r->set.max_in_flight; i++)
+        if (r->slots[i].state == SLOT_PARKED)
+            release_parked_of(r, r->slots[i].key_hash);
+}
+
+/* Parks row `row` of slot s behind its key's record at Kafka. false: no
+ * memory for it (the caller leaves it for a later fetch). */
+static bool park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
+{
+    struct obx_row *copy = row_copy(row);
+    if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, (int32_t)(s - r->slots)) != 0) {
+        obx_free(copy);
+        return false;
+    }
+    s->parked = copy;
+    s->state = SLOT_PARKED;
+    return true;
+}
+
+/* Key hash h has no record at Kafka any more, the last one delivered: its
+ * first parked row goes now, if the relay may publish. */
+static void produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
+{
+    if (!r->recovered || r->draining || r->state == OBX_RELAY_WAIT_PG) {
+        release_parked_of(r, h); /* fetched again once it may */
+        return;
+    }
+    int32_t i = obx_keycount_unpark(&r->busy_keys, h);
+    if (i < 0)
+        return;
+    struct slot *p = &r->slots[i];
+    const char *reason = NULL;
+    p->state = SLOT_PRODUCED;
+    enum obx_produce_result pr = r->ops->produce(r->io, p->parked, p, &reason);
+    if (pr == OBX_PRODUCE_OK) {
+        obx_free(p->parked);
+        p->parked = NULL;
+        (void)obx_keycount_add(&r->busy_keys, h); /* it had a place: cannot fail */
+        r->n_outstanding++;
+        return;
+    }
+    if (pr == OBX_PRODUCE_BUSY) {
+        slot_release(r, p);
+        r->not_before = now + 100;
+    } else {
+        rejected(r, p, p->parked->key, p->parked->key_len, reason, now);
+        obx_free(p->parked);
+        p->parked = NULL;
+    }
+    release_parked_of(r, h); /* the rest of the key after it, by a fetch */
+    after_release(r);
+}
+
 /* ---- events ---- */
 
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
@@ -896,7 +1012,8 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
     /* A mark in flight may or may not have committed: mark those rows again
      * after the reconnect (the statement is idempotent). */
     unmark(r);
-    fetch_gone(r); /* the fetch in flight, if any */
+    fetch_gone(r);         /* the fetch in flight, if any */
+    release_all_parked(r); /* never handed to Kafka: no relay lock, no publishing */
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -1115,17 +1232,19 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             cursor_clear(r);
             continue;
         }
-        uint64_t key_hash = 0;
+        s->key_hash = 0;
         if (r->set.one_per_key && row->key) {
-            key_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
-            if (obx_keycount_busy(&r->busy_keys, key_hash)) {
-                /* A record of its key is with Kafka: this row and the later
-                 * ones of its key wait for a fetch after its report. A fetch
-                 * on its way may bring those later ones without this one. */
+            s->key_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
+            if (obx_keycount_busy(&r->busy_keys, s->key_hash)) {
+                /* A record of its key is with Kafka: this row waits behind
+                 * it, and goes once it is delivered. */
+                if (park(r, s, row))
+                    continue;
+                /* No memory to keep it: a fetch after the report brings it
+                 * again. A fetch on its way may bring the key's later rows
+                 * without it. */
                 slot_release(r, s);
-                cursor_clear(r);
-                if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
-                    r->discard_fetch = true;
+                after_release(r);
                 r->key_waits = true;
                 continue;
             }
@@ -1141,7 +1260,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         const char *reason = NULL;
         enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
         if (pr == OBX_PRODUCE_OK) {
-            if (key_hash && obx_keycount_add(&r->busy_keys, key_hash) != 0)
+            if (s->key_hash && obx_keycount_add(&r->busy_keys, s->key_hash) != 0)
                 obx_error("relay: more keys with Kafka than rows in flight (row %lld)",
                           (long long)row->id); /* cannot happen: sized for max_in_flight */
             struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, row->id) : NULL;
@@ -1258,9 +1377,10 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         obx_error("relay: delivery report for an unknown or finished row");
         return;
     }
-    if (r->set.one_per_key && key &&
-        obx_keycount_remove(&r->busy_keys, obx_keycount_hash(s->topic, key, key_len)) == 0 &&
-        r->key_waits) {
+    /* One record of a key at a time: is its key free now? */
+    uint64_t key_hash = s->key_hash;
+    bool key_free = key_hash && obx_keycount_remove(&r->busy_keys, key_hash) == 0;
+    if (key_free && r->key_waits) {
         r->key_waits = false; /* rows left behind for their key: fetch them now */
         r->want_fetch = true;
     }
@@ -1327,6 +1447,12 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     }
+    /* The key's next row goes once this one is delivered; after any other
+     * outcome this one is fetched again, and its key's later rows after it. */
+    if (key_free && outcome == OBX_DELIVERED)
+        produce_parked(r, key_hash, now);
+    else if (key_free)
+        release_parked_of(r, key_hash);
     kick(r, now);
 }
 
@@ -1349,6 +1475,7 @@ void obx_relay_shutdown(struct obx_relay *r, int64_t now)
     if (r->draining || r->state == OBX_RELAY_STOPPED)
         return;
     r->draining = true;
+    release_all_parked(r); /* not handed to Kafka yet: left for the next start */
     /* The last quarter (at most a second) is kept for the final mark. */
     int64_t reserve = r->set.shutdown_timeout_ms / 4 < 1000 ? r->set.shutdown_timeout_ms / 4 : 1000;
     r->hard_deadline = now + r->set.shutdown_timeout_ms;
@@ -1368,6 +1495,7 @@ void obx_relay_fatal(struct obx_relay *r, const char *reason, int64_t now)
     if (!r->draining)
         r->hard_deadline = now + r->set.shutdown_timeout_ms;
     r->draining = true;
+    release_all_parked(r);
     r->drain_deadline = now;
     r->not_before = 0;
     kick(r, now);

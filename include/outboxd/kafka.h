@@ -66,6 +66,8 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[38
  * payloads above it are not even fetched. */
 int64_t obx_kafka_conf_max_message_bytes(const rd_kafka_conf_t *conf);
 int64_t obx_kafka_max_message_bytes(const struct obx_kafka *k);
+/* The producer's effective message.timeout.ms (0 = for ever). */
+int64_t obx_kafka_message_timeout_ms(const struct obx_kafka *k);
 
 /* Whether a delivery or produce error is final for the record (too large,
  * unknown topic, not authorized...) rather than passing. */

@@ -143,7 +143,10 @@ struct obx_relay_settings {
     int64_t stall_timeout_ms; /* 0 = never report a stall */
     int64_t fetch_max_bytes;  /* payload bytes one fetch may bring */
     int64_t max_payload;      /* the producer's message.max.bytes */
-    bool one_per_key; /* a finite message timeout: one record of a key with Kafka at a time */
+    /* A finite message timeout: librdkafka may time a queued record out while
+     * a later one of its partition is sent after it, so a key has one record
+     * with Kafka at a time and its later rows are parked behind it. */
+    bool one_per_key;
 };
 
 struct obx_relay;

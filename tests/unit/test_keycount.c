@@ -70,6 +70,34 @@ static void test_full(void **state)
     obx_keycount_free(&kc);
 }
 
+/* Parked slots come back in the order they were parked, per key; a key
+ * stays known while it has a record at Kafka or a parked slot. */
+static void test_parked(void **state)
+{
+    (void)state;
+    struct obx_keycount kc;
+    assert_int_equal(obx_keycount_init(&kc, 8), 0);
+    uint64_t a = obx_keycount_hash(0, "a", 1), b = obx_keycount_hash(0, "b", 1);
+    assert_int_equal(obx_keycount_add(&kc, a), 0);
+    assert_int_equal(obx_keycount_park(&kc, a, 3), 0);
+    assert_int_equal(obx_keycount_park(&kc, b, 5), 0); /* b: parked only */
+    assert_int_equal(obx_keycount_park(&kc, a, 1), 0);
+    assert_int_equal(obx_keycount_park(&kc, a, 7), 0);
+    assert_int_equal(obx_keycount_park(&kc, a, 8), -1); /* no such slot */
+    assert_true(obx_keycount_busy(&kc, b));
+    assert_int_equal(obx_keycount_remove(&kc, a), 0);
+    assert_true(obx_keycount_busy(&kc, a)); /* still has parked slots */
+    assert_int_equal(obx_keycount_unpark(&kc, a), 3);
+    assert_int_equal(obx_keycount_unpark(&kc, a), 1);
+    assert_int_equal(obx_keycount_unpark(&kc, a), 7);
+    assert_int_equal(obx_keycount_unpark(&kc, a), -1);
+    assert_false(obx_keycount_busy(&kc, a)); /* nothing left: forgotten */
+    assert_int_equal(obx_keycount_unpark(&kc, b), 5);
+    assert_false(obx_keycount_busy(&kc, b));
+    assert_int_equal(kc.used, 0);
+    obx_keycount_free(&kc);
+}
+
 int main(void)
 {
     use_cmocka_allocator(); /* leaks and double frees fail the test */
@@ -77,6 +105,7 @@ int main(void)
         cmocka_unit_test(test_counts),
         cmocka_unit_test(test_collisions),
         cmocka_unit_test(test_full),
+        cmocka_unit_test(test_parked),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1394,9 +1394,10 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
 
 /* With a finite message timeout (set.one_per_key), a key has one record at
  * Kafka at a time: librdkafka could time an earlier one out while a later
- * one of its partition is sent. A later row of a busy key waits for a fetch
- * after the report, a fetch already on its way is ignored (it may bring the
- * key's rows after the one left), and other keys go on. */
+ * one of its partition is sent. A later row of a busy key is parked (a
+ * fetch on its way too) and goes as soon as the one before is delivered;
+ * other keys go on. If the one before fails, the parked ones go back unsent
+ * and come after it, from a full fetch. */
 static void test_one_record_per_key(void **state)
 {
     struct ctx *c = *state;
@@ -1407,26 +1408,39 @@ static void test_one_record_per_key(void **state)
     ready(c, 0);
     fetched_ids(c, (const int64_t[]){1, 2, 4, 5}, 4, 1); /* 1:k1 2:k2 4:k1 5:k2; full */
     assert_int_equal(c->f.fetches, 2);                   /* the next one went at once */
-    assert_int_equal(c->f.produced, 2);                  /* rows 1 and 2; 4 and 5 wait */
-    assert_int_equal(c->f.produced_ids[0], 1);
-    assert_int_equal(c->f.produced_ids[1], 2);
-    fetched_ids(c, (const int64_t[]){7}, 1, 2); /* 7:k1, sent before 4 was left: ignored */
+    assert_int_equal(c->f.produced, 2);                  /* rows 1 and 2; 4 and 5 parked */
+    fetched_ids(c, (const int64_t[]){7}, 1, 2);          /* 7:k1, parked behind 4 */
     assert_int_equal(c->f.produced, 2);
-    report(c, 0, OBX_DELIVERED, 3); /* row 1: k1 is free */
-    until_fetching(c, 4);
-    assert_int_equal(c->f.after_id, 0); /* a full fetch, which can bring row 4 */
-    assert_false(excluded(c, 4));
-    assert_true(excluded(c, 2)); /* still at Kafka */
-    fetched_ids(c, (const int64_t[]){4, 5, 7}, 3, 5);
-    assert_int_equal(c->f.produced, 3); /* 4 goes; 5 waits for 2, 7 for 4 */
+    report(c, 0, OBX_DELIVERED, 3); /* row 1: row 4 goes at once */
+    assert_int_equal(c->f.produced, 3);
     assert_int_equal(c->f.produced_ids[2], 4);
-    report(c, 1, OBX_DELIVERED, 6); /* row 2 */
-    report(c, 2, OBX_DELIVERED, 6); /* row 4 */
-    until_fetching(c, 7);
-    fetched_ids(c, (const int64_t[]){5, 7}, 2, 8);
-    assert_int_equal(c->f.produced, 5);
+    report(c, 1, OBX_DELIVERED, 4); /* row 2: row 5 */
     assert_int_equal(c->f.produced_ids[3], 5);
-    assert_int_equal(c->f.produced_ids[4], 7);
+    report(c, 2, OBX_DELIVERY_RETRY, 5); /* row 4 not delivered: 7 goes back unsent */
+    assert_int_equal(c->f.produced, 4);
+    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    report(c, 3, OBX_DELIVERED, 6); /* row 5 */
+    until_fetching(c, 600);         /* after the back-off: a full fetch */
+    assert_int_equal(c->f.after_id, 0);
+    assert_false(excluded(c, 4));
+    assert_false(excluded(c, 7));
+    fetched_ids(c, (const int64_t[]){4, 7}, 2, 601);
+    assert_int_equal(c->f.produced, 5); /* 4 again; 7 held back behind it (blocked) */
+    assert_int_equal(c->f.produced_ids[4], 4);
+    report(c, 4, OBX_DELIVERED, 602);
+    until_fetching(c, 603);
+    fetched_ids(c, (const int64_t[]){7}, 1, 604);
+    assert_int_equal(c->f.produced, 6);
+    assert_int_equal(c->f.produced_ids[5], 7);
+    /* A row parked when the relay shuts down stays unsent. */
+    until_fetching(c, 605);
+    fetched_ids(c, (const int64_t[]){10}, 1, 605); /* 10:k1, parked behind 7 */
+    assert_int_equal(c->f.produced, 6);
+    assert_int_equal(obx_relay_in_flight(c->r), 2); /* 7 at Kafka, 10 parked */
+    obx_relay_shutdown(c->r, 606);
+    assert_int_equal(obx_relay_in_flight(c->r), 1); /* 10 back unsent */
+    report(c, 5, OBX_DELIVERED, 607);
+    assert_int_equal(c->f.produced, 6); /* 10 not produced */
 }
 
 #define TESTS(X)                                                                                   \
