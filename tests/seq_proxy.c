@@ -12,7 +12,8 @@
  *   - the same first and last sequence as one of the last 5 stored batches:
  *     a duplicate; answered with that batch's offset, nothing stored again;
  *   - an epoch older than the stored one: INVALID_PRODUCER_EPOCH;
- *   - a new epoch (or a producer id not seen) must start at sequence 0;
+ *   - a new epoch must start at sequence 0 (a producer id with no state
+ *     here starts anywhere, as since Kafka 2.5);
  *   - otherwise the first sequence must follow the last stored one:
  *     OUT_OF_ORDER_SEQUENCE_NUMBER, nothing stored.
  *
@@ -90,6 +91,7 @@ struct sp_conn {
     struct sp_pending *head, *tail;
     bool forwarded; /* a request is with the mock */
     bool dead;
+    bool client_gone; /* the client closed while a request was with the mock */
 };
 
 static struct {
@@ -105,6 +107,7 @@ static struct {
     int rtt[SP_MAX_BROKERS + 1];
     bool paused[SP_MAX_BROKERS + 1];
     int busy[SP_MAX_BROKERS + 1]; /* connections with a request at the mock */
+    unsigned long passes;         /* the thread's loop passes so far */
     unsigned long checked, out_of_order, duplicates, fenced, unchecked;
     int16_t injected[SP_MAX_INJECTED]; /* errors for the next Produce requests */
     int n_injected;
@@ -366,7 +369,8 @@ static bool parse_produce(const struct sp_pending *p, struct produce_req *r, boo
     r->pid = (int64_t)get64(b + 43);
     r->epoch = (int16_t)get16(b + 51);
     r->first_seq = (int32_t)get32(b + 53);
-    r->last_seq = (int32_t)((uint32_t)r->first_seq + get32(b + 23));
+    int64_t last = (int64_t)r->first_seq + (int32_t)get32(b + 23);
+    r->last_seq = (int32_t)(last > INT32_MAX ? last - INT32_MAX - 1 : last); /* wraps to 0 */
     return true;
 }
 
@@ -429,16 +433,17 @@ static bool check_produce(struct sp_pending *p)
                 local = true;
                 counter = &sp.duplicates;
             }
-        if (!local && r.first_seq != (int32_t)((uint32_t)s->last_seq + 1)) {
+        int32_t next = s->last_seq == INT32_MAX ? 0 : s->last_seq + 1; /* wraps to 0 */
+        if (!local && r.first_seq != next) {
             err = ERR_OUT_OF_ORDER_SEQUENCE_NUMBER;
             local = true;
             counter = &sp.out_of_order;
         }
-    } else if (r.first_seq != 0) {
-        err = ERR_OUT_OF_ORDER_SEQUENCE_NUMBER; /* a new producer or epoch starts at 0 */
+    } else if (s->epoch >= 0 && r.first_seq != 0) {
+        err = ERR_OUT_OF_ORDER_SEQUENCE_NUMBER; /* a new epoch starts at 0 */
         local = true;
         counter = &sp.out_of_order;
-    }
+    } /* a producer id with no state here: any sequence (Kafka 2.5 and later) */
     if (!local) {
         p->seq = s;
         p->epoch = r.epoch;
@@ -548,7 +553,12 @@ static void conn_pump(struct sp_conn *c, int64_t now)
 static void conn_read_client(struct sp_conn *c, int64_t now)
 {
     if (buf_read(&c->cin, c->cfd) < 0) {
-        c->dead = true;
+        /* The mock may have stored the request it holds: hear its answer
+         * before closing, so that a resent batch is recognised. */
+        if (c->forwarded)
+            c->client_gone = true;
+        else
+            c->dead = true;
         return;
     }
     size_t n;
@@ -646,8 +656,9 @@ static void *sp_thread(void *arg)
         pfds[0] = (struct pollfd){.fd = sp.wake[0], .events = POLLIN};
         size_t i = 1;
         for (struct sp_conn *c = sp.conns; c; c = c->next) {
-            pfds[i++] = (struct pollfd){
-                .fd = c->cfd, .events = POLLIN | (c->cout.len > c->cout.off ? POLLOUT : 0)};
+            pfds[i++] =
+                (struct pollfd){.fd = c->client_gone ? -1 : c->cfd,
+                                .events = POLLIN | (c->cout.len > c->cout.off ? POLLOUT : 0)};
             pfds[i++] = (struct pollfd){
                 .fd = c->mfd, .events = POLLIN | (c->mout.len > c->mout.off ? POLLOUT : 0)};
         }
@@ -667,6 +678,10 @@ static void *sp_thread(void *arg)
                 conn_read_client(c, now);
             if (!c->dead && (pfds[i + 1].revents & (POLLIN | POLLHUP | POLLERR)))
                 conn_read_mock(c, now);
+            if (c->client_gone) {
+                c->dead = c->dead || !c->forwarded; /* answered, or the mock closed too */
+                continue;
+            }
             if (!c->dead)
                 conn_pump(c, now);
             if (!c->dead && buf_write(&c->mout, c->mfd) < 0)
@@ -689,6 +704,7 @@ static void *sp_thread(void *arg)
         }
         pthread_mutex_lock(&sp.mu);
         memcpy(sp.busy, busy, sizeof(busy));
+        sp.passes++;
         pthread_cond_broadcast(&sp.cv);
         pthread_mutex_unlock(&sp.mu);
     }
@@ -785,12 +801,17 @@ void sp_pause(int32_t broker)
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 2;
     pthread_mutex_lock(&sp.mu);
+    /* A pass that was under way may have forwarded a request before it saw
+     * the pause, and published its count after: only a pass that started
+     * after the pause counts (two passes from now). */
+    unsigned long first = sp.passes + 2;
     for (;;) {
         int busy = 0;
         for (int id = 0; id <= sp.nbrokers; id++)
             if (broker < 0 || broker == id)
                 busy += sp.busy[id];
-        if (busy == 0 || pthread_cond_timedwait(&sp.cv, &sp.mu, &until) == ETIMEDOUT)
+        if ((busy == 0 && sp.passes >= first) ||
+            pthread_cond_timedwait(&sp.cv, &sp.mu, &until) == ETIMEDOUT)
             break;
     }
     pthread_mutex_unlock(&sp.mu);

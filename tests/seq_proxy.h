@@ -40,7 +40,10 @@ void sp_resume(int32_t broker);
 /* Errors for the next Produce requests, one each, in order, as a broker
  * gives them: REQUEST_TIMED_OUT and NOT_ENOUGH_REPLICAS_AFTER_APPEND after
  * storing the batch (replication did not finish), any other before
- * (nothing stored). -1 when more than 64 would wait. */
+ * (nothing stored). Each is used by the next request whatever becomes of
+ * it: an after-append error does nothing to a batch answered as a
+ * duplicate or refused out of sequence (a broker appends neither). -1 when
+ * more than 64 would wait. */
 int sp_push_produce_errors(const int16_t *errs, int n);
 void sp_clear_produce_errors(void);
 
