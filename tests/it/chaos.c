@@ -371,7 +371,8 @@ struct run {
     /* Windows the README names in which duplicates are expected. */
     bool zombie_window;     /* a relay frozen while its session ended, with another to take over */
     struct h_seq_stats seq; /* the broker's sequence checks, at the end */
-    long timed_out;         /* records the relays' producers timed out (slow-acks) */
+    long timed_out;         /* relay log lines of records timed out (slow-acks; the
+                             * possibly-persisted ones are logged one a second) */
     int64_t timeline_t0;    /* when the faults' clock started */
     char findings[8][512];
     int n_findings;
@@ -1209,14 +1210,15 @@ static void test_chaos(void **state)
         t.dups_zombie += run.duplicates; /* any other duplicate is a finding */
         t.seq_out_of_order += run.seq.out_of_order;
         t.seq_duplicates += run.seq.duplicates;
-        fprintf(stderr,
-                "chaos: seed %llu: %d relays, %d faults, %zu rows committed (%zu uncertain), "
-                "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld timed "
-                "out; broker refused %lu batches out of sequence, recognised %lu resent -> %s\n",
-                (unsigned long long)run.s.seed, run.s.n_relays, run.s.n_faults, run.committed,
-                run.uncertain, run.rolled_back, run.dead, run.records, run.duplicates,
-                run.zombie_window ? " [zombie window]" : "", run.timed_out, run.seq.out_of_order,
-                run.seq.duplicates, run.n_findings ? "FINDINGS" : "ok");
+        fprintf(
+            stderr,
+            "chaos: seed %llu: %d relays, %d faults, %zu rows committed (%zu uncertain), "
+            "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld time-out "
+            "reports; broker refused %lu batches out of sequence, recognised %lu resent -> %s\n",
+            (unsigned long long)run.s.seed, run.s.n_relays, run.s.n_faults, run.committed,
+            run.uncertain, run.rolled_back, run.dead, run.records, run.duplicates,
+            run.zombie_window ? " [zombie window]" : "", run.timed_out, run.seq.out_of_order,
+            run.seq.duplicates, run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
         if (run.n_findings) {
             t.failed++;
@@ -1254,12 +1256,13 @@ static void test_chaos(void **state)
     for (int f = 0; f < F_COUNT; f++)
         if (t.faults[f])
             fprintf(stderr, " %s %u", fault_names[f], t.faults[f]);
-    fprintf(stderr,
-            "\nchaos: %zu rows committed, %zu rolled back, %zu dead-lettered, %zu records; "
-            "duplicates: %zu, all in zombie windows; %ld records timed out; the broker refused "
-            "%lu batches out of sequence and recognised %lu resent ones\n",
-            t.committed, t.rolled_back, t.dead, t.records, t.dups_zombie, t.timed_out,
-            t.seq_out_of_order, t.seq_duplicates);
+    fprintf(
+        stderr,
+        "\nchaos: %zu rows committed, %zu rolled back, %zu dead-lettered, %zu records; "
+        "duplicates: %zu, all in zombie windows; %ld time-out reports logged; the broker refused "
+        "%lu batches out of sequence and recognised %lu resent ones\n",
+        t.committed, t.rolled_back, t.dead, t.records, t.dups_zombie, t.timed_out,
+        t.seq_out_of_order, t.seq_duplicates);
     if (t.failed)
         fail_msg("chaos: %d of %d schedules had findings (seeds above)", t.failed, t.schedules);
 }
