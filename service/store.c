@@ -429,7 +429,10 @@ const char *obx_store_sql_oldest_xmin(void)
            "       left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), 60)"
            " FROM pg_stat_activity"
            " WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()"
-           " ORDER BY age(backend_xmin) DESC LIMIT 1";
+           /* Of equal horizons, the longest-open transaction: a relay's
+            * fetch of a moment ago shares a report's xmin when no writer
+            * ran in between, and the report is the one that holds it. */
+           " ORDER BY age(backend_xmin) DESC, xact_start ASC NULLS LAST LIMIT 1";
 }
 
 const char *obx_store_sql_oldest_slot(void)
