@@ -1178,10 +1178,10 @@ static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, c
              "SELECT coalesce(age(backend_xmin), 0) FROM pg_stat_activity WHERE pid = %d",
              PQbackendPID(h));
     long long xmin_age = query_int(f, sql);
-    long long dead = query_int(f, "SELECT n_dead_tup FROM pg_stat_user_tables"
-                                  " WHERE relid = 'outbox.events'::regclass");
-    long long live = query_int(f, "SELECT n_live_tup FROM pg_stat_user_tables"
-                                  " WHERE relid = 'outbox.events'::regclass");
+    long long dead = query_int(f, "SELECT sum(n_dead_tup) FROM pg_stat_user_tables"
+                                  " WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS);
+    long long live = query_int(f, "SELECT sum(n_live_tup) FROM pg_stat_user_tables"
+                                  " WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS);
     long long bytes = query_int(f, "SELECT pg_total_relation_size('outbox.events')");
     PQfinish(f);
     if (hold)

@@ -82,6 +82,10 @@ static const struct key_def keys[] = {
      NULL, 0, "how often a retention round starts"},
     {"retention.batch_size", KEY_INT, OFF(retention_batch), "1000", 1, 100000, NULL, 0,
      "most rows one retention DELETE looks at (each batch is its own short transaction)"},
+    {"retention.partition_rows", KEY_INT, OFF(partition_rows), "1000000", 1000, 1000000000, NULL, 0,
+     "ids per partition of outbox.events; the relay keeps two partitions ahead of the ids "
+     "(log mode drops or empties a whole partition once every row in it is published and "
+     "older than retention.period)"},
     {"recovery.chunk_records", KEY_INT, OFF(recovery_chunk_records), "200000", 100, 10000000, NULL,
      0,
      "records the recovery pass reads (or 5 s of reading) before it stores its progress in "

@@ -23,16 +23,18 @@ struct obx_maint {
     int64_t retention_ms; /* 0 = off (or delete mode) */
     int64_t retention_interval_ms;
     int retention_batch;
+    int partition_rows;
 
     bool with_stats; /* count the backlog (for /metrics) */
     bool busy;
     bool closing;
     atomic_bool stop; /* read by the worker between statements */
-    int64_t stats_due, purge_due;
+    int64_t stats_due, purge_due, parts_due;
     int64_t stats_spacing_ms;
 
     /* The job: inputs set on the loop thread, outputs by the worker. */
-    bool job_stats, job_purge;
+    bool job_stats, job_purge, job_parts;
+    int64_t parts_made;
     PGconn *conn; /* used only by the worker (and freed after the last job) */
     uv_mutex_t cancel_lock;
     PGcancel *cancel; /* for conn; lets close() interrupt a long statement */
@@ -71,6 +73,7 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->retention_ms = cfg->on_sent == OBX_ON_SENT_MARK ? cfg->retention_ms : 0;
     m->retention_interval_ms = cfg->retention_interval_ms;
     m->retention_batch = cfg->retention_batch;
+    m->partition_rows = cfg->partition_rows;
     m->stats_spacing_ms = OBX_MAINT_STATS_MS;
     count_from_start(m);
     m->with_stats = with_stats;
@@ -204,13 +207,32 @@ static void run_purge(struct obx_maint *m)
     }
 }
 
+/* Partitions ahead of the ids. An error is logged and tried again at the
+ * next round: meanwhile rows land in the DEFAULT partition, never refused. */
+static void run_partitions(struct obx_maint *m)
+{
+    char rows[24], ahead[8];
+    snprintf(rows, sizeof(rows), "%d", m->partition_rows);
+    snprintf(ahead, sizeof(ahead), "%d", OBX_STORE_PARTITIONS_AHEAD);
+    const char *params[] = {rows, ahead};
+    PGresult *res =
+        PQexecParams(m->conn, OBX_STORE_SQL_UPKEEP_PARTITIONS, 2, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
+        set_error(m, "partition upkeep failed");
+    else
+        m->parts_made = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+}
+
 /* Worker thread: only the job's fields and m->conn are touched here. */
 static void work_cb(uv_work_t *w)
 {
     struct obx_maint *m = w->data;
     if (!connect_if_needed(m))
         return;
-    if (m->job_stats)
+    if (m->job_parts)
+        run_partitions(m);
+    if (m->job_stats && !m->error[0])
         run_stats(m);
     if (m->job_purge && !m->error[0])
         run_purge(m);
@@ -251,11 +273,19 @@ static void after_work_cb(uv_work_t *w, int status)
         m->stats_due = now + m->stats_spacing_ms;
         if (m->job_purge)
             m->purge_due = now + m->retention_interval_ms;
+        if (m->job_parts)
+            m->parts_due = now + OBX_MAINT_PARTITIONS_MS;
         return;
     }
     if (m->last_error[0]) {
         obx_info("maintenance: working again");
         m->last_error[0] = '\0';
+    }
+    if (m->job_parts) {
+        if (m->parts_made > 0)
+            obx_info("partitions: created %lld of outbox.events (%d ids each) ahead of its ids",
+                     (long long)m->parts_made, m->partition_rows);
+        m->parts_due = now + OBX_MAINT_PARTITIONS_MS;
     }
     if (m->job_stats) {
         m->backlog = m->backlog_out;
@@ -288,10 +318,11 @@ void obx_maint_tick(struct obx_maint *m, int64_t now)
         return;
     m->job_stats = m->with_stats && now >= m->stats_due;
     m->job_purge = m->retention_ms > 0 && now >= m->purge_due;
-    if (!m->job_stats && !m->job_purge)
+    m->job_parts = now >= m->parts_due;
+    if (!m->job_stats && !m->job_purge && !m->job_parts)
         return;
     m->error[0] = '\0';
-    m->purged = m->batches = 0;
+    m->purged = m->batches = m->parts_made = 0;
     m->round_done = false;
     if (uv_queue_work(m->loop, &m->work, work_cb, after_work_cb) == 0)
         m->busy = true;

@@ -18,6 +18,7 @@ static const char *const migrations[] = {
     [4] = "sql/004_fetch_cursor.sql",
     [5] = "sql/005_no_notify.sql",
     [6] = "sql/006_writer_xid.sql",
+    [7] = "sql/007_partitions.sql",
 };
 /* clang-format on */
 _Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
@@ -444,9 +445,10 @@ const char *obx_store_sql_oldest_slot(void)
 /* clang-format off */
 const char *obx_store_sql_events_tuples(void)
 {
-    return "SELECT n_live_tup, n_dead_tup,"
-           "       coalesce(" UTC("greatest(last_autovacuum, last_vacuum)") ", 'never')"
-           " FROM pg_stat_user_tables WHERE relid = 'outbox.events'::regclass";
+    /* Summed over the partitions; the oldest partition's last vacuum. */
+    return "SELECT coalesce(sum(n_live_tup), 0), coalesce(sum(n_dead_tup), 0),"
+           "       coalesce(" UTC("min(greatest(last_autovacuum, last_vacuum))") ", 'never')"
+           " FROM pg_stat_user_tables WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS;
 }
 /* clang-format on */
 

@@ -60,6 +60,7 @@ struct obx_config {
     int64_t retention_ms; /* 0 = keep sent rows */
     int64_t retention_interval_ms;
     int retention_batch;
+    int partition_rows; /* ids per partition of outbox.events */
     int recovery_chunk_records;
 
     char *http_listen; /* owned; "" = no HTTP endpoints */

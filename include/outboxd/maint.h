@@ -27,6 +27,10 @@
 /* Backlog refresh: at least this often apart, and at least 20 times as long
  * as the last count took, so counting stays a small share of the server. */
 #define OBX_MAINT_STATS_MS 5000
+/* How often the partitions ahead of the ids are looked after: at 100,000
+ * rows a second, a partition of a million ids lasts 10 s, and two are kept
+ * ahead. */
+#define OBX_MAINT_PARTITIONS_MS 2000
 /* Batches per job before yielding to let the next stats job run. */
 #define OBX_MAINT_BATCHES_PER_JOB 50
 

@@ -12,7 +12,7 @@
 #include <stddef.h>
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 6
+#define OBX_SCHEMA_VERSION 7
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -57,6 +57,10 @@
  * replication) this one's, so the keyset fetch does not take them for late
  * commits for ever (sql/006). One row: how many. */
 #define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
+/* The partitions of outbox.events, as a parenthesised list of oids (for
+ * "relid IN"): statistics are kept per partition, none for the parent. */
+#define OBX_STORE_SQL_EVENTS_PARTITIONS                                                            \
+    "(SELECT relid FROM pg_partition_tree('outbox.events') WHERE isleaf)"
 /* One row, one column: 't' if the schema exists at all. */
 #define OBX_STORE_SQL_HAS_SCHEMA "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL"
 
@@ -119,6 +123,12 @@ const char *obx_store_sql_backlog(void);
  * store.c); parameters floor, xmin; columns: unsent, age, next floor, next
  * xmin. The first count passes the lowest bigint and xmin 0. */
 const char *obx_store_sql_backlog_since(void);
+
+/* Partitions of outbox.events ahead of the ids: $1 ids per partition, $2
+ * partitions ahead. One row: how many were created. */
+#define OBX_STORE_SQL_UPKEEP_PARTITIONS "SELECT outbox.upkeep_partitions($1::bigint, $2::int)"
+/* How many partitions the upkeep keeps ahead of the last id drawn. */
+#define OBX_STORE_PARTITIONS_AHEAD 2
 
 /* Unsent rows per topic (for --check): topic, count. */
 const char *obx_store_sql_waiting(void);
