@@ -32,7 +32,7 @@ struct key_def {
     const char *help;
 };
 
-static const char *const on_sent_choices[] = {"mark", "delete", NULL};
+static const char *const on_sent_choices[] = {"mark", "delete", "log", NULL};
 static const char *const record_format_choices[] = {"plain", "cloudevents", NULL};
 static const char *const on_reject_choices[] = {"retry", "dead_letter", NULL};
 static const char *const level_choices[] = {"error", "warn", "info", "debug", NULL};
@@ -53,7 +53,9 @@ static const struct key_def keys[] = {
     {"kafka.bootstrap.servers", KEY_KAFKA, 0, NULL, 0, 0, NULL, KEY_REQUIRED,
      "Kafka brokers, host:port[,host:port...]; every other kafka.* key goes to librdkafka"},
     {"relay.on_sent", KEY_ENUM, OFF(on_sent), "mark", 0, 0, on_sent_choices, 0,
-     "what happens to a row once Kafka acknowledged it: mark (set sent_at) or delete"},
+     "what happens to a row once Kafka acknowledged it: mark (set sent_at), delete, or log "
+     "(nothing per row: a cursor row per acknowledged batch, and space reclaimed a whole "
+     "partition at a time; see doc/operations.md)"},
     {"relay.on_reject", KEY_ENUM, OFF(on_reject), "retry", 0, 0, on_reject_choices, 0,
      "a row Kafka refuses for good: retry (its key waits) or dead_letter (moved to "
      "outbox.dead_letters with the reason)"},

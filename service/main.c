@@ -219,6 +219,12 @@ static void recovery_done(bool ok, void *arg)
     obx_relay_on_recovered(a->relay, ok, (int64_t)uv_now(&a->loop));
 }
 
+static int recovery_log_state(const struct obx_log_state *st, void *arg)
+{
+    struct app *a = arg;
+    return obx_relay_on_log_state(a->relay, st);
+}
+
 /* ---- kafka events ---- */
 
 static void kafka_delivery(void *opaque, enum obx_delivery outcome, int32_t partition,
@@ -520,7 +526,8 @@ static int start(struct app *a)
     static const struct obx_pg_callbacks pg_cb = {.ready = pg_ready, .lost = pg_lost};
     static const struct obx_kafka_callbacks kafka_cb = {.delivery = kafka_delivery,
                                                         .fatal = kafka_fatal};
-    static const struct obx_recovery_callbacks recovery_cb = {.done = recovery_done};
+    static const struct obx_recovery_callbacks recovery_cb = {.done = recovery_done,
+                                                              .log_state = recovery_log_state};
     struct obx_relay_settings rs;
     char err[512];
 
@@ -582,7 +589,9 @@ static int start(struct app *a)
     a->next_probe = (int64_t)uv_now(&a->loop) + KAFKA_PROBE_MS;
     obx_info("outboxd %s starting: batch %d, max in flight %d, on_sent=%s", OBX_VERSION,
              a->cfg.batch_size, a->cfg.max_in_flight,
-             a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark");
+             a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete"
+             : a->cfg.on_sent == OBX_ON_SENT_LOG  ? "log"
+                                                  : "mark");
     obx_pg_start(a->pg);
     if (a->early_fatal[0]) /* now that every part exists, as for an early signal */
         obx_relay_fatal(a->relay, a->early_fatal, (int64_t)uv_now(&a->loop));

@@ -68,8 +68,9 @@ struct obx_pg {
 
     struct obx_row *rows; /* batch_size rows, decoded from each fetch */
     int max_rows;
-    struct obx_pg_array params[10]; /* reused parameter buffers */
-    const char *param_values[6];    /* must outlive a wrapped transaction's BEGIN */
+    struct obx_pg_array params[10];    /* reused parameter buffers */
+    const char *param_values[13];      /* must outlive a wrapped transaction's BEGIN */
+    char batch_text[24], hwm_text[24]; /* log mode's cursor row */
     char limit_text[16];
     char max_bytes_text[24], after_text[24];
     char mark_sql[2048];
@@ -842,6 +843,8 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     }
     obx_store_sql_mark(cfg->on_sent, pg->mark_sql, sizeof(pg->mark_sql));
     obx_store_sql_mark_plain(cfg->on_sent, pg->mark_plain_sql, sizeof(pg->mark_plain_sql));
+    if (cfg->on_sent == OBX_ON_SENT_LOG) /* the cursor row is log mode's mark */
+        snprintf(pg->mark_sql, sizeof(pg->mark_sql), "%s", obx_store_sql_log_write());
     obx_store_sql_mark_fetch(cfg->on_sent, pg->mark_fetch_sql, sizeof(pg->mark_fetch_sql));
     uv_timer_init(loop, &pg->timer);
     uv_timer_init(loop, &pg->deferred);
@@ -1048,15 +1051,51 @@ static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyse
     return 0;
 }
 
+/* Log mode's held keys into values[0..3] (arrays params[first ..]). */
+static int held_params(struct obx_pg *pg, const struct obx_log_held *held, size_t n_held,
+                       const int64_t *also, size_t n_also, int first, const char **values)
+{
+    struct obx_pg_array *a = pg->params + first;
+    for (int k = 0; k < 4; k++)
+        obx_pg_array_reset(&a[k]);
+    for (size_t i = 0; i < n_held; i++) {
+        obx_pg_array_add_text(&a[0], held[i].topic, strlen(held[i].topic));
+        obx_pg_array_add_text(&a[1], held[i].key, held[i].key_len); /* NULL: the row alone */
+        obx_pg_array_add_int(&a[2], held[i].from_id);
+    }
+    for (size_t i = 0; i < n_also; i++)
+        obx_pg_array_add_int(&a[3], also[i]);
+    for (int k = 0; k < 4; k++)
+        if (!(values[k] = obx_pg_array_finish(&a[k])))
+            return -1;
+    return 0;
+}
+
 int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
 {
-    const char *values[7];
+    const char *values[11];
     bool keyset = f->keyset && f->snapshot;
     if (fetch_params(pg, f, keyset, values) != 0)
         return -1;
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
     if (keyset)
         return start_prepared(pg, &req, STMT_FETCH_KEYSET, 7, values, 1);
+    if (f->log) {
+        /* From the stored cursor: its hwm and snapshot as the keyset's. */
+        snprintf(pg->after_text, sizeof(pg->after_text), "%lld", (long long)f->after_id);
+        const char *in_flight = values[0];
+        values[0] = pg->after_text;
+        values[6] = f->snapshot;
+        const char *sql =
+            held_params(pg, f->held, f->n_held, f->also_sent, f->n_also, 4, values + 7) == 0
+                ? obx_store_sql_fetch_log(&pg->fetch_sql, in_flight)
+                : NULL;
+        if (!sql) {
+            obx_error("postgres: out of memory building the fetch");
+            return -1;
+        }
+        return start_statement(pg, &req, false, sql, 11, values, 1);
+    }
     const char *sql = obx_store_sql_fetch(&pg->fetch_sql, values[0]);
     if (!sql) {
         obx_error("postgres: out of memory building the fetch");
@@ -1108,10 +1147,57 @@ int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const st
     return start_prepared(pg, &req, STMT_MARK_FETCH, 11, values, 1);
 }
 
+/* Log mode's cursor row (obx_store_sql_log_write's parameters). */
+static int send_log_write(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done,
+                          void *arg)
+{
+    const char **values = pg->param_values;
+    struct obx_pg_array *a = pg->params;
+    snprintf(pg->batch_text, sizeof(pg->batch_text), "%lld", (long long)m->batch);
+    snprintf(pg->hwm_text, sizeof(pg->hwm_text), "%lld", (long long)m->hwm);
+    values[0] = pg->batch_text;
+    values[1] = pg->hwm_text;
+    values[2] = m->snapshot;
+    if (held_params(pg, m->held, m->n_held, m->also_sent, m->n_also, 0, values + 3) != 0) {
+        obx_error("postgres: out of memory building the cursor row");
+        return -1;
+    }
+    for (int k = 4; k < 9; k++)
+        obx_pg_array_reset(&a[k]);
+    for (size_t i = 0; i < m->n_offsets; i++) {
+        obx_pg_array_add_text(&a[4], m->topics[i], strlen(m->topics[i]));
+        obx_pg_array_add_int(&a[5], m->partitions[i]);
+        obx_pg_array_add_int(&a[6], m->offsets[i]);
+    }
+    for (size_t i = 0; i < m->n_dead; i++) {
+        obx_pg_array_add_int(&a[7], m->dead_ids[i]);
+        obx_pg_array_add_text(&a[8], m->dead_reasons[i], strlen(m->dead_reasons[i]));
+    }
+    values[7] = obx_pg_array_finish(&a[4]);
+    values[8] = obx_pg_array_finish(&a[5]);
+    values[9] = obx_pg_array_finish(&a[6]);
+    values[10] = m->restart ? "true" : "false";
+    values[11] = obx_pg_array_finish(&a[7]);
+    values[12] = obx_pg_array_finish(&a[8]);
+    for (int k = 7; k < 13; k++) {
+        if (!values[k]) {
+            obx_error("postgres: out of memory building the cursor row");
+            return -1;
+        }
+    }
+    if (!obx_failpoints_active.armed) {
+        struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
+        return start_prepared(pg, &req, STMT_MARK, 13, values, 0);
+    }
+    return obx_pg_send_tx(pg, pg->mark_sql, 13, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
+}
+
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
 {
     const char **values = pg->param_values;
     struct obx_pg_array *a = pg->params;
+    if (m->log)
+        return send_log_write(pg, m, done, arg);
     if (mark_params(pg, m, 0, values) != 0)
         return -1;
     for (int k = 4; k < 6; k++)

@@ -7,6 +7,7 @@
 #include "outboxd/kafka.h"
 #include "outboxd/metrics.h"
 #include "outboxd/log.h"
+#include "outboxd/relay.h"
 #include "outboxd/store.h"
 
 #include <stdatomic.h>
@@ -65,6 +66,26 @@ struct found {
     size_t key_len;
     bool tombstone;
     char digest[65];
+    int32_t partition; /* where it was read (log mode hands it to the relay) */
+    int64_t offset;
+};
+
+/* Log mode: what the stored cursor says, as read at the pass's start, and
+ * the records found for rows it does not cover (all owned). */
+struct log_read {
+    bool has_cursor;
+    int64_t batch, hwm;
+    char *snap;
+    struct obx_log_held *held;
+    size_t n_held;
+    int64_t *also;
+    size_t n_also;
+    char **off_topics;
+    int32_t *off_partitions;
+    int64_t *off_offsets;
+    size_t n_off;
+    struct obx_log_found *found;
+    size_t n_found, cap_found;
 };
 
 struct obx_recovery {
@@ -95,6 +116,9 @@ struct obx_recovery {
     int64_t last_log;
     atomic_uint_fast64_t progress; /* written by the worker and the loop */
     char error[512];
+
+    bool log_mode;       /* relay.on_sent = log: nothing is written */
+    struct log_read log; /* log mode */
 
     char sql[2048];
     struct obx_pg_array params[NPARAMS];
@@ -179,8 +203,27 @@ static void clear_found(struct obx_recovery *rec)
     rec->n_found = rec->cap_found = 0;
 }
 
+static void clear_log(struct log_read *l)
+{
+    obx_free(l->snap);
+    for (size_t i = 0; i < l->n_held; i++) {
+        obx_free((char *)l->held[i].topic);
+        obx_free((char *)l->held[i].key);
+    }
+    obx_free(l->held);
+    obx_free(l->also);
+    for (size_t i = 0; i < l->n_off; i++)
+        obx_free(l->off_topics[i]);
+    obx_free(l->off_topics);
+    obx_free(l->off_partitions);
+    obx_free(l->off_offsets);
+    obx_free(l->found);
+    memset(l, 0, sizeof(*l));
+}
+
 static void clear_pass(struct obx_recovery *rec)
 {
+    clear_log(&rec->log);
     for (size_t i = 0; i < rec->n_topics; i++)
         obx_free(rec->topics[i]);
     obx_free(rec->topics);
@@ -207,6 +250,7 @@ int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_p
     rec->cb = *cb;
     rec->arg = arg;
     rec->work.data = rec;
+    rec->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
     obx_store_sql_recover(cfg->on_sent, rec->sql, sizeof(rec->sql));
     *out = rec;
     return 0;
@@ -214,6 +258,8 @@ int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_p
 
 static void on_plan_result(void *arg, const PGresult *res, const char *error);
 static void on_mark_result(void *arg, const PGresult *res, const char *error);
+static void on_state_result(void *arg, const PGresult *res, const char *error);
+static void on_match_result(void *arg, const PGresult *res, const char *error);
 
 int obx_recovery_start(struct obx_recovery *rec)
 {
@@ -224,8 +270,13 @@ int obx_recovery_start(struct obx_recovery *rec)
     rec->parts_left = 0;
     rec->aborted = false;
     atomic_store(&rec->cancel, false);
-    if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result, rec) != 0)
+    if (rec->log_mode) { /* the stored cursor first, then the plan */
+        if (obx_pg_send(rec->pg, obx_store_sql_log_state(), 0, NULL, 0, on_state_result, rec) != 0)
+            return -1;
+    } else if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result,
+                           rec) != 0) {
         return -1;
+    }
     set_step(rec, STEP_PLAN, "plan sent");
     return 0;
 }
@@ -238,6 +289,29 @@ uint64_t obx_recovery_progress(const struct obx_recovery *rec)
 static void finish(struct obx_recovery *rec, bool ok)
 {
     set_step(rec, STEP_IDLE, ok ? "pass done" : "pass failed");
+    if (ok && rec->log_mode) {
+        const struct log_read *l = &rec->log;
+        struct obx_log_state st = {
+            .has_cursor = l->has_cursor,
+            .batch = l->batch,
+            .hwm = l->hwm,
+            .snapshot = l->snap,
+            .held = l->held,
+            .n_held = l->n_held,
+            .also_sent = l->also,
+            .n_also = l->n_also,
+            .off_topics = (const char *const *)l->off_topics,
+            .off_partitions = l->off_partitions,
+            .off_offsets = l->off_offsets,
+            .n_off = l->n_off,
+            .found = l->found,
+            .n_found = l->n_found,
+        };
+        if (rec->cb.log_state(&st, rec->arg) != 0) {
+            obx_error("recovery: out of memory taking the stored cursor");
+            ok = false;
+        }
+    }
     clear_pass(rec);
     rec->cb.done(ok, rec->arg);
 }
@@ -294,6 +368,8 @@ static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int 
     memset(f, 0, sizeof(*f));
     f->id = id;
     f->topic = topic;
+    f->partition = m->partition;
+    f->offset = m->offset;
     if (m->key) {
         f->key = obx_malloc(m->key_len ? m->key_len : 1);
         if (!f->key)
@@ -573,6 +649,43 @@ static void send_mark(struct obx_recovery *rec)
     set_step(rec, STEP_MARK, "chunk's mark sent");
 }
 
+/* Log mode: which of the records found are of rows the stored cursor does
+ * not cover (nothing is written). */
+static void send_match(struct obx_recovery *rec)
+{
+    struct obx_pg_array *a = rec->params;
+    for (int k = 0; k < 4; k++)
+        obx_pg_array_reset(&a[k]);
+    for (size_t i = 0; i < rec->n_found; i++) {
+        const struct found *f = &rec->found[i];
+        const char *topic = rec->topics[f->topic];
+        obx_pg_array_add_int(&a[0], f->id);
+        obx_pg_array_add_text(&a[1], topic, strlen(topic));
+        obx_pg_array_add_text(&a[2], f->key, f->key_len);
+        obx_pg_array_add_text(&a[3], f->tombstone ? NULL : f->digest, 64);
+    }
+    for (size_t i = 0; i < rec->n_parts; i++) { /* read up to here */
+        struct part *p = &rec->parts[i];
+        int64_t upto = p->done ? p->end - 1 : p->next - 1;
+        if (upto > p->stored)
+            p->stored = upto;
+    }
+    for (int k = 0; k < 4; k++) {
+        rec->values[k] = obx_pg_array_finish(&a[k]);
+        if (!rec->values[k]) {
+            obx_error("recovery: out of memory building the recovery match");
+            finish(rec, false);
+            return;
+        }
+    }
+    if (obx_pg_send(rec->pg, obx_store_sql_log_recover(), 4, rec->values, 0, on_match_result,
+                    rec) != 0) {
+        finish(rec, false);
+        return;
+    }
+    set_step(rec, STEP_MARK, "chunk's match sent");
+}
+
 static void start_chunk(struct obx_recovery *rec);
 
 static void free_recovery(struct obx_recovery *rec)
@@ -605,7 +718,10 @@ static void scan_done(uv_work_t *w, int status)
         finish(rec, false);
         return;
     }
-    send_mark(rec);
+    if (rec->log_mode)
+        send_match(rec);
+    else
+        send_mark(rec);
 }
 
 /* Reads the next chunk in the thread pool. */
@@ -667,6 +783,132 @@ static void on_plan_result(void *arg, const PGresult *res, const char *error)
     } else {
         on_plan(rec, res);
     }
+}
+
+/* The stored cursor, a kind per row (store.c, obx_store_sql_log_state). */
+static int read_log_state(struct log_read *l, const PGresult *res)
+{
+    int n = PQntuples(res);
+    size_t n_held = 0, n_also = 0, n_off = 0;
+    for (int i = 0; i < n; i++) {
+        char kind = PQgetvalue(res, i, 0)[0];
+        n_held += kind == 'h';
+        n_also += kind == 'a';
+        n_off += kind == 'o';
+    }
+    if ((n_held && !(l->held = obx_calloc(n_held, sizeof(*l->held)))) ||
+        (n_also && !(l->also = obx_calloc(n_also, sizeof(*l->also)))) ||
+        (n_off && (!(l->off_topics = obx_calloc(n_off, sizeof(*l->off_topics))) ||
+                   !(l->off_partitions = obx_calloc(n_off, sizeof(*l->off_partitions))) ||
+                   !(l->off_offsets = obx_calloc(n_off, sizeof(*l->off_offsets))))))
+        return -1;
+    for (int i = 0; i < n; i++) {
+        const char *a = PQgetvalue(res, i, 1), *b = PQgetvalue(res, i, 2),
+                   *c = PQgetvalue(res, i, 3);
+        switch (PQgetvalue(res, i, 0)[0]) {
+        case 'c':
+            l->has_cursor = true;
+            l->batch = strtoll(a, NULL, 10);
+            l->hwm = strtoll(b, NULL, 10);
+            if (!(l->snap = obx_strdup(c)))
+                return -1;
+            break;
+        case 'h': {
+            struct obx_log_held *h = &l->held[l->n_held++];
+            bool keyless = PQgetisnull(res, i, 2);
+            h->from_id = strtoll(c, NULL, 10);
+            h->key_len = keyless ? 0 : (size_t)PQgetlength(res, i, 2);
+            if (!(h->topic = obx_strdup(a)) || (!keyless && !(h->key = obx_malloc(h->key_len + 1))))
+                return -1;
+            if (!keyless)
+                memcpy((char *)h->key, b, h->key_len + 1);
+            break;
+        }
+        case 'a':
+            l->also[l->n_also++] = strtoll(a, NULL, 10);
+            break;
+        case 'o':
+            if (!(l->off_topics[l->n_off] = obx_strdup(a)))
+                return -1;
+            l->off_partitions[l->n_off] = (int32_t)strtol(b, NULL, 10);
+            l->off_offsets[l->n_off++] = strtoll(c, NULL, 10);
+            break;
+        default:
+            break;
+        }
+    }
+    return 0;
+}
+
+static void on_state_result(void *arg, const PGresult *res, const char *error)
+{
+    struct obx_recovery *rec = arg;
+    OBX_ASSERT(rec->step == STEP_PLAN, "recovery: state answered in step %d", (int)rec->step);
+    if (error) {
+        obx_warn("recovery: reading the stored cursor failed: %s", error);
+        finish(rec, false);
+        return;
+    }
+    if (read_log_state(&rec->log, res) != 0) {
+        obx_error("recovery: out of memory reading the stored cursor");
+        finish(rec, false);
+        return;
+    }
+    if (obx_pg_send(rec->pg, obx_store_sql_log_recovery_plan(), 0, NULL, 0, on_plan_result, rec) !=
+        0)
+        finish(rec, false);
+}
+
+/* Log mode: a chunk's records matched; keep those of uncovered rows. */
+static void on_match_result(void *arg, const PGresult *res, const char *error)
+{
+    struct obx_recovery *rec = arg;
+    struct log_read *l = &rec->log;
+    OBX_ASSERT(rec->step == STEP_MARK, "recovery: match answered in step %d", (int)rec->step);
+    if (error) {
+        obx_warn("recovery: matching the records found failed: %s", error);
+        finish(rec, false);
+        return;
+    }
+    int n = PQntuples(res);
+    for (int i = 0; i < n; i++) {
+        int64_t id = strtoll(PQgetvalue(res, i, 0), NULL, 10);
+        for (size_t j = 0; j < rec->n_found; j++) {
+            const struct found *f = &rec->found[j];
+            if (f->id != id)
+                continue;
+            if (l->n_found == l->cap_found) {
+                size_t cap = l->cap_found ? l->cap_found * 2 : 64;
+                struct obx_log_found *g = obx_realloc(l->found, cap * sizeof(*g));
+                if (!g) {
+                    obx_error("recovery: out of memory keeping the records found");
+                    finish(rec, false);
+                    return;
+                }
+                l->found = g;
+                l->cap_found = cap;
+            }
+            l->found[l->n_found++] =
+                (struct obx_log_found){id, rec->topics[f->topic], f->partition, f->offset};
+            break; /* the first record of a row: a later one is a duplicate */
+        }
+    }
+    rec->confirmed += (uint64_t)n;
+    rec->rows_recovered += (uint64_t)n;
+    size_t left = 0;
+    for (size_t i = 0; i < rec->n_parts; i++)
+        left += !rec->parts[i].done;
+    rec->parts_left = left;
+    clear_found(rec);
+    if (left > 0) {
+        start_chunk(rec);
+        return;
+    }
+    obx_info("recovery: %llu rows were already in Kafka (published by an earlier run): they are "
+             "taken as published, not published again (%llu records read in %zu partitions)",
+             (unsigned long long)rec->confirmed,
+             (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
+    finish(rec, true);
 }
 
 static void on_mark_result(void *arg, const PGresult *res, const char *error)

@@ -48,6 +48,106 @@ struct slot {
     char *reason;           /* SLOT_DEAD*: why Kafka refused it (owned) */
     struct obx_row *parked; /* SLOT_PARKED: a copy of the row (owned, one allocation) */
     uint64_t key_hash;      /* set.one_per_key and a key: its obx_keycount_hash */
+    uint64_t log_hash;      /* log mode and a key: its obx_keycount_hash */
+    uint64_t seq;           /* log mode: the fetch that handed it out */
+    bool orphan;            /* log mode: handed out by a session that is gone */
+};
+
+/* ---- log mode (relay.on_sent = log) ----
+ *
+ * Nothing is written per row. What is published is what the newest cursor
+ * row covers: every row with an id up to its hwm whose writer its snapshot
+ * saw committed, but the rows of its held keys. The relay stores a cursor
+ * row once every row handed out up to some fetch has been acknowledged:
+ * that fetch's own cursor (hwm and snapshot) is then a true claim. So every
+ * fetch has a record: how many of its rows are still pending (with Kafka,
+ * or parked), and its cursor if that made a claim (a fetch after which the
+ * cursor did not hold makes none, and a row going back unsent takes the
+ * claims of its fetch and the later ones away). The oldest records are
+ * dropped as their rows settle, and the newest claim among them is `ready`:
+ * the next cursor row stores it and frees the slots of the rows it covers.
+ * Acknowledged rows of later fetches keep their slots until a later row.
+ *
+ * Refused rows and the rows of their keys behind them are `held`: the
+ * cursor rows name them until a claim made after they went on is stored.
+ * Each partition's stored offset is where the recovery pass starts reading:
+ * below the lowest offset of an acknowledged row a cursor row does not
+ * cover yet, so the pass finds every record the cursor does not account for
+ * (records of a partition are acknowledged in offset order). */
+struct fetch_rec {
+    size_t pending;   /* rows handed out and not yet settled */
+    bool claim;       /* the cursor after this fetch holds */
+    uint64_t send_no; /* which fetch sent (for held keys going on) */
+    int64_t hwm;
+    char *snap; /* owned when claim */
+};
+
+struct held_rule {
+    uint32_t topic;
+    char *key; /* owned; NULL = the row alone */
+    size_t key_len;
+    int64_t from_id;
+    uint64_t hash;      /* obx_keycount_hash of topic and key */
+    bool lifted;        /* the refused row went on (delivered, dead-lettered, gone) */
+    uint64_t lift_send; /* fetches sent when it was lifted */
+    int64_t *also;      /* rows of the key published since it was held (owned) */
+    size_t n_also, cap_also;
+};
+
+struct found_row { /* a record the recovery pass found for an uncovered row */
+    int64_t id;
+    uint32_t topic;
+    int32_t partition;
+    int64_t offset;
+};
+
+struct log_offset { /* a partition's offset as stored (or to be stored) */
+    uint32_t topic;
+    int32_t partition;
+    int64_t stored;  /* -1: none yet */
+    int64_t covered; /* scratch while a write is built: highest offset it covers */
+    int64_t below;   /* ... lowest offset of an acknowledged row it does not cover */
+};
+
+struct log_state {
+    struct fetch_rec *recs; /* ring of fetch records, oldest at head */
+    size_t cap_recs, rec_head, n_recs;
+    uint64_t head_seq; /* seq of recs[rec_head] */
+    uint64_t next_seq;
+    uint64_t sends;         /* fetches sent */
+    uint64_t fetch_send_no; /* the fetch in flight's */
+
+    bool has_ready; /* the newest claim with nothing pending up to it */
+    uint64_t ready_seq, ready_send;
+    int64_t ready_hwm;
+    char *ready_snap;
+
+    bool has_stored;     /* the stored cursor (loaded, or written by us) */
+    uint64_t stored_seq; /* 0: loaded at the start of the session */
+    uint64_t stored_send;
+    int64_t stored_batch, stored_hwm;
+    char *stored_snap;
+    uint64_t writes; /* since the table was last emptied */
+
+    uint64_t write_seq; /* the claim the write in flight stores */
+    uint64_t write_send;
+    int64_t write_hwm;
+    char *write_snap;
+    uint64_t looked_seq; /* the ready claim last found to cover nothing */
+
+    struct held_rule *held;
+    size_t n_held, cap_held;
+    struct obx_log_held *held_out; /* for the fetch and the write */
+    int64_t *also_out;
+    size_t cap_held_out, cap_also_out, n_also_out;
+
+    struct found_row *found; /* sorted by id */
+    size_t n_found;
+
+    struct log_offset *offs;
+    size_t n_offs, cap_offs;
+    bool restart_next; /* the write in flight empties the table */
+    bool loaded;       /* this session has read the stored cursor */
 };
 
 /* A refused row under relay.on_reject = retry, or a row whose whole batch
@@ -159,7 +259,12 @@ struct obx_relay {
     uint64_t marked_total;
     uint64_t dead_total;
     uint64_t fetches[2]; /* full, keyset */
+
+    struct log_state log; /* set.log_mode only */
 };
+
+static void log_reset(struct obx_relay *r);
+static void log_settle(struct obx_relay *r, struct slot *s, bool acked);
 
 static const char *const state_names[] = {"wait_pg",  "recovering", "idle",
                                           "fetching", "marking",    "stopped"};
@@ -206,6 +311,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->fetch_max_bytes = cfg->fetch_max_bytes;
     s->max_payload = 1000000; /* librdkafka's default; main.c sets the effective value */
     s->one_per_key = false;   /* main.c sets it from the producer's message timeout */
+    s->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -271,6 +377,16 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->off_offsets);
     obx_free(r->batch);
     obx_keycount_free(&r->busy_keys);
+    log_reset(r);
+    obx_free(r->log.recs);
+    obx_free(r->log.ready_snap);
+    obx_free(r->log.stored_snap);
+    obx_free(r->log.write_snap);
+    obx_free(r->log.held);
+    obx_free(r->log.held_out);
+    obx_free(r->log.also_out);
+    obx_free(r->log.found);
+    obx_free(r->log.offs);
     obx_free(r);
 }
 
@@ -310,6 +426,9 @@ static struct slot *slot_alloc(struct obx_relay *r, int64_t id, uint32_t topic)
     s->partition = -1;
     s->offset = -1;
     s->key_hash = 0;
+    s->log_hash = 0;
+    s->seq = 0;
+    s->orphan = false;
     s->state = SLOT_PRODUCED;
     r->in_use++;
     return s;
@@ -319,6 +438,8 @@ static void slot_release(struct obx_relay *r, struct slot *s)
 {
     if (s->state == SLOT_ACKED || s->state == SLOT_DEAD)
         r->to_mark--;
+    if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
+        log_settle(r, s, false); /* back unsent, or held */
     obx_free(s->reason);
     s->reason = NULL;
     obx_free(s->parked);
@@ -337,6 +458,206 @@ static void cursor_clear(struct obx_relay *r)
 {
     r->cursor_ok = false;
     r->cursor_gen++;
+}
+
+/* ---- log mode: fetch records, claims, held keys ---- */
+
+static struct fetch_rec *rec_of(struct obx_relay *r, uint64_t seq)
+{
+    struct log_state *l = &r->log;
+    if (seq < l->head_seq || seq - l->head_seq >= l->n_recs)
+        return NULL;
+    return &l->recs[(l->rec_head + (seq - l->head_seq)) % l->cap_recs];
+}
+
+static char *dup_text(const char *s)
+{
+    return s ? obx_strdup(s) : NULL;
+}
+
+/* A record for the fetch just answered; its seq, or 0 out of memory (then
+ * the rows are not taken: see on_fetched). */
+static uint64_t rec_push(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    if (l->n_recs == l->cap_recs) {
+        size_t cap = l->cap_recs ? l->cap_recs * 2 : 64;
+        struct fetch_rec *grown = obx_calloc(cap, sizeof(*grown));
+        if (!grown)
+            return 0;
+        for (size_t i = 0; i < l->n_recs; i++)
+            grown[i] = l->recs[(l->rec_head + i) % l->cap_recs];
+        obx_free(l->recs);
+        l->recs = grown;
+        l->cap_recs = cap;
+        l->rec_head = 0;
+    }
+    if (l->n_recs == 0)
+        l->head_seq = l->next_seq + 1;
+    uint64_t seq = ++l->next_seq;
+    struct fetch_rec *f = &l->recs[(l->rec_head + l->n_recs++) % l->cap_recs];
+    *f = (struct fetch_rec){.send_no = l->fetch_send_no};
+    return seq;
+}
+
+/* The fetch `seq` made a claim: its cursor (hwm, snap). */
+static void rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap)
+{
+    struct fetch_rec *f = rec_of(r, seq);
+    if (!f || f->claim)
+        return;
+    f->snap = dup_text(snap);
+    f->claim = f->snap != NULL; /* no memory: no claim, which is always safe */
+    f->hwm = hwm;
+}
+
+/* Records whose rows have all settled leave the ring, oldest first; the
+ * newest claim among them becomes ready. */
+static void recs_settle(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    while (l->n_recs > 0) {
+        struct fetch_rec *f = &l->recs[l->rec_head];
+        if (f->pending > 0)
+            break;
+        if (f->claim) {
+            obx_free(l->ready_snap);
+            l->ready_snap = f->snap;
+            l->ready_hwm = f->hwm;
+            l->ready_seq = l->head_seq;
+            l->ready_send = f->send_no;
+            l->has_ready = true;
+            f->snap = NULL;
+        }
+        l->rec_head = (l->rec_head + 1) % l->cap_recs;
+        l->n_recs--;
+        l->head_seq++;
+    }
+}
+
+/* The claims of fetch `seq` and of every later one no longer hold: a row of
+ * that fetch is unsent again without being held. */
+static void claims_drop_from(struct obx_relay *r, uint64_t seq)
+{
+    struct log_state *l = &r->log;
+    for (uint64_t s = seq < l->head_seq ? l->head_seq : seq; s < l->head_seq + l->n_recs; s++) {
+        struct fetch_rec *f = rec_of(r, s);
+        if (!f)
+            break;
+        f->claim = false;
+        obx_free(f->snap);
+        f->snap = NULL;
+    }
+}
+
+/* Slot `s` no longer waits for Kafka: `acked` (acknowledged or to be dead-
+ * lettered) or not (back unsent, or held). */
+static void log_settle(struct obx_relay *r, struct slot *s, bool acked)
+{
+    if (!r->set.log_mode || s->orphan || s->seq == 0)
+        return;
+    struct fetch_rec *f = rec_of(r, s->seq);
+    if (!acked)
+        claims_drop_from(r, s->seq);
+    if (f && f->pending > 0)
+        f->pending--;
+    s->seq = acked ? s->seq : 0;
+    recs_settle(r);
+}
+
+static void held_free(struct held_rule *h)
+{
+    obx_free(h->key);
+    obx_free(h->also);
+}
+
+/* Log mode: row `id` of `topic` (key or NULL) is refused or waits: the
+ * cursor leaves it and its key's later rows out until it goes on. */
+static void hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].from_id == id && !l->held[i].lifted)
+            return;
+    if (l->n_held == l->cap_held) {
+        size_t cap = l->cap_held ? l->cap_held * 2 : 16;
+        struct held_rule *g = obx_realloc(l->held, cap * sizeof(*g));
+        if (!g) {
+            obx_error("relay: out of memory holding row %lld out of the cursor; stopping the "
+                      "cursor until it is delivered",
+                      (long long)id);
+            claims_drop_from(r, 0);
+            return;
+        }
+        l->held = g;
+        l->cap_held = cap;
+    }
+    char *copy = NULL;
+    if (key && !(copy = obx_malloc(key_len ? key_len : 1))) {
+        obx_error("relay: out of memory holding row %lld out of the cursor", (long long)id);
+        claims_drop_from(r, 0);
+        return;
+    }
+    if (key)
+        memcpy(copy, key, key_len);
+    l->held[l->n_held++] = (struct held_rule){
+        .topic = topic,
+        .key = copy,
+        .key_len = key_len,
+        .from_id = id,
+        .hash = key ? obx_keycount_hash(topic, key, key_len) : 0,
+    };
+}
+
+/* Row `id` went on (delivered, dead-lettered or gone): its key's rows may be
+ * fetched, and the rule goes once a claim made after this is stored. */
+static void lift(struct obx_relay *r, int64_t id)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_held; i++) {
+        if (l->held[i].from_id == id && !l->held[i].lifted) {
+            l->held[i].lifted = true;
+            l->held[i].lift_send = l->sends;
+        }
+    }
+}
+
+/* A found row for `id`, removed from the list; false if none. */
+static bool take_found(struct obx_relay *r, int64_t id, struct found_row *out)
+{
+    struct log_state *l = &r->log;
+    size_t lo = 0, hi = l->n_found;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (l->found[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == l->n_found || l->found[lo].id != id)
+        return false;
+    *out = l->found[lo];
+    memmove(&l->found[lo], &l->found[lo + 1], (l->n_found - lo - 1) * sizeof(*l->found));
+    l->n_found--;
+    return true;
+}
+
+/* The session's log state starts again from what the next recovery pass
+ * reads: claims, held keys, found rows and stored offsets are forgotten. */
+static void log_reset(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_recs; i++)
+        obx_free(l->recs[(l->rec_head + i) % l->cap_recs].snap);
+    l->n_recs = 0;
+    l->has_ready = false;
+    l->has_stored = false;
+    for (size_t i = 0; i < l->n_held; i++)
+        held_free(&l->held[i]);
+    l->n_held = 0;
+    l->n_found = 0;
+    l->n_offs = 0;
+    l->loaded = false;
 }
 
 /* ---- keys held back behind a refused row (relay.on_reject = retry) ---- */
@@ -371,6 +692,8 @@ static void unblock(struct obx_relay *r, int64_t id)
     cursor_clear(r); /* its key's later rows may be waiting below hwm */
     obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
              b->attempts);
+    if (r->set.log_mode)
+        lift(r, id);
     obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
@@ -382,6 +705,8 @@ static void drop_block(struct obx_relay *r, int64_t id)
     if (!b)
         return;
     cursor_clear(r);
+    if (r->set.log_mode)
+        lift(r, id);
     obx_free(b->key);
     *b = r->blocked[--r->n_blocked];
 }
@@ -486,6 +811,8 @@ static void block(struct obx_relay *r, int64_t id, uint32_t topic, const char *k
             memcpy(copy, key, key_len);
         b = &r->blocked[r->n_blocked++];
         *b = (struct blocked){.id = id, .topic = topic, .key = copy, .key_len = key_len};
+        if (r->set.log_mode)
+            hold(r, id, topic, key, key_len);
     }
     int64_t delay = r->set.retry_backoff_ms;
     for (int i = 0; i < b->attempts && delay < MAX_REJECT_BACKOFF_MS; i++)
@@ -506,6 +833,8 @@ static void rejected(struct obx_relay *r, struct slot *s, const char *key, size_
                   (long long)s->id, r->topics[s->topic], reason);
         s->reason = obx_strdup(reason ? reason : "refused by Kafka");
         if (s->reason) {
+            if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
+                log_settle(r, s, true);
             s->state = SLOT_DEAD;
             r->to_mark++;
             drop_block(r, s->id); /* refused alone too: its key goes on */
@@ -599,6 +928,46 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
     r->off_offsets[r->n_off++] = s->offset;
 }
 
+/* The held keys and the rows of them published, in log.held_out and
+ * log.also_out (`extra` more ids of room in also_out). false: no memory. */
+static bool log_held_out_room(struct obx_relay *r, size_t extra)
+{
+    struct log_state *l = &r->log;
+    size_t n_also = extra;
+    for (size_t i = 0; i < l->n_held; i++)
+        n_also += l->held[i].n_also;
+    if (l->n_held > l->cap_held_out) {
+        struct obx_log_held *h = obx_realloc(l->held_out, l->n_held * sizeof(*h));
+        if (!h)
+            return false;
+        l->held_out = h;
+        l->cap_held_out = l->n_held;
+    }
+    if (n_also > l->cap_also_out) {
+        int64_t *a = obx_realloc(l->also_out, n_also * sizeof(*a));
+        if (!a)
+            return false;
+        l->also_out = a;
+        l->cap_also_out = n_also;
+    }
+    l->n_also_out = 0;
+    for (size_t i = 0; i < l->n_held; i++) {
+        const struct held_rule *h = &l->held[i];
+        l->held_out[i] = (struct obx_log_held){r->topics[h->topic], h->key, h->key_len, h->from_id};
+        for (size_t j = 0; j < h->n_also; j++)
+            l->also_out[l->n_also_out++] = h->also[j];
+    }
+    return true;
+}
+
+static bool log_held_out(struct obx_relay *r)
+{
+    if (log_held_out_room(r, 0))
+        return true;
+    obx_error("relay: out of memory building the fetch");
+    return false;
+}
+
 /* Fills `f` for the next fetch; false if none can go (no free slot, or
  * `keyset_only` and it would be a full one). Arrays are the relay's. */
 static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
@@ -628,7 +997,19 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         f->keyset = true;
         f->after_id = r->hwm;
         f->snapshot = r->snap;
-    } else {
+    } else if (r->set.log_mode && r->log.has_stored) {
+        /* Everything the stored cursor does not cover, but what is in flight. */
+        if (!log_held_out(r))
+            return false;
+        f->log = true;
+        f->after_id = r->log.stored_hwm;
+        f->snapshot = r->log.stored_snap;
+        f->held = r->log.held_out;
+        f->n_held = r->log.n_held;
+        f->also_sent = r->log.also_out;
+        f->n_also = r->log.n_also_out;
+    }
+    if (!keyset) {
         for (int i = 0; i < r->set.max_in_flight; i++)
             if (r->slots[i].state != SLOT_FREE)
                 r->ids[f->n_exclude++] = r->slots[i].id;
@@ -669,6 +1050,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : NO_ID;
     r->want_fetch = false;
+    r->log.fetch_send_no = ++r->log.sends;
 }
 
 /* The fetch in flight (alone or beside a mark) will not answer: fetch
@@ -715,10 +1097,214 @@ static void schedule_look(struct obx_relay *r, size_t n, int64_t now)
         r->ops->wake_at(r->io, r->next_look_at);
 }
 
+/* Cursor rows between two that empty the table (and carry every offset). */
+#define LOG_RESTART_EVERY 1000
+
+/* The stored offset entry of (topic, partition), added if new; NULL out of
+ * memory (that partition's offset then lags, which costs the recovery pass
+ * a longer read and nothing else). */
+static struct log_offset *log_offset_of(struct obx_relay *r, uint32_t topic, int32_t partition)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_offs; i++)
+        if (l->offs[i].topic == topic && l->offs[i].partition == partition)
+            return &l->offs[i];
+    if (l->n_offs == l->cap_offs) {
+        size_t cap = l->cap_offs ? l->cap_offs * 2 : 32;
+        struct log_offset *g = obx_realloc(l->offs, cap * sizeof(*g));
+        if (!g)
+            return NULL;
+        l->offs = g;
+        l->cap_offs = cap;
+    }
+    struct log_offset *o = &l->offs[l->n_offs++];
+    *o = (struct log_offset){.topic = topic, .partition = partition, .stored = -1};
+    return o;
+}
+
+/* Log mode: the offset to store for each partition, into the off_* arrays
+ * (those that moved, or all with `all`): below the lowest acknowledged row
+ * the write does not cover (nor any record the recovery pass found), else
+ * the highest it covers. */
+static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_offs; i++) {
+        l->offs[i].covered = -1;
+        l->offs[i].below = INT64_MAX;
+    }
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_MARKING) || s->offset < 0)
+            continue;
+        struct log_offset *o = log_offset_of(r, s->topic, s->partition);
+        if (!o)
+            continue;
+        if (s->seq <= upto) {
+            if (s->offset > o->covered)
+                o->covered = s->offset;
+        } else if (s->offset < o->below) {
+            o->below = s->offset;
+        }
+    }
+    for (size_t i = 0; i < l->n_found; i++) {
+        struct log_offset *o = log_offset_of(r, l->found[i].topic, l->found[i].partition);
+        if (o && l->found[i].offset < o->below)
+            o->below = l->found[i].offset;
+    }
+    r->n_off = 0;
+    for (size_t i = 0; i < l->n_offs; i++) {
+        struct log_offset *o = &l->offs[i];
+        int64_t v = o->below != INT64_MAX ? o->below - 1 : o->covered;
+        if (v < o->stored)
+            v = o->stored; /* never back: see the comment on log mode */
+        o->covered = v;    /* what this write stores */
+        if (v < 0 || (!all && v == o->stored))
+            continue;
+        if (r->n_off == r->cap_off && grow_offsets(r) != 0)
+            return false;
+        r->off_topics[r->n_off] = r->topics[o->topic];
+        r->off_partitions[r->n_off] = o->partition;
+        r->off_offsets[r->n_off++] = v;
+    }
+    return true;
+}
+
+/* Log mode: a cursor row for the ready claim, covering the acknowledged
+ * rows of the fetches up to it (and dead-lettering the refused ones among
+ * them). Returns true if it was sent. */
+static bool start_log_write(struct obx_relay *r, int64_t now)
+{
+    struct log_state *l = &r->log;
+    if (!l->has_ready || l->ready_seq <= l->stored_seq || l->ready_seq == l->looked_seq)
+        return false;
+    size_t n_cov = 0, n_dead = 0;
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->orphan || s->seq > l->ready_seq)
+            continue;
+        if (s->state == SLOT_ACKED)
+            n_cov++;
+        else if (s->state == SLOT_DEAD)
+            r->dead_reasons[n_dead] = s->reason, r->dead_ids[n_dead++] = s->id;
+    }
+    if (n_cov + n_dead == 0) {
+        l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
+        return false;
+    }
+    /* Acknowledged rows of held keys: published, though the rule leaves
+     * their key's rows out. A hash may match another key: listing a row
+     * that is covered anyway changes nothing. */
+    if (!log_held_out_room(r, n_cov)) {
+        obx_error("relay: out of memory building the cursor row");
+        return false;
+    }
+    for (int i = 0; i < r->set.max_in_flight && l->n_held > 0; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->orphan || s->state != SLOT_ACKED || s->seq > l->ready_seq || !s->log_hash)
+            continue;
+        for (size_t j = 0; j < l->n_held; j++) {
+            struct held_rule *h = &l->held[j];
+            if (h->key && h->hash == s->log_hash && h->topic == s->topic && s->id > h->from_id) {
+                if (h->n_also == h->cap_also) {
+                    size_t cap = h->cap_also ? h->cap_also * 2 : 8;
+                    int64_t *g = obx_realloc(h->also, cap * sizeof(*g));
+                    if (!g) {
+                        obx_error("relay: out of memory building the cursor row");
+                        return false;
+                    }
+                    h->also = g;
+                    h->cap_also = cap;
+                }
+                h->also[h->n_also++] = s->id;
+                l->also_out[l->n_also_out++] = s->id;
+                break;
+            }
+        }
+    }
+    bool restart = l->writes + 1 >= LOG_RESTART_EVERY;
+    if (!log_offsets_out(r, l->ready_seq, restart)) {
+        obx_error("relay: out of memory building the cursor row");
+        return false;
+    }
+    obx_free(l->write_snap);
+    if (!(l->write_snap = obx_strdup(l->ready_snap))) {
+        obx_error("relay: out of memory building the cursor row");
+        return false;
+    }
+    struct obx_mark m = {.log = true,
+                         .batch = l->stored_batch + 1,
+                         .hwm = l->ready_hwm,
+                         .snapshot = l->write_snap,
+                         .held = l->held_out,
+                         .n_held = l->n_held,
+                         .also_sent = l->also_out,
+                         .n_also = l->n_also_out,
+                         .restart = restart,
+                         .topics = r->off_topics,
+                         .partitions = r->off_partitions,
+                         .offsets = r->off_offsets,
+                         .n_offsets = r->n_off,
+                         .dead_ids = r->dead_ids,
+                         .dead_reasons = r->dead_reasons,
+                         .n_dead = n_dead,
+                         .n_ids = n_cov};
+    if (failpoint(r, OBX_FP_ACK_AFTER) != 0) {
+        r->not_before = now + r->set.retry_backoff_ms;
+        return false;
+    }
+    if (r->ops->mark(r->io, &m) != 0)
+        return false;
+    l->write_seq = l->ready_seq;
+    l->write_send = l->ready_send;
+    l->write_hwm = l->ready_hwm;
+    l->restart_next = restart;
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->orphan || s->seq > l->ready_seq)
+            continue;
+        if (s->state == SLOT_ACKED)
+            s->state = SLOT_MARKING, r->to_mark--;
+        else if (s->state == SLOT_DEAD)
+            s->state = SLOT_DEAD_MARKING, r->to_mark--;
+    }
+    set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
+    return true;
+}
+
+/* The cursor row in flight committed: it is the stored cursor now. */
+static void log_write_done(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    l->has_stored = true;
+    l->stored_batch++;
+    l->stored_seq = l->write_seq;
+    l->stored_send = l->write_send;
+    l->stored_hwm = l->write_hwm;
+    obx_free(l->stored_snap);
+    l->stored_snap = l->write_snap;
+    l->write_snap = NULL;
+    l->writes = l->restart_next ? 1 : l->writes + 1;
+    for (size_t i = 0; i < l->n_offs; i++)
+        l->offs[i].stored = l->offs[i].covered;
+    /* A held key whose refused row went on before a fetch that the stored
+     * claim comes from (or an earlier one) is covered by that claim. */
+    for (size_t i = 0; i < l->n_held;) {
+        if (l->held[i].lifted && l->stored_send > l->held[i].lift_send) {
+            held_free(&l->held[i]);
+            l->held[i] = l->held[--l->n_held];
+        } else {
+            i++;
+        }
+    }
+}
+
 /* Marks every ACKED slot and dead-letters every DEAD one, in one
  * statement (perhaps with the next fetch). Returns true if it was sent. */
 static bool start_mark(struct obx_relay *r, int64_t now)
 {
+    if (r->set.log_mode)
+        return start_log_write(r, now);
     struct obx_mark m = {.ids = r->ids,
                          .topics = r->off_topics,
                          .partitions = r->off_partitions,
@@ -751,7 +1337,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
      * mark changes: marked rows lie at or below hwm.) */
     struct obx_fetch f;
     int rc = 1;
-    if (r->ops->mark_fetch && m.n_dead == 0 && fetch_allowed(r, now) &&
+    if (r->ops->mark_fetch && !r->set.log_mode && m.n_dead == 0 && fetch_allowed(r, now) &&
         build_fetch(r, now, &f, true))
         rc = r->ops->mark_fetch(r->io, &m, &f);
     if (rc < 0)
@@ -853,6 +1439,8 @@ static void kick(struct obx_relay *r, int64_t now)
     if (r->draining)
         return;
     if (!r->recovered) {
+        if (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded)
+            return; /* the pass must see where this session's records landed */
         r->pass_unknowns = r->unknowns;
         if (r->ops->recover(r->io) == 0)
             set_state(r, OBX_RELAY_RECOVERING, "recovery pass before publishing");
@@ -1014,6 +1602,20 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
     unmark(r);
     fetch_gone(r);         /* the fetch in flight, if any */
     release_all_parked(r); /* never handed to Kafka: no relay lock, no publishing */
+    if (r->set.log_mode) {
+        /* The next session starts from the stored cursor, as a restart
+         * does: another relay may have published and stored since. What
+         * this one acknowledged is found in Kafka by the recovery pass,
+         * which waits for the reports still outstanding. */
+        for (int i = 0; i < r->set.max_in_flight; i++) {
+            struct slot *s = &r->slots[i];
+            if (s->state == SLOT_PRODUCED)
+                s->orphan = true;
+            else if (s->state != SLOT_FREE)
+                slot_release(r, s);
+        }
+        log_reset(r);
+    }
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -1039,6 +1641,86 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
         r->not_before = now + r->set.retry_backoff_ms;
     }
     kick(r, now);
+}
+
+static int compare_found(const void *a, const void *b)
+{
+    int64_t x = ((const struct found_row *)a)->id, y = ((const struct found_row *)b)->id;
+    return (x > y) - (x < y);
+}
+
+int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
+{
+    struct log_state *l = &r->log;
+    if (!r->set.log_mode)
+        return 0;
+    /* The records found, whether the session begins or a pass settled a
+     * possibly-persisted report: rows in flight now are not among them
+     * (found rows are only taken when fetched). */
+    struct found_row *found = NULL;
+    if (st->n_found > 0 && !(found = obx_calloc(st->n_found, sizeof(*found))))
+        return -1;
+    for (size_t i = 0; i < st->n_found; i++) {
+        int64_t t = topic_index(r, st->found[i].topic);
+        if (t < 0) {
+            obx_free(found);
+            return -1;
+        }
+        found[i] = (struct found_row){st->found[i].id, (uint32_t)t, st->found[i].partition,
+                                      st->found[i].offset};
+    }
+    if (st->n_found > 1)
+        qsort(found, st->n_found, sizeof(*found), compare_found);
+    obx_free(l->found);
+    l->found = found;
+    l->n_found = st->n_found;
+    if (l->loaded)
+        return 0; /* the cursor is this session's own */
+    log_reset(r);
+    l->found = found; /* log_reset forgot them */
+    l->n_found = st->n_found;
+    l->has_stored = st->has_cursor;
+    l->stored_seq = 0;
+    l->stored_send = 0;
+    l->stored_batch = st->has_cursor ? st->batch : 0;
+    l->stored_hwm = st->hwm;
+    l->writes = 0; /* the next write empties the table when it is due */
+    obx_free(l->stored_snap);
+    l->stored_snap = NULL;
+    if (st->has_cursor && !(l->stored_snap = obx_strdup(st->snapshot)))
+        return -1;
+    for (size_t i = 0; i < st->n_held; i++) {
+        const struct obx_log_held *h = &st->held[i];
+        int64_t t = topic_index(r, h->topic);
+        if (t < 0)
+            return -1;
+        size_t before = l->n_held;
+        hold(r, h->from_id, (uint32_t)t, h->key, h->key_len);
+        if (l->n_held == before)
+            return -1;
+        /* Lifted at once: the first claim of this session (from a full
+         * fetch, which reads the held rows) covers them. */
+        l->held[before].lifted = true;
+        l->held[before].lift_send = l->sends;
+    }
+    /* Rows of held keys published since: kept with the first rule (every
+     * rule's list goes out as one). */
+    if (st->n_also > 0 && l->n_held > 0) {
+        struct held_rule *h = &l->held[0];
+        if (!(h->also = obx_calloc(st->n_also, sizeof(*h->also))))
+            return -1;
+        memcpy(h->also, st->also_sent, st->n_also * sizeof(*h->also));
+        h->n_also = h->cap_also = st->n_also;
+    }
+    for (size_t i = 0; i < st->n_off; i++) {
+        int64_t t = topic_index(r, st->off_topics[i]);
+        struct log_offset *o = t < 0 ? NULL : log_offset_of(r, (uint32_t)t, st->off_partitions[i]);
+        if (!o)
+            return -1;
+        o->stored = st->off_offsets[i];
+    }
+    l->loaded = true;
+    return 0;
 }
 
 /* Frees the slots of batch rows [from, to) that were not handed to Kafka;
@@ -1100,6 +1782,16 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     }
     if (last > r->top_id)
         r->top_id = last;
+    /* Log mode: the stored cursor covers everything up to its hwm that its
+     * snapshot saw, and the keyset fetch would read those rows again from
+     * a lower hwm. A full fetch that every uncovered row came back from may
+     * take the stored hwm; one cut below it holds no cursor (the next one
+     * is a full fetch again). */
+    if (r->set.log_mode && r->log.has_stored && ok) {
+        if (!r->fetch_keyset && !cut && r->hwm < r->log.stored_hwm)
+            r->hwm = r->log.stored_hwm;
+        ok = r->hwm >= r->log.stored_hwm;
+    }
     /* Cleared since this fetch was sent: what it did not return may lie
      * below hwm now (a row that was in flight then, a row its key's hold
      * kept out). */
@@ -1189,6 +1881,21 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         obx_debug("relay: row %lld has %zu payload bytes: fetching %d rows at a time",
                   (long long)rows[n_take].id, rows[n_take].payload_len, r->bytes_limit);
     cursor_advance(r, rows, n, n_take, snapshot);
+    uint64_t seq = 0;
+    if (r->set.log_mode) {
+        seq = rec_push(r);
+        if (seq == 0) { /* no record, no rows: they are fetched again */
+            obx_error("relay: out of memory recording a fetch");
+            cursor_clear(r);
+            r->want_fetch = true;
+            r->not_before = now + r->set.retry_backoff_ms;
+            kick(r, now);
+            return;
+        }
+        if (r->cursor_ok)
+            rec_claim(r, seq, r->hwm, r->snap);
+    }
+    uint64_t gen_at_claim = r->cursor_gen;
     r->caught_up = n < (size_t)r->fetch_limit;
     schedule_look(r, n, now);
     /* Take a slot for every row first, so that the next statement can go to
@@ -1214,9 +1921,16 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             break;
         }
         s->created_us = row->created_us;
+        struct fetch_rec *rec = seq ? rec_of(r, seq) : NULL;
+        s->seq = rec ? seq : 0;
+        if (rec)
+            rec->pending++; /* settled as it is delivered, held or released */
         r->batch[i] = s;
         taken = i + 1;
     }
+    /* Rows fetched and not taken: the claim above does not hold. */
+    if (seq && r->cursor_gen != gen_at_claim)
+        claims_drop_from(r, seq);
     /* A full batch means more rows are likely waiting (a batch of
      * relay.batch_size, or of what the byte budget allows, is one). */
     if (n_take < n || (!r->caught_up && r->fetch_limit >= r->bytes_limit))
@@ -1233,6 +1947,18 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             continue;
         }
         s->key_hash = 0;
+        if (r->set.log_mode && row->key)
+            s->log_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
+        struct found_row fr;
+        if (r->set.log_mode && r->log.n_found > 0 && take_found(r, row->id, &fr)) {
+            /* A run before this one published it: taken as acknowledged. */
+            log_settle(r, s, true);
+            s->state = SLOT_ACKED;
+            s->partition = fr.partition;
+            s->offset = fr.offset;
+            r->to_mark++;
+            continue;
+        }
         if (r->set.one_per_key && row->key) {
             s->key_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
             if (obx_keycount_busy(&r->busy_keys, s->key_hash)) {
@@ -1288,6 +2014,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         }
         rejected(r, s, row->key, row->key_len, reason, now);
     }
+    if (r->set.log_mode)
+        recs_settle(r); /* a fetch that handed nothing out settles at once */
     if (produced > 0 && failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced, r->in_use);
@@ -1298,6 +2026,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
 static void mark_done(struct obx_relay *r, int64_t now)
 {
     size_t marked = 0, dead = 0;
+    if (r->set.log_mode)
+        log_write_done(r);
     for (int i = 0; i < r->set.max_in_flight; i++) {
         struct slot *s = &r->slots[i];
         if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
@@ -1377,6 +2107,16 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         obx_error("relay: delivery report for an unknown or finished row");
         return;
     }
+    if (s->orphan) {
+        /* Handed out by a session that is gone: the next one's recovery
+         * pass finds the record if it landed. */
+        if (s->key_hash && obx_keycount_remove(&r->busy_keys, s->key_hash) == 0)
+            release_parked_of(r, s->key_hash);
+        r->n_outstanding--;
+        slot_release(r, s);
+        kick(r, now);
+        return;
+    }
     /* One record of a key at a time: is its key free now? */
     uint64_t key_hash = s->key_hash;
     bool key_free = key_hash && obx_keycount_remove(&r->busy_keys, key_hash) == 0;
@@ -1392,6 +2132,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         outcome = OBX_DELIVERY_REJECTED; /* refused alone: it is the row itself */
     switch (outcome) {
     case OBX_DELIVERED:
+        log_settle(r, s, true);
         s->state = SLOT_ACKED;
         s->partition = partition;
         s->offset = offset;
@@ -1410,7 +2151,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
          * fetched meanwhile, or already in a fetch on its way, would land
          * before it. */
         struct blocked *b = r->n_blocked > 0 ? find_block_by_id(r, s->id) : NULL;
-        if (!b && key) {
+        if (!b && (key || r->set.log_mode)) { /* log mode: a held row, key or none */
             block(r, s->id, s->topic, key, key_len, now);
             b = find_block_by_id(r, s->id);
         } else if (b)

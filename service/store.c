@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <string.h>
 
 /* Migration file for each schema version, for the "apply this" message. */
 /* clang-format off */
@@ -189,6 +190,154 @@ const char *obx_store_sql_fetch(struct obx_buf *sql, const char *in_flight)
 const char *obx_store_sql_fetch_keyset(void)
 {
     return SQL_FETCH_KEYSET;
+}
+
+/* ---- log mode ---- */
+
+/* A row the stored cursor leaves out although it is at or below its hwm
+ * and visible in its snapshot: a row of a held key ($8 topics, $9 keys,
+ * $10 from ids; a NULL key holds that one row) not listed in $11 (rows of
+ * such a key published since it was held). */
+#define LOG_HELD(t)                                                                                \
+    " EXISTS (SELECT FROM unnest($8::text[], $9::text[], $10::bigint[]) AS h(topic, key, from_id)" \
+    "         WHERE h.topic = " t ".topic AND " t ".id >= h.from_id"                               \
+    "           AND (h.key = " t ".key OR (h.key IS NULL AND " t ".id = h.from_id)))"              \
+    " AND " t ".id <> ALL ($11::bigint[])"
+
+/* clang-format off */
+/* The full fetch of log mode: every row the stored cursor ($1 hwm, $7
+ * snapshot, $8..$11 held keys) does not cover, but those in flight (the
+ * constant put where IDS stands), in id order. That is the keyset fetch
+ * from the stored cursor (ids above it; rows its snapshot saw running or not
+ * yet begun) and the rows of held keys below it (a range of the primary key
+ * from the lowest held id; empty when none is held). Rows in flight can be
+ * anywhere here, so every part leaves them out. */
+#define IDS "\x01"
+static const char SQL_FETCH_LOG[] =
+    FETCH_SELECT FETCH_SNAPSHOT_ROW
+    " (" FETCH_COLUMNS("e", "$6")
+    "  FROM ((SELECT * FROM outbox.events u"
+    "         WHERE u.sent_at IS NULL AND u.id > $1::bigint AND NOT (u.id = ANY (" IDS "))"
+                FETCH_HELD_BACK("u", "$3", "$4", "$5")
+    "         ORDER BY u.id LIMIT $2::int)"
+    "        UNION ALL"
+    "        (SELECT l.* FROM pg_snapshot_xip($7::pg_snapshot) AS x(xid),"
+    "           LATERAL (SELECT * FROM outbox.events l"
+    "                    WHERE l.sent_at IS NULL AND l.xid >= x.xid"
+    "                      AND (l.xid, l.id) <= (x.xid, $1::bigint)"
+    "                      AND NOT (l.id = ANY (" IDS "))"
+                           FETCH_HELD_BACK("l", "$3", "$4", "$5")
+    "                    ORDER BY l.xid, l.id LIMIT $2::int) l"
+    "         WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"
+    "         ORDER BY l.id + 0 LIMIT $2::int)"
+    "        UNION ALL"
+    "        (SELECT * FROM outbox.events n"
+    "         WHERE n.sent_at IS NULL AND n.id <= $1::bigint"
+    "           AND (n.xid, n.id) >= (pg_snapshot_xmax($7::pg_snapshot), " MIN_BIGINT ")"
+    "           AND n.xid < pg_snapshot_xmax(pg_current_snapshot())"
+    "           AND NOT (n.id = ANY (" IDS "))"
+                FETCH_HELD_BACK("n", "$3", "$4", "$5")
+    "         ORDER BY n.xid, n.id)"
+    "        UNION ALL"
+    "        (SELECT * FROM outbox.events k"
+    "         WHERE k.sent_at IS NULL AND k.id <= $1::bigint"
+    "           AND k.id >= coalesce((SELECT min(f) FROM unnest($10::bigint[]) f), $1::bigint + 1)"
+    "           AND pg_visible_in_snapshot(k.xid, $7::pg_snapshot) AND NOT (k.id = ANY (" IDS "))"
+    "           AND" LOG_HELD("k")
+                FETCH_HELD_BACK("k", "$3", "$4", "$5")
+    "         ORDER BY k.id LIMIT $2::int)) e"
+    "  ORDER BY e.id LIMIT $2::int)) b";
+/* clang-format on */
+
+const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
+{
+    obx_buf_reset(sql);
+    for (const char *c = in_flight; *c; c++) { /* as in obx_store_sql_fetch */
+        if (*c != '{' && *c != '}' && *c != ',' && *c != '-' && (*c < '0' || *c > '9'))
+            return NULL;
+    }
+    for (const char *p = SQL_FETCH_LOG, *q; *p; p = q + 1) {
+        q = strchr(p, IDS[0]);
+        if (!q) {
+            obx_buf_puts(sql, p);
+            break;
+        }
+        obx_buf_append(sql, p, (size_t)(q - p));
+        obx_buf_puts(sql, "'");
+        obx_buf_puts(sql, in_flight);
+        obx_buf_puts(sql, "'::bigint[]");
+    }
+    return sql->oom ? NULL : sql->data;
+}
+
+const char *obx_store_sql_log_write(void)
+{
+    /* The cursor row, and the dead letters it covers copied out of the log
+     * (the rows themselves stay: nothing in log mode updates or deletes). */
+    return "WITH c AS (SELECT outbox.advance_cursor($1::bigint, $2::bigint, $3::pg_snapshot,"
+           "                 $4::text[], $5::text[], $6::bigint[], $7::bigint[], $8::text[],"
+           "                 $9::int[], $10::bigint[], $11::boolean) AS n),"
+           " dead AS ("
+           "   INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at,"
+           "                                    reason)"
+           "   SELECT e.id, e.topic, e.key, e.payload, e.headers, e.created_at, d.reason"
+           "   FROM unnest($12::bigint[], $13::text[]) AS d(id, reason)"
+           "   JOIN outbox.events e ON e.id = d.id"
+           "   ON CONFLICT (id) DO NOTHING RETURNING 1)"
+           " SELECT (SELECT n FROM c), (SELECT count(*) FROM dead)";
+}
+
+#define LOG_NEWEST " c AS (SELECT * FROM outbox.log_cursor ORDER BY batch DESC LIMIT 1)"
+#define LOG_OFFSETS                                                                                \
+    " o AS (SELECT t.topic, t.p, max(t.o) AS o FROM outbox.log_cursor a,"                          \
+    "         unnest(a.topics, a.kafka_partitions, a.last_offsets) AS t(topic, p, o)"              \
+    "       GROUP BY 1, 2)"
+
+const char *obx_store_sql_log_state(void)
+{
+    /* One result, a kind per row: 'c' the newest cursor row (batch, hwm,
+     * snapshot), 'h' a held key (topic, key, from id), 'a' a row of a held
+     * key published since (id), 'o' a partition's stored offset (topic,
+     * partition, offset). No 'c' row: no cursor yet. */
+    return "WITH" LOG_NEWEST "," LOG_OFFSETS
+           " SELECT 'c', c.batch::text, c.hwm::text, c.snap::text FROM c"
+           " UNION ALL"
+           " SELECT 'h', h.topic, h.key, h.from_id::text"
+           " FROM c, unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, from_id)"
+           " UNION ALL"
+           " SELECT 'a', a.id::text, NULL, NULL FROM c, unnest(c.also_sent) AS a(id)"
+           " UNION ALL"
+           " SELECT 'o', o.topic, o.p::text, o.o::text FROM o";
+}
+
+const char *obx_store_sql_log_recovery_plan(void)
+{
+    /* As obx_store_sql_recovery_plan, for the rows the cursor does not
+     * cover and the offsets it stores. */
+    return "WITH" LOG_OFFSETS ", u AS (SELECT id, topic FROM outbox.unpublished)"
+           " SELECT t.topic, o.p, o.o, r.lo, r.hi"
+           " FROM (SELECT DISTINCT topic FROM u) t"
+           " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM u) r"
+           " LEFT JOIN o ON o.topic = t.topic"
+           " ORDER BY 1, 2";
+}
+
+const char *obx_store_sql_log_recover(void)
+{
+    /* As obx_store_sql_recover, but nothing is written: the ids of the
+     * records found that are of rows the cursor does not cover, matched by
+     * topic, key and payload digest. The relay takes those rows as
+     * acknowledged (with the records' offsets) when it fetches them. */
+    return "WITH found AS ("
+           "   SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[])"
+           "     AS f(id, topic, key, digest))"
+           " SELECT DISTINCT e.id FROM outbox.events e JOIN found f ON f.id = e.id"
+           " WHERE e.id IN (SELECT id FROM outbox.unpublished"
+           "                WHERE id BETWEEN (SELECT min(id) FROM found)"
+           "                             AND (SELECT max(id) FROM found))"
+           "   AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
+           "   AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest"
+           " ORDER BY e.id";
 }
 
 /* Each partition's highest acknowledged offset, for crash recovery; never

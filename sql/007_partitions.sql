@@ -169,6 +169,65 @@ CREATE TABLE IF NOT EXISTS outbox.log_cursor (
 REVOKE ALL ON outbox.log_cursor FROM PUBLIC;
 GRANT SELECT, INSERT, TRUNCATE ON outbox.log_cursor TO outboxd_relay;
 
+-- The rows not yet published, in any mode: unsent (sent_at NULL) and not
+-- covered by the newest cursor row (log mode's; none in mark and delete
+-- mode). Read by index: ids above the cursor, rows of writers its snapshot
+-- did not see (from its xmin on), rows of its held keys.
+CREATE OR REPLACE VIEW outbox.unpublished AS
+WITH c AS (SELECT * FROM outbox.log_cursor ORDER BY batch DESC LIMIT 1)
+SELECT e.* FROM c, outbox.events e WHERE e.sent_at IS NULL AND e.id > c.hwm
+UNION ALL
+SELECT e.* FROM c, outbox.events e
+WHERE e.sent_at IS NULL AND (e.xid, e.id) >= (pg_snapshot_xmin(c.snap), (-9223372036854775807 - 1)::bigint)
+  AND e.id <= c.hwm AND NOT pg_visible_in_snapshot(e.xid, c.snap)
+UNION ALL
+SELECT e.* FROM c, outbox.events e
+WHERE e.sent_at IS NULL AND e.id <= c.hwm AND pg_visible_in_snapshot(e.xid, c.snap)
+  AND e.id >= coalesce((SELECT min(f) FROM unnest(c.held_from) f), c.hwm + 1)
+  AND EXISTS (SELECT FROM unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, from_id)
+              WHERE h.topic = e.topic AND e.id >= h.from_id
+                AND (h.key = e.key OR (h.key IS NULL AND e.id = h.from_id)))
+  AND e.id <> ALL (c.also_sent)
+UNION ALL
+SELECT e.* FROM outbox.events e
+WHERE e.sent_at IS NULL AND NOT EXISTS (SELECT FROM outbox.log_cursor);
+REVOKE ALL ON outbox.unpublished FROM PUBLIC;
+GRANT SELECT ON outbox.unpublished TO outboxd_relay;
+
+-- The relay's write of one cursor row. With p_restart the table is emptied
+-- first, in the same transaction (the row then carries every partition's
+-- offset): a row per batch, and no row ever deleted, so nothing is left
+-- for vacuum. TRUNCATE waits for readers of the table (outboxd status);
+-- rather than make the relay wait, the row is then added without it, and
+-- the relay empties the table at a later row. Returns 1.
+CREATE OR REPLACE FUNCTION outbox.advance_cursor(
+    p_batch bigint, p_hwm bigint, p_snap pg_snapshot, p_held_topics text[],
+    p_held_keys text[], p_held_from bigint[], p_also_sent bigint[], p_topics text[],
+    p_partitions integer[], p_offsets bigint[], p_restart boolean)
+RETURNS integer
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF p_restart THEN
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '100ms', true);
+            TRUNCATE outbox.log_cursor;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+    END IF;
+    INSERT INTO outbox.log_cursor (batch, hwm, snap, held_topics, held_keys, held_from,
+                                   also_sent, topics, kafka_partitions, last_offsets)
+    VALUES (p_batch, p_hwm, p_snap, p_held_topics, p_held_keys, p_held_from, p_also_sent,
+            p_topics, p_partitions, p_offsets);
+    RETURN 1;
+END
+$$;
+REVOKE ALL ON FUNCTION outbox.advance_cursor(bigint, bigint, pg_snapshot, text[], text[],
+    bigint[], bigint[], text[], integer[], bigint[], boolean) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.advance_cursor(bigint, bigint, pg_snapshot, text[], text[],
+    bigint[], bigint[], text[], integer[], bigint[], boolean) TO outboxd_relay;
+
 -- Range partitions ahead of the ids: at least p_ahead partitions of p_rows
 -- ids each above the last id drawn. A partition is created on its own and
 -- then attached, which takes a lock writers do not wait on (SHARE UPDATE

@@ -32,6 +32,7 @@ enum obx_record_format {
 enum obx_on_sent {
     OBX_ON_SENT_MARK = 0,   /* UPDATE ... SET sent_at = now() */
     OBX_ON_SENT_DELETE = 1, /* DELETE the row once acknowledged */
+    OBX_ON_SENT_LOG = 2,    /* nothing per row: a cursor row per acknowledged batch */
 };
 
 /* One librdkafka property as given by the user. */

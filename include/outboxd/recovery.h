@@ -40,11 +40,15 @@
 
 #include "outboxd/config.h"
 #include "outboxd/pg.h"
+#include "outboxd/relay.h"
 
 struct obx_recovery_callbacks {
     /* The pass ended: ok = rows published by an earlier run are marked and
      * publishing may start. Not called after obx_recovery_abort(). */
     void (*done)(bool ok, void *arg);
+    /* Log mode, just before done(true): the stored cursor and the records
+     * found for rows it does not cover. Non-zero: the pass fails. */
+    int (*log_state)(const struct obx_log_state *st, void *arg);
 };
 
 struct obx_recovery;

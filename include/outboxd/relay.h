@@ -67,6 +67,43 @@ struct obx_blocked_key {
     size_t key_len;
 };
 
+/* Log mode: a key whose rows the stored cursor leaves out from `from_id` on
+ * (refused, or waiting behind a refused row). key NULL: that row alone. */
+struct obx_log_held {
+    const char *topic;
+    const char *key;
+    size_t key_len;
+    int64_t from_id;
+};
+
+/* Log mode: a record the recovery pass found in Kafka for a row the stored
+ * cursor does not cover (published by a run that stopped before storing). */
+struct obx_log_found {
+    int64_t id;
+    const char *topic;
+    int32_t partition;
+    int64_t offset;
+};
+
+/* Log mode: the stored cursor and what the recovery pass found. Arrays are
+ * the caller's; valid during the call. */
+struct obx_log_state {
+    bool has_cursor; /* false: no cursor yet (every unsent row is waiting) */
+    int64_t batch;   /* the newest cursor row's number */
+    int64_t hwm;
+    const char *snapshot;
+    const struct obx_log_held *held;
+    size_t n_held;
+    const int64_t *also_sent; /* rows of held keys published since */
+    size_t n_also;
+    const char *const *off_topics; /* every partition's stored offset */
+    const int32_t *off_partitions;
+    const int64_t *off_offsets;
+    size_t n_off;
+    const struct obx_log_found *found;
+    size_t n_found;
+};
+
 /* What the fetch must leave out. Arrays are the relay's; valid during the call. */
 struct obx_fetch {
     const int64_t *exclude; /* ids in flight, and refused rows not yet due for a retry */
@@ -79,6 +116,14 @@ struct obx_fetch {
     bool keyset;           /* ids above after_id and late commits, nothing excluded */
     int64_t after_id;      /* keyset: the highest id handed out (any value, 0 and below too) */
     const char *snapshot;  /* keyset: the snapshot of the fetch that handed out after_id */
+    /* Log mode's full fetch (not keyset): every row the stored cursor does
+     * not cover, but the excluded ones. after_id and snapshot are then the
+     * stored cursor's. */
+    bool log;
+    const struct obx_log_held *held; /* the stored cursor's held keys */
+    size_t n_held;
+    const int64_t *also_sent;
+    size_t n_also;
 };
 
 /* What one mark transaction confirms. Arrays are the relay's. */
@@ -92,6 +137,19 @@ struct obx_mark {
     const int64_t *dead_ids; /* rows to move to outbox.dead_letters */
     const char *const *dead_reasons;
     size_t n_dead;
+    /* Log mode: instead of marking `ids`, one cursor row (its number, hwm,
+     * snapshot, held keys and the rows of those published), with the
+     * offsets that moved (every partition's when `restart`: the table is
+     * emptied first). */
+    bool log;
+    int64_t batch;
+    int64_t hwm;
+    const char *snapshot;
+    const struct obx_log_held *held;
+    size_t n_held;
+    const int64_t *also_sent;
+    size_t n_also;
+    bool restart;
 };
 
 struct obx_relay_ops {
@@ -147,6 +205,8 @@ struct obx_relay_settings {
      * a later one of its partition is sent after it, so a key has one record
      * with Kafka at a time and its later rows are parked behind it. */
     bool one_per_key;
+    /* relay.on_sent = log: progress is a cursor row per batch (see relay.c). */
+    bool log_mode;
 };
 
 struct obx_relay;
@@ -162,6 +222,10 @@ void obx_relay_free(struct obx_relay *r);
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now);
 void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now);
 void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now);
+/* Log mode: what the recovery pass read, given just before
+ * obx_relay_on_recovered(ok = true). Returns -1 out of memory (then report
+ * the pass as failed). */
+int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st) OBX_WARN_UNUSED;
 /* `snapshot`: the fetch statement's snapshot (pg_snapshot text), NULL if
  * unknown (the next fetch is then a full one). */
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,

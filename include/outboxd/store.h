@@ -92,6 +92,26 @@ struct obx_buf;
 const char *obx_store_sql_fetch(struct obx_buf *sql, const char *in_flight);
 const char *obx_store_sql_fetch_keyset(void);
 
+/* Log mode's full fetch (relay.on_sent = log): every row the stored cursor
+ * does not cover but those in flight. Built as obx_store_sql_fetch is; takes
+ * the keyset fetch's $1..$7 with $1 and $7 the stored cursor's hwm and
+ * snapshot, then $8 text[] / $9 text[] / $10 bigint[] its held keys (topic,
+ * key or NULL, from id) and $11 bigint[] the rows of those published. */
+const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight);
+/* Log mode's write: one cursor row (outbox.advance_cursor's $1..$11: batch,
+ * hwm, snapshot, held topics / keys / from ids, also sent, offsets' topics /
+ * partitions / offsets, restart) and the dead letters it covers ($12
+ * bigint[] ids, $13 text[] reasons). One row: 1, dead letters stored. */
+const char *obx_store_sql_log_write(void);
+/* What the stored cursor says, a kind per row (see store.c). */
+const char *obx_store_sql_log_state(void);
+/* The recovery plan and the recovery match of log mode: as
+ * obx_store_sql_recovery_plan and obx_store_sql_recover, for the rows the
+ * stored cursor does not cover; the match writes nothing and returns the
+ * matched ids. */
+const char *obx_store_sql_log_recovery_plan(void);
+const char *obx_store_sql_log_recover(void);
+
 /* The mark: one statement, so one transaction on its own. $1 bigint[][]
  * acknowledged ids as ranges (obx_pg_array_add_ranges in pg.h); $2 text[] /
  * $3 int[] / $4 bigint[] highest offset per partition; $5 bigint[] / $6

@@ -830,7 +830,7 @@ bool h_wait_drained(struct h_env *e, int timeout_ms)
     int64_t deadline = h_now_ms() + timeout_ms;
     bool drained = false;
     while (!drained && h_now_ms() < deadline) {
-        drained = h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL") == 0;
+        drained = h_sql_int(c, "SELECT count(*) FROM outbox.unpublished") == 0; /* any mode */
         if (!drained)
             h_sleep_ms(100);
     }

@@ -849,6 +849,36 @@ static void test_delete_mode(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 }
 
+/* relay.on_sent = log: every row published once, in key order, and not one
+ * row written by the relay (no update, no delete, sent_at stays NULL); its
+ * progress is in outbox.log_cursor, which covers every row at the end. */
+static void test_log_mode(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    s_prefill(&env, "it.a", 5000);
+    h_relay_start(&env, NULL, (const char *const[]){"relay.on_sent=log", NULL});
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 300; i++)
+        h_enqueue(c, i % 2 ? "it.b" : "it.c", i % 7 ? "k" : NULL, "late", 4, NULL);
+    assert_true(h_wait_drained(&env, 60000));
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(recs.n, 5300);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NOT NULL"),
+                     0);
+    assert_int_equal(
+        h_sql_int(c, "SELECT coalesce(sum(n_tup_upd + n_tup_del), 0)"
+                     " FROM pg_stat_user_tables WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS),
+        0);
+    assert_true(h_sql_int(c, "SELECT count(*) FROM outbox.log_cursor") > 0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"), 0);
+    PQfinish(c);
+}
+
 static void apply_sql_file(PGconn *c, const char *path)
 {
     static char sql[65536];
@@ -1322,6 +1352,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_brokers_down, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_sigterm, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_delete_mode, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_log_mode, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_start_before_dependencies, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_lifecycle, setup_env, teardown_env),
