@@ -70,6 +70,22 @@ static const struct {
      "'EXECUTE'), false)",
      "EXECUTE on outbox.repair_writer_xids()",
      "to repair rows restored with another cluster's xid"},
+    {"coalesce(has_table_privilege(to_regclass('outbox.log_cursor'), "
+     "'SELECT, INSERT, UPDATE, TRUNCATE'), false)",
+     "SELECT, INSERT, UPDATE, TRUNCATE on outbox.log_cursor", "for log mode's cursor"},
+    {"coalesce(has_table_privilege(to_regclass('outbox.unpublished'), 'SELECT'), false)",
+     "SELECT on outbox.unpublished", "to count the rows waiting"},
+    {"coalesce(has_function_privilege(to_regprocedure('outbox.advance_cursor(bigint, bigint, "
+     "pg_snapshot, text[], text[], bigint[], bigint[], text[], integer[], bigint[], boolean)'), "
+     "'EXECUTE'), false)",
+     "EXECUTE on outbox.advance_cursor(...)", "to store log mode's cursor"},
+    {"coalesce(has_function_privilege(to_regprocedure('outbox.upkeep_partitions(bigint, "
+     "integer)'), 'EXECUTE'), false)",
+     "EXECUTE on outbox.upkeep_partitions(bigint, integer)",
+     "to create the partitions of outbox.events ahead of its ids"},
+    {"coalesce(has_function_privilege(to_regprocedure('outbox.reclaim_partitions(interval)'), "
+     "'EXECUTE'), false)",
+     "EXECUTE on outbox.reclaim_partitions(interval)", "to drop published partitions in log mode"},
 };
 #define N_PRIVILEGES (sizeof(privileges) / sizeof(privileges[0]))
 

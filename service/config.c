@@ -79,7 +79,9 @@ static const struct key_def keys[] = {
     {"shutdown.timeout", KEY_DURATION, OFF(shutdown_timeout_ms), "30s", 0, MS_PER_HOUR, NULL, 0,
      "on SIGTERM/SIGINT, how long to wait for in-flight deliveries before exiting"},
     {"retention.period", KEY_DURATION, OFF(retention_ms), "7d", 0, 3650 * 24 * MS_PER_HOUR, NULL, 0,
-     "mark mode: delete rows sent longer ago than this, in batches (0 = keep them for ever)"},
+     "how long published rows are kept (0 = for ever): mark mode deletes rows sent longer ago "
+     "in batches; log mode drops or empties a partition once every row in it is published "
+     "and its newest row is older than this"},
     {"retention.interval", KEY_DURATION, OFF(retention_interval_ms), "1m", 1000, 24 * MS_PER_HOUR,
      NULL, 0, "how often a retention round starts"},
     {"retention.batch_size", KEY_INT, OFF(retention_batch), "1000", 1, 100000, NULL, 0,

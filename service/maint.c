@@ -24,17 +24,19 @@ struct obx_maint {
     int64_t retention_interval_ms;
     int retention_batch;
     int partition_rows;
+    int64_t reclaim_ms; /* log mode: partitions reclaimed past this age; 0 = never */
+    bool log_mode;
 
     bool with_stats; /* count the backlog (for /metrics) */
     bool busy;
     bool closing;
     atomic_bool stop; /* read by the worker between statements */
-    int64_t stats_due, purge_due, parts_due;
+    int64_t stats_due, purge_due, parts_due, reclaim_due;
     int64_t stats_spacing_ms;
 
     /* The job: inputs set on the loop thread, outputs by the worker. */
-    bool job_stats, job_purge, job_parts;
-    int64_t parts_made;
+    bool job_stats, job_purge, job_parts, job_reclaim;
+    int64_t parts_made, parts_reclaimed;
     PGconn *conn; /* used only by the worker (and freed after the last job) */
     uv_mutex_t cancel_lock;
     PGcancel *cancel; /* for conn; lets close() interrupt a long statement */
@@ -74,6 +76,8 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->retention_interval_ms = cfg->retention_interval_ms;
     m->retention_batch = cfg->retention_batch;
     m->partition_rows = cfg->partition_rows;
+    m->reclaim_ms = cfg->on_sent == OBX_ON_SENT_LOG ? cfg->retention_ms : 0;
+    m->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
     m->stats_spacing_ms = OBX_MAINT_STATS_MS;
     count_from_start(m);
     m->with_stats = with_stats;
@@ -156,9 +160,27 @@ static void count_from_start(struct obx_maint *m)
     snprintf(m->count_xmin, sizeof(m->count_xmin), "0");
 }
 
+/* Log mode: the stored cursor bounds the count (outbox.unpublished). */
+static void run_log_stats(struct obx_maint *m)
+{
+    PGresult *res = PQexec(m->conn, obx_store_sql_backlog());
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        set_error(m, "backlog query failed");
+    } else {
+        m->backlog_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+        m->lag_out = strtod(PQgetvalue(res, 0, 1), NULL);
+    }
+    PQclear(res);
+}
+
 static void run_stats(struct obx_maint *m)
 {
     uint64_t t0 = uv_hrtime();
+    if (m->log_mode) {
+        run_log_stats(m);
+        m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);
+        return;
+    }
     char floor[24];
     snprintf(floor, sizeof(floor), "%lld", (long long)m->count_floor);
     const char *params[] = {floor, m->count_xmin};
@@ -224,6 +246,21 @@ static void run_partitions(struct obx_maint *m)
     PQclear(res);
 }
 
+/* Log mode: whole partitions the stored cursor covers, past retention. */
+static void run_reclaim(struct obx_maint *m)
+{
+    char keep[32];
+    snprintf(keep, sizeof(keep), "%lld", (long long)m->reclaim_ms);
+    const char *params[] = {keep};
+    PGresult *res =
+        PQexecParams(m->conn, OBX_STORE_SQL_RECLAIM_PARTITIONS, 1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
+        set_error(m, "partition reclaim failed");
+    else
+        m->parts_reclaimed = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+}
+
 /* Worker thread: only the job's fields and m->conn are touched here. */
 static void work_cb(uv_work_t *w)
 {
@@ -236,6 +273,8 @@ static void work_cb(uv_work_t *w)
         run_stats(m);
     if (m->job_purge && !m->error[0])
         run_purge(m);
+    if (m->job_reclaim && !m->error[0])
+        run_reclaim(m);
     if (m->conn && PQstatus(m->conn) != CONNECTION_OK)
         disconnect(m);
 }
@@ -275,6 +314,8 @@ static void after_work_cb(uv_work_t *w, int status)
             m->purge_due = now + m->retention_interval_ms;
         if (m->job_parts)
             m->parts_due = now + OBX_MAINT_PARTITIONS_MS;
+        if (m->job_reclaim)
+            m->reclaim_due = now + m->retention_interval_ms;
         return;
     }
     if (m->last_error[0]) {
@@ -286,6 +327,13 @@ static void after_work_cb(uv_work_t *w, int status)
             obx_info("partitions: created %lld of outbox.events (%d ids each) ahead of its ids",
                      (long long)m->parts_made, m->partition_rows);
         m->parts_due = now + OBX_MAINT_PARTITIONS_MS;
+    }
+    if (m->job_reclaim) {
+        if (m->parts_reclaimed > 0)
+            obx_info("retention: dropped or emptied %lld partitions of outbox.events, every row "
+                     "in them published and written more than %llds ago",
+                     (long long)m->parts_reclaimed, (long long)(m->reclaim_ms / 1000));
+        m->reclaim_due = now + m->retention_interval_ms;
     }
     if (m->job_stats) {
         m->backlog = m->backlog_out;
@@ -319,10 +367,11 @@ void obx_maint_tick(struct obx_maint *m, int64_t now)
     m->job_stats = m->with_stats && now >= m->stats_due;
     m->job_purge = m->retention_ms > 0 && now >= m->purge_due;
     m->job_parts = now >= m->parts_due;
-    if (!m->job_stats && !m->job_purge && !m->job_parts)
+    m->job_reclaim = m->reclaim_ms > 0 && now >= m->reclaim_due;
+    if (!m->job_stats && !m->job_purge && !m->job_parts && !m->job_reclaim)
         return;
     m->error[0] = '\0';
-    m->purged = m->batches = m->parts_made = 0;
+    m->purged = m->batches = m->parts_made = m->parts_reclaimed = 0;
     m->round_done = false;
     if (uv_queue_work(m->loop, &m->work, work_cb, after_work_cb) == 0)
         m->busy = true;

@@ -270,13 +270,10 @@ int obx_recovery_start(struct obx_recovery *rec)
     rec->parts_left = 0;
     rec->aborted = false;
     atomic_store(&rec->cancel, false);
-    if (rec->log_mode) { /* the stored cursor first, then the plan */
-        if (obx_pg_send(rec->pg, obx_store_sql_log_state(), 0, NULL, 0, on_state_result, rec) != 0)
-            return -1;
-    } else if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result,
-                           rec) != 0) {
+    /* The stored cursor first, in every mode: after log mode, mark and
+     * delete mode leave the rows it covers alone. Then the plan. */
+    if (obx_pg_send(rec->pg, obx_store_sql_log_state(), 0, NULL, 0, on_state_result, rec) != 0)
         return -1;
-    }
     set_step(rec, STEP_PLAN, "plan sent");
     return 0;
 }
@@ -289,7 +286,7 @@ uint64_t obx_recovery_progress(const struct obx_recovery *rec)
 static void finish(struct obx_recovery *rec, bool ok)
 {
     set_step(rec, STEP_IDLE, ok ? "pass done" : "pass failed");
-    if (ok && rec->log_mode) {
+    if (ok) {
         const struct log_read *l = &rec->log;
         struct obx_log_state st = {
             .has_cursor = l->has_cursor,
@@ -854,8 +851,7 @@ static void on_state_result(void *arg, const PGresult *res, const char *error)
         finish(rec, false);
         return;
     }
-    if (obx_pg_send(rec->pg, obx_store_sql_log_recovery_plan(), 0, NULL, 0, on_plan_result, rec) !=
-        0)
+    if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result, rec) != 0)
         finish(rec, false);
 }
 

@@ -997,7 +997,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         f->keyset = true;
         f->after_id = r->hwm;
         f->snapshot = r->snap;
-    } else if (r->set.log_mode && r->log.has_stored) {
+    } else if (r->log.has_stored) {
         /* Everything the stored cursor does not cover, but what is in flight. */
         if (!log_held_out(r))
             return false;
@@ -1614,8 +1614,8 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
             else if (s->state != SLOT_FREE)
                 slot_release(r, s);
         }
-        log_reset(r);
     }
+    log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -1652,8 +1652,8 @@ static int compare_found(const void *a, const void *b)
 int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
 {
     struct log_state *l = &r->log;
-    if (!r->set.log_mode)
-        return 0;
+    /* Mark and delete mode after log mode read the stored cursor too (and
+     * never write one): their full fetch leaves the rows it covers alone. */
     /* The records found, whether the session begins or a pass settled a
      * possibly-persisted report: rows in flight now are not among them
      * (found rows are only taken when fetched). */
@@ -1787,7 +1787,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * a lower hwm. A full fetch that every uncovered row came back from may
      * take the stored hwm; one cut below it holds no cursor (the next one
      * is a full fetch again). */
-    if (r->set.log_mode && r->log.has_stored && ok) {
+    if (r->log.has_stored && ok) {
         if (!r->fetch_keyset && !cut && r->hwm < r->log.stored_hwm)
             r->hwm = r->log.stored_hwm;
         ok = r->hwm >= r->log.stored_hwm;

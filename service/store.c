@@ -288,9 +288,16 @@ const char *obx_store_sql_log_write(void)
 }
 
 #define LOG_NEWEST " c AS (SELECT * FROM outbox.log_cursor ORDER BY batch DESC LIMIT 1)"
+/* Each partition's stored offset: the higher of what log mode's cursor rows
+ * and mark or delete mode's outbox.kafka_offsets say. Each bounds the
+ * records of its own time, and the later mode's records lie after the
+ * earlier one's, so after a switch of modes the higher one holds. */
 #define LOG_OFFSETS                                                                                \
-    " o AS (SELECT t.topic, t.p, max(t.o) AS o FROM outbox.log_cursor a,"                          \
-    "         unnest(a.topics, a.kafka_partitions, a.last_offsets) AS t(topic, p, o)"              \
+    " o AS (SELECT t.topic, t.p, max(t.o) AS o"                                                    \
+    "       FROM (SELECT u.topic, u.p, u.o FROM outbox.log_cursor a,"                              \
+    "               unnest(a.topics, a.kafka_partitions, a.last_offsets) AS u(topic, p, o)"        \
+    "             UNION ALL"                                                                       \
+    "             SELECT topic, kafka_partition, last_offset FROM outbox.kafka_offsets) t"         \
     "       GROUP BY 1, 2)"
 
 const char *obx_store_sql_log_state(void)
@@ -308,18 +315,6 @@ const char *obx_store_sql_log_state(void)
            " SELECT 'a', a.id::text, NULL, NULL FROM c, unnest(c.also_sent) AS a(id)"
            " UNION ALL"
            " SELECT 'o', o.topic, o.p::text, o.o::text FROM o";
-}
-
-const char *obx_store_sql_log_recovery_plan(void)
-{
-    /* As obx_store_sql_recovery_plan, for the rows the cursor does not
-     * cover and the offsets it stores. */
-    return "WITH" LOG_OFFSETS ", u AS (SELECT id, topic FROM outbox.unpublished)"
-           " SELECT t.topic, o.p, o.o, r.lo, r.hi"
-           " FROM (SELECT DISTINCT topic FROM u) t"
-           " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM u) r"
-           " LEFT JOIN o ON o.topic = t.topic"
-           " ORDER BY 1, 2";
 }
 
 const char *obx_store_sql_log_recover(void)
@@ -474,19 +469,18 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
 const char *obx_store_sql_recovery_plan(void)
 {
     /* A record outside [lo, hi] cannot match any unsent row. */
-    return "SELECT t.topic, k.kafka_partition, k.last_offset, r.lo, r.hi"
-           " FROM (SELECT DISTINCT topic FROM outbox.events WHERE sent_at IS NULL) t"
-           " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM outbox.events"
-           "             WHERE sent_at IS NULL) r"
-           " LEFT JOIN outbox.kafka_offsets k ON k.topic = t.topic"
+    return "WITH" LOG_OFFSETS " SELECT t.topic, o.p, o.o, r.lo, r.hi"
+           " FROM (SELECT DISTINCT topic FROM outbox.unpublished) t"
+           " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM outbox.unpublished) r"
+           " LEFT JOIN o ON o.topic = t.topic"
            " ORDER BY 1, 2";
 }
 
 const char *obx_store_sql_backlog(void)
 {
-    return "SELECT (SELECT count(*) FROM outbox.events WHERE sent_at IS NULL),"
-           "       coalesce((SELECT extract(epoch FROM now() - created_at)::float8"
-           "                 FROM outbox.events WHERE sent_at IS NULL ORDER BY id LIMIT 1), 0)";
+    /* Any mode: log mode's rows are never marked, the view asks its cursor. */
+    return "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)"
+           " FROM outbox.unpublished";
 }
 
 /* The backlog gauges again, from where the last count left off: $1 the
@@ -527,8 +521,7 @@ const char *obx_store_sql_backlog_since(void)
 
 const char *obx_store_sql_waiting(void)
 {
-    return "SELECT topic, count(*) FROM outbox.events"
-           " WHERE sent_at IS NULL GROUP BY topic ORDER BY 2 DESC";
+    return "SELECT topic, count(*) FROM outbox.unpublished GROUP BY topic ORDER BY 2 DESC";
 }
 
 const char *obx_store_sql_purge(void)
@@ -618,12 +611,21 @@ const char *obx_store_sql_dead_existing(void)
 
 const char *obx_store_sql_dead_retry(void)
 {
+    /* Mark and delete mode moved the row out of outbox.events: it goes
+     * back. Log mode left it in place: it is written again (the xid of this
+     * transaction), which the cursor does not cover, so it is published. */
     return "WITH moved AS ("
            "   DELETE FROM outbox.dead_letters WHERE id = ANY ($1::bigint[])"
-           "   RETURNING id, topic, key, payload, headers, created_at)"
-           " INSERT INTO outbox.events (id, topic, key, payload, headers, created_at)"
-           " OVERRIDING SYSTEM VALUE"
-           " SELECT id, topic, key, payload, headers, created_at FROM moved RETURNING id";
+           "   RETURNING id, topic, key, payload, headers, created_at),"
+           " again AS ("
+           "   UPDATE outbox.events e SET xid = pg_current_xact_id(), sent_at = NULL"
+           "   FROM moved m WHERE e.id = m.id RETURNING e.id),"
+           " back AS ("
+           "   INSERT INTO outbox.events (id, topic, key, payload, headers, created_at)"
+           "   OVERRIDING SYSTEM VALUE"
+           "   SELECT id, topic, key, payload, headers, created_at FROM moved"
+           "   WHERE id NOT IN (SELECT id FROM again) RETURNING id)"
+           " SELECT id FROM again UNION ALL SELECT id FROM back";
 }
 
 const char *obx_store_sql_dead_drop(void)
@@ -631,9 +633,12 @@ const char *obx_store_sql_dead_drop(void)
     return "DELETE FROM outbox.dead_letters WHERE id = ANY ($1::bigint[]) RETURNING id";
 }
 
+/* Published rows (any mode: marked, or covered by log mode's cursor). */
 #define REPLAY_WHERE                                                                               \
-    " WHERE topic = $1 AND sent_at IS NOT NULL AND id BETWEEN $2::bigint AND $3::bigint"           \
-    "   AND created_at >= $4::timestamptz"
+    " WHERE topic = $1 AND id BETWEEN $2::bigint AND $3::bigint"                                   \
+    "   AND created_at >= $4::timestamptz"                                                         \
+    "   AND id NOT IN (SELECT id FROM outbox.unpublished"                                          \
+    "                  WHERE topic = $1 AND id BETWEEN $2::bigint AND $3::bigint)"
 
 const char *obx_store_sql_replay_plan(void)
 {
@@ -643,5 +648,7 @@ const char *obx_store_sql_replay_plan(void)
 
 const char *obx_store_sql_replay(void)
 {
-    return "UPDATE outbox.events SET sent_at = NULL" REPLAY_WHERE;
+    /* A new xid: log mode's cursor does not cover the row any more (in
+     * mark mode the trigger of sql/004 does the same). */
+    return "UPDATE outbox.events SET sent_at = NULL, xid = pg_current_xact_id()" REPLAY_WHERE;
 }

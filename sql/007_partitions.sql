@@ -167,7 +167,7 @@ CREATE TABLE IF NOT EXISTS outbox.log_cursor (
     written_at       timestamptz NOT NULL DEFAULT now()
 );
 REVOKE ALL ON outbox.log_cursor FROM PUBLIC;
-GRANT SELECT, INSERT, TRUNCATE ON outbox.log_cursor TO outboxd_relay;
+GRANT SELECT, INSERT, UPDATE, TRUNCATE ON outbox.log_cursor TO outboxd_relay;
 
 -- The rows not yet published, in any mode: unsent (sent_at NULL) and not
 -- covered by the newest cursor row (log mode's; none in mark and delete
@@ -193,13 +193,17 @@ SELECT e.* FROM outbox.events e
 WHERE e.sent_at IS NULL AND NOT EXISTS (SELECT FROM outbox.log_cursor);
 REVOKE ALL ON outbox.unpublished FROM PUBLIC;
 GRANT SELECT ON outbox.unpublished TO outboxd_relay;
+-- outboxd replay and outboxd dead retry in log mode write a row again (a
+-- new xid, which the cursor does not cover): the tools may run as the relay.
+GRANT UPDATE (xid) ON outbox.events TO outboxd_relay;
 
 -- The relay's write of one cursor row. With p_restart the table is emptied
 -- first, in the same transaction (the row then carries every partition's
 -- offset): a row per batch, and no row ever deleted, so nothing is left
 -- for vacuum. TRUNCATE waits for readers of the table (outboxd status);
 -- rather than make the relay wait, the row is then added without it, and
--- the relay empties the table at a later row. Returns 1.
+-- the relay empties the table at a later row. A row of the same number
+-- again (its first commit's answer was lost) replaces it. Returns 1.
 CREATE OR REPLACE FUNCTION outbox.advance_cursor(
     p_batch bigint, p_hwm bigint, p_snap pg_snapshot, p_held_topics text[],
     p_held_keys text[], p_held_from bigint[], p_also_sent bigint[], p_topics text[],
@@ -219,7 +223,13 @@ BEGIN
     INSERT INTO outbox.log_cursor (batch, hwm, snap, held_topics, held_keys, held_from,
                                    also_sent, topics, kafka_partitions, last_offsets)
     VALUES (p_batch, p_hwm, p_snap, p_held_topics, p_held_keys, p_held_from, p_also_sent,
-            p_topics, p_partitions, p_offsets);
+            p_topics, p_partitions, p_offsets)
+    ON CONFLICT (batch) DO UPDATE
+       SET hwm = excluded.hwm, snap = excluded.snap, held_topics = excluded.held_topics,
+           held_keys = excluded.held_keys, held_from = excluded.held_from,
+           also_sent = excluded.also_sent, topics = excluded.topics,
+           kafka_partitions = excluded.kafka_partitions, last_offsets = excluded.last_offsets,
+           written_at = excluded.written_at;
     RETURN 1;
 END
 $$;

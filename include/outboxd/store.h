@@ -105,11 +105,9 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight);
 const char *obx_store_sql_log_write(void);
 /* What the stored cursor says, a kind per row (see store.c). */
 const char *obx_store_sql_log_state(void);
-/* The recovery plan and the recovery match of log mode: as
- * obx_store_sql_recovery_plan and obx_store_sql_recover, for the rows the
- * stored cursor does not cover; the match writes nothing and returns the
- * matched ids. */
-const char *obx_store_sql_log_recovery_plan(void);
+/* The recovery match of log mode: as obx_store_sql_recover, for the rows
+ * the stored cursor does not cover; writes nothing and returns the matched
+ * ids. */
 const char *obx_store_sql_log_recover(void);
 
 /* The mark: one statement, so one transaction on its own. $1 bigint[][]
@@ -132,9 +130,10 @@ const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len);
  * and payload all match. One row: confirmed, found, offsets stored. */
 const char *obx_store_sql_recover(int on_sent, char *buf, size_t len);
 
-/* The recovery plan: topics with unsent rows, each stored (partition,
- * offset) of them, and the range of unsent ids. Columns: topic, partition,
- * last_offset, lo, hi. */
+/* The recovery plan, any mode: topics with unpublished rows, each stored
+ * (partition, offset) of them (the higher of outbox.kafka_offsets and log
+ * mode's cursor rows), and the range of unpublished ids. Columns: topic,
+ * partition, last_offset, lo, hi. */
 const char *obx_store_sql_recovery_plan(void);
 
 /* The backlog gauges: unsent rows, age in seconds of the oldest. */
@@ -147,6 +146,10 @@ const char *obx_store_sql_backlog_since(void);
 /* Partitions of outbox.events ahead of the ids: $1 ids per partition, $2
  * partitions ahead. One row: how many were created. */
 #define OBX_STORE_SQL_UPKEEP_PARTITIONS "SELECT outbox.upkeep_partitions($1::bigint, $2::int)"
+/* Log mode's reclaim: $1 retention in ms. One row: partitions dropped or
+ * emptied. */
+#define OBX_STORE_SQL_RECLAIM_PARTITIONS                                                           \
+    "SELECT outbox.reclaim_partitions($1::bigint * interval '1 millisecond')"
 /* How many partitions the upkeep keeps ahead of the last id drawn. */
 #define OBX_STORE_PARTITIONS_AHEAD 2
 

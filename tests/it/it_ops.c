@@ -337,8 +337,12 @@ static void test_check_live(void **state)
     assert_non_null(strstr(body, "role weak lacks UPDATE (sent_at) on outbox.events"));
     assert_non_null(strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.kafka_offsets"));
     assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.repair_writer_xids()"));
+    assert_non_null(
+        strstr(body, "role weak lacks SELECT, INSERT, UPDATE, TRUNCATE on outbox.log_cursor"));
+    assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.upkeep_partitions"));
     assert_non_null(strstr(body, "GRANT outboxd_relay TO weak"));
-    assert_int_equal(count_lines(body, "problem:"), 5);
+    /* and the list of waiting rows it cannot read */
+    assert_int_equal(count_lines(body, "problem:"), 11);
     /* Exactly the grants of sql/ are enough. */
     h_sql(c, "GRANT outboxd_relay TO weak");
     assert_int_equal(check_live(conninfo, env.bootstrap), 0);
@@ -618,16 +622,16 @@ static void test_status(void **state)
     PQfinish(c);
 }
 
-/* outboxd dead list / retry / drop, and outboxd replay. */
-static void test_dead_and_replay(void **state)
+/* outboxd dead list / retry / drop, and outboxd replay, in `mode`. */
+static void dead_and_replay(const char *mode)
 {
-    (void)state;
     static char out[1 << 16];
     h_env_start(&env, (const char *const[]){"it.a:2", "it.missing:1", NULL});
     assert_true(h_broker_cmd(&env, "topic-error it.missing UNKNOWN_TOPIC_OR_PART"));
     h_relay_start(&env, NULL,
                   (const char *const[]){"relay.on_reject=dead_letter",
-                                        "kafka.topic.metadata.propagation.max.ms=1000", NULL});
+                                        "kafka.topic.metadata.propagation.max.ms=1000", mode,
+                                        NULL});
     PGconn *c = h_connect(&env);
     int64_t d1 = h_enqueue(c, "it.missing", "m", "one", 3, NULL);
     int64_t d2 = h_enqueue(c, "it.missing", NULL, "two", 3, NULL);
@@ -670,7 +674,8 @@ static void test_dead_and_replay(void **state)
                h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters") == 0) {
             sent = h_sql_int(c,
                              "SELECT count(*) FROM outbox.events WHERE id = %lld"
-                             " AND sent_at IS NOT NULL",
+                             " AND id NOT IN (SELECT id FROM outbox.unpublished)"
+                             " AND id NOT IN (SELECT id FROM outbox.dead_letters)",
                              (long long)d1) == 1;
             h_sleep_ms(100);
         }
@@ -717,6 +722,21 @@ static void test_dead_and_replay(void **state)
     h_records_free(&recs);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     PQfinish(c);
+}
+
+static void test_dead_and_replay(void **state)
+{
+    (void)state;
+    dead_and_replay("relay.on_sent=mark");
+}
+
+/* Log mode: the dead letter is a copy (the row stays in the log), and a
+ * retried one or a replayed row is written again, which the cursor does
+ * not cover. */
+static void test_dead_and_replay_log(void **state)
+{
+    (void)state;
+    dead_and_replay("relay.on_sent=log");
 }
 
 /* Whether `name` is a metric of the exposition: a "# TYPE" name, or a
@@ -809,6 +829,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_dashboard, teardown_env),
         cmocka_unit_test_teardown(test_status, teardown_env),
         cmocka_unit_test_teardown(test_dead_and_replay, teardown_env),
+        cmocka_unit_test_teardown(test_dead_and_replay_log, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }

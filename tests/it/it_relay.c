@@ -879,6 +879,56 @@ static void test_log_mode(void **state)
     PQfinish(c);
 }
 
+/* Log mode's space: partitions every row of which is published and past
+ * retention are dropped whole (the rows are never deleted one by one), and
+ * the rest stay; writers go on meanwhile. */
+static void test_log_mode_reclaims_partitions(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:4", "it.b:2", "it.c:1", NULL});
+    PGconn *c = h_connect(&env);
+    /* Ids from 1,000,001 on, in partitions of 1,000 ids. */
+    h_sql(c, "SELECT setval(pg_get_serial_sequence('outbox.events', 'id'), 1000000)");
+    assert_int_equal(h_sql_int(c, "SELECT outbox.upkeep_partitions(1000, 5)"), 5);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_sent=log", "retention.partition_rows=1000",
+                                        "retention.period=2s", "retention.interval=1s", NULL});
+    s_prefill(&env, "it.a", 3500);
+    assert_true(h_wait_drained(&env, 60000));
+    const char *partitions = "SELECT count(*) FROM pg_inherits"
+                             " WHERE inhparent = 'outbox.events'::regclass";
+    int64_t before = h_sql_int(c, "%s", partitions);
+    /* [1000001, 1001001) .. [1002001, 1003001) are published and past
+     * retention soon; the partition of the newest rows is not covered
+     * whole, so it stays, as do those ahead and the default. */
+    int64_t deadline = h_now_ms() + 20000;
+    while (h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE id <= 1003000") > 0 &&
+           h_now_ms() < deadline)
+        h_sleep_ms(200);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE id <= 1003000"), 0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events"), 500);
+    assert_true(h_sql_int(c, "%s", partitions) < before);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM pg_class"
+                                  " WHERE relname = 'events_1002001'"),
+                     0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM pg_class"
+                                  " WHERE relname IN ('events_1003001', 'events_default')"),
+                     2);
+    assert_int_equal(
+        h_sql_int(c, "SELECT coalesce(sum(n_tup_upd + n_tup_del), 0)"
+                     " FROM pg_stat_user_tables WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS),
+        0);
+    assert_true(h_relay_log_contains(&env, "retention: dropped or emptied"));
+    h_enqueue(c, "it.b", "k", "after", 5, NULL);
+    assert_true(h_wait_drained(&env, 30000));
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(recs.n, 3501);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    PQfinish(c);
+}
+
 static void apply_sql_file(PGconn *c, const char *path)
 {
     static char sql[65536];
@@ -1353,6 +1403,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_sigterm, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_delete_mode, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_log_mode, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_log_mode_reclaims_partitions, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_start_before_dependencies, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_lifecycle, setup_env, teardown_env),
