@@ -631,6 +631,12 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
     const char *name = e->relay_name[0] ? e->relay_name : "relay";
     snprintf(conf, sizeof(conf), "%s/%s.conf", e->dir, name);
     h_relay_log_path(e, log, sizeof(log));
+    /* OBX_IT_ON_SENT: the mode every relay of the suite runs in unless a
+     * test says otherwise (-X overrides the file): the sanitizer pass runs
+     * the integration tests in log mode. */
+    const char *mode = getenv("OBX_IT_ON_SENT");
+    if (!mode || !*mode)
+        mode = "mark";
     snprintf(text, sizeof(text),
              "# written by the integration test harness\n"
              "postgres.conninfo = %s\n"
@@ -640,8 +646,9 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
              "relay.retry_backoff = 200ms\n"
              "shutdown.timeout = 20s\n"
              "http.listen = 127.0.0.1:%d\n"
-             "log.level = info\n",
-             e->conninfo, e->bootstrap, e->http_port);
+             "log.level = info\n"
+             "relay.on_sent = %s\n",
+             e->conninfo, e->bootstrap, e->http_port, mode);
     write_file(conf, text);
 
     /* OBX_RELAY_BINARY: the binary under test, e.g. an older build for a
