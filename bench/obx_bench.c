@@ -20,6 +20,12 @@
  * 4. Latency: one event per transaction at fixed rates; commit -> record
  *    read by a consumer in this process, on one clock.
  * 5. Footprint of the outboxd process.
+ * Then the three modes side by side (relay.on_sent = mark, delete, log):
+ *    drain against its mode's job (log mode's is the minimal keyset SELECT
+ *    alone), the machine's CPU per row of the two halves alone over the
+ *    drain's (/proc/stat: every process), WAL bytes and dead row versions
+ *    per row, the relay's backend CPU, p99 at 1,000 rows/s, and a held
+ *    xmin horizon of OBX_BENCH_TABLE_HORIZON seconds (120) at 1,000 rows/s.
  *
  * Each outboxd started here serves /metrics on a port of its own (not
  * http.listen's default), so a second benchmark on the machine can neither
@@ -28,7 +34,7 @@
  * What the application's database does to the relay, each run alone
  * instead of the table above (bench/run passes the environment through):
  *
- * OBX_BENCH_HORIZON=mark|delete [OBX_BENCH_HORIZON_SECONDS=300]
+ * OBX_BENCH_HORIZON=mark|delete|log [OBX_BENCH_HORIZON_SECONDS=300]
  *    A held xmin horizon: one more session keeps a REPEATABLE READ snapshot
  *    (BEGIN; SELECT count(*) FROM outbox.kafka_offsets) for the whole run,
  *    as a report or pg_dump does, while writers commit 1,000 rows/s with
@@ -162,7 +168,7 @@ static void prefill(PGconn *c, int rows, int payload)
  * debt left by the one before. */
 static void settle(PGconn *c)
 {
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets, outbox.log_cursor");
     exec_ok(c, "VACUUM ANALYZE outbox.events");
     exec_ok(c, "CHECKPOINT");
 }
@@ -172,7 +178,31 @@ struct pg_cost {
     double rows_per_s;
     double wal_per_row;   /* bytes */
     double cpu_ms_per_1k; /* backend CPU per 1,000 rows */
+    double machine_us;    /* the whole machine's CPU per row (all processes) */
 };
+
+/* The whole machine's busy CPU time so far, in seconds (/proc/stat: every
+ * process on every core, Postgres, the mock broker and us included). */
+static double machine_cpu_s(void)
+{
+    FILE *f = fopen("/proc/stat", "r");
+    unsigned long long v[8] = {0};
+    if (!f || fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                     &v[4], &v[5], &v[6], &v[7]) != 8) {
+        if (f)
+            fclose(f);
+        return 0;
+    }
+    fclose(f);
+    /* user nice system (idle iowait) irq softirq steal */
+    return (double)(v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* The mode's name. */
+static const char *mode_name(int on_sent)
+{
+    return on_sent == OBX_ON_SENT_DELETE ? "delete" : on_sent == OBX_ON_SENT_LOG ? "log" : "mark";
+}
 
 static double backend_cpu_s(int pid);
 
@@ -195,6 +225,8 @@ static double wal_since(PGconn *c, const char *lsn)
 
 /* A Postgres-side run: a prefilled, analyzed table, and the starting WAL
  * position and backend CPU of the connection that will drain it. */
+static double cost_machine0; /* machine_cpu_s() when the measurement began */
+
 static PGconn *cost_start(const struct opts *o, int payload, char *lsn, size_t lsn_len,
                           double *cpu0)
 {
@@ -204,6 +236,7 @@ static PGconn *cost_start(const struct opts *o, int payload, char *lsn, size_t l
     exec_ok(c, "VACUUM ANALYZE outbox.events");
     wal_lsn(c, lsn, lsn_len);
     *cpu0 = backend_cpu_s(PQbackendPID(c));
+    cost_machine0 = machine_cpu_s();
     return c;
 }
 
@@ -212,10 +245,11 @@ static struct pg_cost cost_finish(PGconn *c, long done, double t0, const char *l
 {
     double t = now_s() - t0;
     struct pg_cost cost = {.rows_per_s = (double)done / t};
+    cost.machine_us = (machine_cpu_s() - cost_machine0) * 1e6 / (double)done;
     cost.cpu_ms_per_1k = (backend_cpu_s(PQbackendPID(c)) - cpu0) * 1e6 / (double)done;
     cost.wal_per_row = wal_since(c, lsn) / (double)done;
     obx_pg_array_free(ids);
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets, outbox.log_cursor");
     PQfinish(c);
     return cost;
 }
@@ -266,8 +300,40 @@ static PGresult *next_result(PGconn *c)
     return r;
 }
 
+/* Log mode's job: the minimal keyset SELECT alone, nothing written. */
+static struct pg_cost job_limit_log(const struct opts *o, int payload)
+{
+    static const char fetch[] = "SELECT id, topic, key, payload, headers, created_at"
+                                " FROM outbox.events WHERE id > $1::bigint ORDER BY id LIMIT 1000";
+    char lsn[64], after[24];
+    double cpu0;
+    PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
+    exec_ok(c, "SET enable_seqscan = off; SET enable_bitmapscan = off; SET jit = off");
+    struct obx_pg_array ids = {0};
+    long done = 0;
+    int64_t top = INT64_MIN;
+    double t0 = now_s();
+    for (;;) {
+        snprintf(after, sizeof(after), "%lld", (long long)top);
+        const char *v[1] = {after};
+        PGresult *r = PQexecParams(c, fetch, 1, NULL, v, NULL, NULL, 1);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK)
+            die("minimal keyset fetch", PQresultErrorMessage(r));
+        int64_t list[BATCH];
+        int n = collect_ids(r, list);
+        PQclear(r);
+        if (n == 0)
+            break;
+        top = list[n - 1];
+        done += n;
+    }
+    return cost_finish(c, done, t0, lsn, cpu0, &ids);
+}
+
 static struct pg_cost job_limit(const struct opts *o, int on_sent, int payload)
 {
+    if (on_sent == OBX_ON_SENT_LOG)
+        return job_limit_log(o, payload);
     static const char fetch[] = "SELECT id, topic, key, payload, headers, created_at"
                                 " FROM outbox.events WHERE sent_at IS NULL ORDER BY id LIMIT 1000";
     const char *confirm = on_sent == OBX_ON_SENT_DELETE
@@ -331,6 +397,9 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
 {
     char mark_sql[2048];
     obx_store_sql_mark_plain(on_sent, mark_sql, sizeof(mark_sql)); /* no dead letters here */
+    bool log = on_sent == OBX_ON_SENT_LOG;
+    if (log) /* a cursor row a batch */
+        snprintf(mark_sql, sizeof(mark_sql), "%s", obx_store_sql_log_write());
     char lsn[64];
     double cpu0;
     PGconn *c = cost_start(o, payload, lsn, sizeof(lsn), &cpu0);
@@ -376,8 +445,14 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
                              "{1,1,1,1,1,1,1,1,1,1,1,1}",
                              "{}",
                              "{}"};
-        r = PQexecPrepared(c, "m", 4, mv, NULL, NULL, 0); /* one statement: its own transaction */
-        if (PQresultStatus(r) != PGRES_COMMAND_OK)
+        char batch_no[24], hwm_text[24];
+        snprintf(batch_no, sizeof(batch_no), "%ld", done / BATCH + 1);
+        snprintf(hwm_text, sizeof(hwm_text), "%lld", (long long)hwm);
+        const char *lv[13] = {batch_no,  hwm_text, snap,  "{}",    "{}", "{}", "{}",
+                              "{bench}", "{0}",    "{1}", "false", "{}", "{}"};
+        r = log ? PQexecPrepared(c, "m", 13, lv, NULL, NULL, 0)
+                : PQexecPrepared(c, "m", 4, mv, NULL, NULL, 0); /* one statement: one transaction */
+        if (PQresultStatus(r) != (log ? PGRES_TUPLES_OK : PGRES_COMMAND_OK))
             die("mark", PQresultErrorMessage(r));
         PQclear(r);
         done += n;
@@ -433,7 +508,9 @@ static void on_dr(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaque)
     atomic_fetch_add(&delivered, 1);
 }
 
-static double kafka_limit(const struct opts *o, size_t payload_len)
+/* The bare producer's rate; *machine_us (if given): the whole machine's
+ * CPU per record, the mock broker's included. */
+static double kafka_limit(const struct opts *o, size_t payload_len, double *machine_us)
 {
     static char payload[4096];
     char err[512], key[32], id[24], trace[64];
@@ -456,7 +533,7 @@ static double kafka_limit(const struct opts *o, size_t payload_len)
                       RD_KAFKA_V_END);
     rd_kafka_flush(rk, 10000);
     atomic_store(&delivered, 0);
-    double t0 = now_s();
+    double t0 = now_s(), m0 = machine_cpu_s();
     for (int i = 0; i < o->rows; i++) {
         int kl = snprintf(key, sizeof(key), "key-%d", i % KEYS);
         int il = snprintf(id, sizeof(id), "%d", i + 1);
@@ -481,6 +558,8 @@ static double kafka_limit(const struct opts *o, size_t payload_len)
     while (atomic_load(&delivered) < o->rows)
         rd_kafka_poll(rk, 50);
     double t = now_s() - t0;
+    if (machine_us)
+        *machine_us = (machine_cpu_s() - m0) * 1e6 / o->rows;
     rd_kafka_destroy(rk);
     return o->rows / t;
 }
@@ -538,6 +617,7 @@ static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_
                         bootstrap,
                         "-X",
                         on_sent == OBX_ON_SENT_DELETE ? "relay.on_sent=delete"
+                        : on_sent == OBX_ON_SENT_LOG  ? "relay.on_sent=log"
                                                       : "relay.on_sent=mark",
                         "-X",
                         "log.level=warn",
@@ -601,6 +681,8 @@ static void stop_outboxd(pid_t pid)
 
 struct drain_result {
     double rows_per_s;
+    double machine_us;       /* the whole machine's CPU per row */
+    double dead_per_row;     /* row versions the relay left dead in outbox.events */
     double pg_cpu_ms_per_1k; /* the relay's Postgres backend */
     double wal_per_row;
     double cpu_per_100k;
@@ -713,9 +795,18 @@ static void wait_marked(PGconn *c, const char *sql, long long target, pid_t rela
 /* The probe for "is anything left to relay" in each mode. */
 static const char *left_sql_for(int on_sent)
 {
-    return on_sent == OBX_ON_SENT_DELETE
-               ? "SELECT EXISTS (SELECT FROM outbox.events)::int"
-               : "SELECT EXISTS (SELECT FROM outbox.events WHERE sent_at IS NULL)::int";
+    return on_sent == OBX_ON_SENT_DELETE ? "SELECT EXISTS (SELECT FROM outbox.events)::int"
+           : on_sent == OBX_ON_SENT_LOG  ? "SELECT EXISTS (SELECT FROM outbox.unpublished)::int"
+                                         : "SELECT EXISTS (SELECT FROM outbox.events"
+                                           " WHERE sent_at IS NULL)::int";
+}
+
+/* Row versions the relay made dead in outbox.events so far (updates and
+ * deletes counted by the statistics, summed over the partitions). */
+static long long events_dead_made(PGconn *c)
+{
+    return query_int(c, "SELECT coalesce(sum(n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables"
+                        " WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS);
 }
 
 /* The relay's own Postgres backend (its maintenance session has another
@@ -761,12 +852,15 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     proc_stats(pid, &s0);
     long a0 = count_file ? read_count(count_file) : 0;
     double b0 = backend_cpu_s(relay_backend);
+    long long dead0 = events_dead_made(c);
+    double m0 = machine_cpu_s();
     double t0 = now_s();
     plot_drain_t0 = t0;
     plot_drain_base = 1; /* the warm-up row */
     exec_ok(c, "COMMIT");
     wait_marked(c, left_sql, rows + 1LL, pid); /* and the warm-up row */
     double t1 = now_s();
+    res->machine_us = (machine_cpu_s() - m0) * 1e6 / rows;
     wait_drained(c, left_sql, pid); /* what the relay says, Postgres confirms */
     proc_stats(pid, &s1);
     res->pg_cpu_ms_per_1k = (backend_cpu_s(relay_backend) - b0) * 1e6 / rows;
@@ -784,7 +878,18 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
         res->idle_cpu_s = s2.cpu_s - s1.cpu_s;
     }
     stop_outboxd(pid);
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    /* The relay's backend reports its counts as it ends. */
+    long long dead1 = dead0;
+    for (int i = 0; i < 30 && dead1 == dead0 && on_sent != OBX_ON_SENT_LOG; i++) {
+        usleep(100000);
+        dead1 = events_dead_made(c);
+    }
+    if (on_sent == OBX_ON_SENT_LOG) {
+        sleep(1);
+        dead1 = events_dead_made(c);
+    }
+    res->dead_per_row = (double)(dead1 - dead0) / rows;
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets, outbox.log_cursor");
     PQfinish(c);
 }
 
@@ -815,7 +920,7 @@ static void paired(const struct opts *o, int on_sent, int payload, bool idle, st
         struct pg_cost job = job_limit(o, on_sent, payload);
         struct pg_cost mine = pg_limit(o, on_sent, payload);
         /* The first pair's drain, over time, beside the job's limit. */
-        const char *mode = on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark";
+        const char *mode = mode_name(on_sent);
         char name[64];
         snprintf(name, sizeof(name), "drain-%s.dat", mode);
         plot_drain = i == 0 ? plot_open(name) : NULL;
@@ -1107,7 +1212,17 @@ static double per_1k_ms(double cpu_s, long rows)
  * snapshot for the whole run while writers commit 1,000 rows/s and the
  * relay publishes them. Without `hold`, the same run with no snapshot held:
  * the control. */
-static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, const char *context)
+/* A horizon run's figures for the three-mode table: p99 and the relay's
+ * backend CPU per 1k rows in the first and the last minute, and the row
+ * versions left dead in outbox.events at the end. */
+struct horizon_result {
+    double p99_first, p99_last, cpu_first, cpu_last;
+    long long dead;
+};
+
+/* With `out`, nothing is printed: the figures go there. */
+static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, const char *context,
+                    struct horizon_result *out)
 {
     const int rate = 1000;
     int windows = (seconds + WINDOW_S - 1) / WINDOW_S;
@@ -1158,7 +1273,7 @@ static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, c
     double maint0 = backend_cpu_s(maint_pid);
     struct proc_stats s0 = {0}, s1 = {0};
     proc_stats(relay, &s0);
-    const char *mode = on_sent == OBX_ON_SENT_DELETE ? "delete" : "mark";
+    const char *mode = mode_name(on_sent);
     fprintf(stderr, "obx-bench: %s, %s mode, %d s at %d rows/s...\n",
             hold ? "held xmin horizon" : "control, no horizon held", mode, seconds, rate);
     size_t n;
@@ -1188,20 +1303,38 @@ static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, c
         exec_ok(h, "ROLLBACK");
     PQfinish(h);
     stop_outboxd(relay);
-    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets");
+    exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets, outbox.log_cursor");
     PQfinish(c);
 
     /* OBX_BENCH_SAMPLES=FILE: every sample, "seconds-after-start latency-ms" a line, for
      * finding when the slow ones came. */
     const char *dump = getenv("OBX_BENCH_SAMPLES");
     if (dump && *dump) {
-        FILE *out = fopen(dump, "w");
-        if (!out)
+        FILE *samples = fopen(dump, "w");
+        if (!samples)
             die(dump, strerror(errno));
         for (size_t i = 0; i < n; i++)
-            fprintf(out, "%.3f %.3f\n", s[i].at, s[i].lat * 1e3);
-        if (fclose(out) != 0)
+            fprintf(samples, "%.3f %.3f\n", s[i].at, s[i].lat * 1e3);
+        if (fclose(samples) != 0)
             die(dump, strerror(errno));
+    }
+    if (out) {
+        struct lat_result r0, r1;
+        int last_from = (windows - 1) * WINDOW_S;
+        lat_summary(s, n, 0, windows == 1 ? 1e9 : WINDOW_S, &r0);
+        lat_summary(s, n, last_from, 1e9, &r1);
+        *out = (struct horizon_result){
+            .p99_first = r0.p99,
+            .p99_last = r1.p99,
+            .cpu_first = per_1k_ms(probe.cpu[1] - probe.cpu[0], probe.arrived[0]),
+            .cpu_last =
+                per_1k_ms(probe.cpu[windows] - probe.cpu[windows - 1], probe.arrived[windows - 1]),
+            .dead = dead,
+        };
+        free(s);
+        free(probe.cpu);
+        free(probe.arrived);
+        return;
     }
     if (hold)
         printf("outboxd under a held xmin horizon, %s mode: %s. One session holds a REPEATABLE "
@@ -1367,14 +1500,28 @@ static void machine(char *buf, size_t len)
         fclose(f);
 }
 
-/* mark or delete, from the variable `name`. */
+/* OBX_BENCH_TABLE_HORIZON: seconds of each mode's held-horizon run in the
+ * three-mode table (default 120; bench/run creates its topics). */
+static int table_horizon_seconds(void)
+{
+    const char *env = getenv("OBX_BENCH_TABLE_HORIZON");
+    char *end = NULL;
+    long s = env ? strtol(env, &end, 10) : 120;
+    if (env && (*env == '\0' || *end != '\0' || s < 10 || s > MAX_WINDOWS * WINDOW_S))
+        die("OBX_BENCH_TABLE_HORIZON", "want 10 to 3600 seconds");
+    return (int)s;
+}
+
+/* mark, delete or log, from the variable `name`. */
 static int mode_of(const char *name, const char *value)
 {
     if (strcmp(value, "mark") == 0)
         return OBX_ON_SENT_MARK;
     if (strcmp(value, "delete") == 0)
         return OBX_ON_SENT_DELETE;
-    die(name, "want mark or delete");
+    if (strcmp(value, "log") == 0)
+        return OBX_ON_SENT_LOG;
+    die(name, "want mark, delete or log");
 }
 
 /* One table row of a Postgres-side measurement and what it cost. */
@@ -1454,7 +1601,7 @@ int main(int argc, char **argv)
         /* OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held. */
         const char *hold = getenv("OBX_BENCH_HORIZON_HOLD");
         horizon(&o, mode_of("OBX_BENCH_HORIZON", held), (int)seconds,
-                !hold || strcmp(hold, "0") != 0, context);
+                !hold || strcmp(hold, "0") != 0, context, NULL);
         return 0;
     }
     const char *open_writer = getenv("OBX_BENCH_OPEN_WRITER");
@@ -1492,22 +1639,24 @@ int main(int argc, char **argv)
         return 0;
     }
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
-        /* OBX_BENCH_DRAIN_ONLY=delete: delete mode; anything else: mark mode. */
-        int mode = strcmp(getenv("OBX_BENCH_DRAIN_ONLY"), "delete") == 0 ? OBX_ON_SENT_DELETE
-                                                                         : OBX_ON_SENT_MARK;
+        int mode = mode_of("OBX_BENCH_DRAIN_ONLY", getenv("OBX_BENCH_DRAIN_ONLY"));
         struct pg_cost job = job_limit(&o, mode, 200);
         struct drain_result d;
         drain(&o, mode, o.rows, 200, false, &d, NULL, NULL);
-        printf("job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows), drain %.0f rows/s = "
-               "%.2f (%.1f ms backend CPU per 1k rows), %.2f s outboxd CPU per 100k\n",
-               job.rows_per_s, job.cpu_ms_per_1k, d.rows_per_s, d.rows_per_s / job.rows_per_s,
-               d.pg_cpu_ms_per_1k, d.cpu_per_100k);
+        printf("%s: job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows, %.1f us machine "
+               "CPU per row), drain %.0f rows/s = %.2f (%.1f ms backend CPU per 1k rows, %.1f us "
+               "machine CPU per row, %.0f WAL bytes and %.3f dead versions per row), %.2f s "
+               "outboxd CPU per 100k\n",
+               mode_name(mode), job.rows_per_s, job.cpu_ms_per_1k, job.machine_us, d.rows_per_s,
+               d.rows_per_s / job.rows_per_s, d.pg_cpu_ms_per_1k, d.machine_us, d.wal_per_row,
+               d.dead_per_row, d.cpu_per_100k);
         return 0;
     }
     fprintf(stderr, "obx-bench: 1+3/5 Postgres-side limit and outboxd drain, paired...\n");
-    struct paired p_mark, p_delete;
+    struct paired p_mark, p_delete, p_log;
     paired(&o, OBX_ON_SENT_MARK, 200, true, &p_mark);
     paired(&o, OBX_ON_SENT_DELETE, 200, false, &p_delete);
+    paired(&o, OBX_ON_SENT_LOG, 200, false, &p_log);
     struct drain_result d_mark = p_mark.first, d_4k, d_alloc;
     struct pg_cost job_4k = job_limit(&o, OBX_ON_SENT_MARK, 4096);
     drain(&o, OBX_ON_SENT_MARK, o.rows, 4096, false, &d_4k, NULL, NULL);
@@ -1531,11 +1680,34 @@ int main(int argc, char **argv)
     for (int i = 0; i < 3; i++)
         latency(&o, rates[i], &lat[i]);
     stop_outboxd(relay);
+    /* Each mode at 1,000 rows/s, then under a held horizon (the three-mode
+     * table). */
+    static const int modes[3] = {OBX_ON_SENT_MARK, OBX_ON_SENT_DELETE, OBX_ON_SENT_LOG};
+    struct lat_result lat_mode[3];
+    struct horizon_result hz[3];
+    int hz_seconds = table_horizon_seconds();
+    lat_mode[0] = lat[1];
+    for (int m = 1; m < 3; m++) {
+        relay = spawn_outboxd(&o, modes[m], NULL);
+        sleep(2);
+        c = connect_db(&o);
+        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+        PQfinish(c);
+        size_t n;
+        struct lat_sample *s = lat_run(&o, 1000, o.latency_seconds, NULL, &n);
+        lat_summary(s, n, -1e9, 1e9, &lat_mode[m]);
+        lat_mode[m].achieved = (double)n / o.latency_seconds;
+        free(s);
+        stop_outboxd(relay);
+    }
+    for (int m = 0; m < 3; m++)
+        horizon(&o, modes[m], hz_seconds, true, "", &hz[m]);
     /* Last, on a topic of its own: the volume it pushes through the mock
      * (about 1 GB) would slow whatever ran after it. */
     fprintf(stderr, "obx-bench: 2/5 Kafka-side limit...\n");
-    double kafka = kafka_limit(&o, 200);
-    double kafka_4k = kafka_limit(&o, 4096);
+    double kafka_machine_us = 0;
+    double kafka = kafka_limit(&o, 200, &kafka_machine_us);
+    double kafka_4k = kafka_limit(&o, 4096, NULL);
 
     printf("outboxd benchmark, %s: %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s "
            "mock cluster (3 brokers, TCP_NODELAY), all on this machine; outboxd defaults "
@@ -1584,5 +1756,39 @@ int main(int argc, char **argv)
                "threads, librdkafka's included) | %.2f |\n",
                (double)allocs / o.rows);
     printf("| 5 | CPU while idle for 10 s | %.2f s |\n", d_mark.idle_cpu_s);
+
+    /* The three modes side by side. */
+    const struct paired *pm[3] = {&p_mark, &p_delete, &p_log};
+    printf("\nThe three modes (relay.on_sent), same run. Drain: median of %d, x its mode's job's "
+           "limit (log mode's: the minimal keyset SELECT alone). CPU efficiency: the machine's "
+           "CPU per row of the job's limit plus the bare producer's, over the drain's (all "
+           "processes; 1 = no overhead of its own). Dead versions: updates and deletes of "
+           "outbox.events per row relayed. p99: commit -> consumer at 1,000 rows/s, %d s. Held "
+           "horizon: %d s at 1,000 rows/s while a REPEATABLE READ snapshot is held; last minute "
+           "over first.\n\n",
+           PAIRS, o.latency_seconds, hz_seconds);
+    printf("| mode | drain | x job's limit | CPU efficiency | WAL bytes/row | dead versions/row "
+           "| relay backend CPU per 1k rows | p99 at 1,000/s | held horizon: p99 | held "
+           "horizon: backend CPU per 1k rows | n_dead_tup at its end |\n"
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for (int m = 0; m < 3; m++) {
+        const struct paired *q = pm[m];
+        double eff = q->first.machine_us > 0
+                         ? (q->job_cost.machine_us + kafka_machine_us) / q->first.machine_us
+                         : 0;
+        printf("| %s | %.0f rows/s | %.2f (pairs %.2f-%.2f) | %.2f (%.1f + %.1f / %.1f us) | %.1f "
+               "| %.3f | %.1f ms | %.2f ms | %.2f -> %.2f ms (%.2f x) | %.1f -> %.1f ms (%.2f x) "
+               "| %lld |\n",
+               mode_name(modes[m]), q->drain, q->ratio, q->ratio_min, q->ratio_max, eff,
+               q->job_cost.machine_us, kafka_machine_us, q->first.machine_us, q->first.wal_per_row,
+               q->first.dead_per_row, q->first.pg_cpu_ms_per_1k, lat_mode[m].p99, hz[m].p99_first,
+               hz[m].p99_last, hz[m].p99_first > 0 ? hz[m].p99_last / hz[m].p99_first : 0,
+               hz[m].cpu_first, hz[m].cpu_last,
+               hz[m].cpu_first > 0 ? hz[m].cpu_last / hz[m].cpu_first : 0, hz[m].dead);
+    }
+    printf("\nLog mode's relay backend CPU per row: %.2f of mark mode's; its drain %.2f x mark "
+           "mode's.\n",
+           p_log.first.pg_cpu_ms_per_1k / p_mark.first.pg_cpu_ms_per_1k,
+           p_log.drain / p_mark.drain);
     return 0;
 }

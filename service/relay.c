@@ -134,6 +134,7 @@ struct log_state {
     int64_t write_hwm;
     char *write_snap;
     uint64_t looked_seq; /* the ready claim last found to cover nothing */
+    int64_t ready_since; /* when the ready claim last moved past the stored one */
 
     struct held_rule *held;
     size_t n_held, cap_held;
@@ -521,6 +522,8 @@ static void recs_settle(struct obx_relay *r)
         if (f->pending > 0)
             break;
         if (f->claim) {
+            if (!l->has_ready || l->ready_seq <= l->stored_seq)
+                l->ready_since = r->now;
             obx_free(l->ready_snap);
             l->ready_snap = f->snap;
             l->ready_hwm = f->hwm;
@@ -1099,6 +1102,13 @@ static void schedule_look(struct obx_relay *r, size_t n, int64_t now)
 
 /* Cursor rows between two that empty the table (and carry every offset). */
 #define LOG_RESTART_EVERY 1000
+/* A cursor row waits this long for more acknowledgements, unless a batch of
+ * them is waiting already (or the relay drains): a row per 100 ms at most
+ * when rows trickle in, a few hundred bytes of WAL each, and the one
+ * connection is left to the fetches in between. What a row does not cover
+ * yet keeps its slot, and a crash meanwhile costs the recovery pass a
+ * longer read of Kafka, nothing else. */
+#define LOG_WRITE_DELAY_MS 100
 
 /* The stored offset entry of (topic, partition), added if new; NULL out of
  * memory (that partition's offset then lags, which costs the recovery pass
@@ -1177,6 +1187,9 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
 {
     struct log_state *l = &r->log;
     if (!l->has_ready || l->ready_seq <= l->stored_seq || l->ready_seq == l->looked_seq)
+        return false;
+    if (!r->draining && now - l->ready_since < LOG_WRITE_DELAY_MS &&
+        r->to_mark < (size_t)r->set.batch_size)
         return false;
     size_t n_cov = 0, n_dead = 0;
     for (int i = 0; i < r->set.max_in_flight; i++) {
