@@ -90,8 +90,15 @@ struct held_rule {
     uint64_t hash;      /* obx_keycount_hash of topic and key */
     bool lifted;        /* the refused row went on (delivered, dead-lettered, gone) */
     uint64_t lift_send; /* fetches sent when it was lifted */
-    int64_t *also;      /* rows of the key published since it was held (owned) */
-    size_t n_also, cap_also;
+};
+
+/* A row of a held key published since it was held: the cursor rows list
+ * it while a rule that leaves it out lives (a later rule of the same key,
+ * after a second refusal, included). */
+struct also_row {
+    int64_t id;
+    uint64_t hash; /* of its topic and key; 0: not known (read back at start) */
+    uint32_t topic;
 };
 
 struct found_row { /* a record the recovery pass found for an uncovered row */
@@ -138,6 +145,8 @@ struct log_state {
 
     struct held_rule *held;
     size_t n_held, cap_held;
+    struct also_row *also;
+    size_t n_also, cap_also;
     struct obx_log_held *held_out; /* for the fetch and the write */
     int64_t *also_out;
     size_t cap_held_out, cap_also_out, n_also_out;
@@ -386,6 +395,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->log.held);
     obx_free(r->log.held_out);
     obx_free(r->log.also_out);
+    obx_free(r->log.also);
     obx_free(r->log.found);
     obx_free(r->log.offs);
     obx_free(r);
@@ -481,6 +491,20 @@ static char *dup_text(const char *s)
 static uint64_t rec_push(struct obx_relay *r)
 {
     struct log_state *l = &r->log;
+    /* The newest record has nothing pending (its fetch handed nothing out,
+     * or all of it settled) while an older one waits: this fetch takes its
+     * place, with its own claim if it makes one. So a row that waits long
+     * (a partition Kafka cannot take) costs one record per fetch that
+     * hands rows out behind it, not one per look for new rows. */
+    if (l->n_recs > 1) {
+        uint64_t back_seq = l->head_seq + l->n_recs - 1;
+        struct fetch_rec *back = rec_of(r, back_seq);
+        if (back && back->pending == 0) {
+            obx_free(back->snap);
+            *back = (struct fetch_rec){.send_no = l->fetch_send_no};
+            return back_seq;
+        }
+    }
     if (l->n_recs == l->cap_recs) {
         size_t cap = l->cap_recs ? l->cap_recs * 2 : 64;
         struct fetch_rec *grown = obx_calloc(cap, sizeof(*grown));
@@ -553,6 +577,16 @@ static void claims_drop_from(struct obx_relay *r, uint64_t seq)
     }
 }
 
+/* Whether row `id` is refused and held: the cursor rows leave it (and its
+ * key's later rows) out, so the claims that count it as handed out hold. */
+static bool held_now(const struct obx_relay *r, int64_t id)
+{
+    for (size_t i = 0; i < r->log.n_held; i++)
+        if (r->log.held[i].from_id == id && !r->log.held[i].lifted)
+            return true;
+    return false;
+}
+
 /* Slot `s` no longer waits for Kafka: `acked` (acknowledged or to be dead-
  * lettered) or not (back unsent, or held). */
 static void log_settle(struct obx_relay *r, struct slot *s, bool acked)
@@ -560,7 +594,7 @@ static void log_settle(struct obx_relay *r, struct slot *s, bool acked)
     if (!r->set.log_mode || s->orphan || s->seq == 0)
         return;
     struct fetch_rec *f = rec_of(r, s->seq);
-    if (!acked)
+    if (!acked && !held_now(r, s->id))
         claims_drop_from(r, s->seq);
     if (f && f->pending > 0)
         f->pending--;
@@ -571,7 +605,34 @@ static void log_settle(struct obx_relay *r, struct slot *s, bool acked)
 static void held_free(struct held_rule *h)
 {
     obx_free(h->key);
-    obx_free(h->also);
+}
+
+/* Whether a held rule still leaves published row `a` out (so the cursor
+ * rows must go on listing it). */
+static bool also_needed(const struct log_state *l, const struct also_row *a)
+{
+    for (size_t i = 0; i < l->n_held; i++) {
+        const struct held_rule *h = &l->held[i];
+        if (!a->hash ||
+            (h->key && h->hash == a->hash && h->topic == a->topic && a->id > h->from_id))
+            return true;
+    }
+    return false;
+}
+
+/* Adds a published row of a held key; false out of memory. */
+static bool also_add(struct log_state *l, int64_t id, uint64_t hash, uint32_t topic)
+{
+    if (l->n_also == l->cap_also) {
+        size_t cap = l->cap_also ? l->cap_also * 2 : 16;
+        struct also_row *g = obx_realloc(l->also, cap * sizeof(*g));
+        if (!g)
+            return false;
+        l->also = g;
+        l->cap_also = cap;
+    }
+    l->also[l->n_also++] = (struct also_row){id, hash, topic};
+    return true;
 }
 
 /* Log mode: row `id` of `topic` (key or NULL) is refused or waits: the
@@ -660,6 +721,7 @@ static void log_reset(struct obx_relay *r)
     l->n_held = 0;
     l->n_found = 0;
     l->n_offs = 0;
+    l->n_also = 0;
     l->loaded = false;
 }
 
@@ -936,9 +998,7 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
 static bool log_held_out_room(struct obx_relay *r, size_t extra)
 {
     struct log_state *l = &r->log;
-    size_t n_also = extra;
-    for (size_t i = 0; i < l->n_held; i++)
-        n_also += l->held[i].n_also;
+    size_t n_also = extra + l->n_also;
     if (l->n_held > l->cap_held_out) {
         struct obx_log_held *h = obx_realloc(l->held_out, l->n_held * sizeof(*h));
         if (!h)
@@ -957,9 +1017,9 @@ static bool log_held_out_room(struct obx_relay *r, size_t extra)
     for (size_t i = 0; i < l->n_held; i++) {
         const struct held_rule *h = &l->held[i];
         l->held_out[i] = (struct obx_log_held){r->topics[h->topic], h->key, h->key_len, h->from_id};
-        for (size_t j = 0; j < h->n_also; j++)
-            l->also_out[l->n_also_out++] = h->also[j];
     }
+    for (size_t i = 0; i < l->n_also; i++)
+        l->also_out[l->n_also_out++] = l->also[i].id;
     return true;
 }
 
@@ -1128,7 +1188,8 @@ static struct log_offset *log_offset_of(struct obx_relay *r, uint32_t topic, int
         l->cap_offs = cap;
     }
     struct log_offset *o = &l->offs[l->n_offs++];
-    *o = (struct log_offset){.topic = topic, .partition = partition, .stored = -1};
+    *o = (struct log_offset){
+        .topic = topic, .partition = partition, .stored = -1, .covered = -1, .below = INT64_MAX};
     return o;
 }
 
@@ -1216,24 +1277,14 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
         const struct slot *s = &r->slots[i];
         if (s->orphan || s->state != SLOT_ACKED || s->seq > l->ready_seq || !s->log_hash)
             continue;
-        for (size_t j = 0; j < l->n_held; j++) {
-            struct held_rule *h = &l->held[j];
-            if (h->key && h->hash == s->log_hash && h->topic == s->topic && s->id > h->from_id) {
-                if (h->n_also == h->cap_also) {
-                    size_t cap = h->cap_also ? h->cap_also * 2 : 8;
-                    int64_t *g = obx_realloc(h->also, cap * sizeof(*g));
-                    if (!g) {
-                        obx_error("relay: out of memory building the cursor row");
-                        return false;
-                    }
-                    h->also = g;
-                    h->cap_also = cap;
-                }
-                h->also[h->n_also++] = s->id;
-                l->also_out[l->n_also_out++] = s->id;
-                break;
-            }
+        struct also_row a = {s->id, s->log_hash, s->topic};
+        if (!also_needed(l, &a))
+            continue;
+        if (!also_add(l, a.id, a.hash, a.topic)) {
+            obx_error("relay: out of memory building the cursor row");
+            return false;
         }
+        l->also_out[l->n_also_out++] = s->id;
     }
     bool restart = l->writes + 1 >= LOG_RESTART_EVERY;
     if (!log_offsets_out(r, l->ready_seq, restart)) {
@@ -1260,8 +1311,7 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
                          .n_offsets = r->n_off,
                          .dead_ids = r->dead_ids,
                          .dead_reasons = r->dead_reasons,
-                         .n_dead = n_dead,
-                         .n_ids = n_cov};
+                         .n_dead = n_dead};
     if (failpoint(r, OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
@@ -1309,6 +1359,12 @@ static void log_write_done(struct obx_relay *r)
         } else {
             i++;
         }
+    }
+    for (size_t i = 0; i < l->n_also;) {
+        if (also_needed(l, &l->also[i]))
+            i++;
+        else
+            l->also[i] = l->also[--l->n_also];
     }
 }
 
@@ -1716,15 +1772,11 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
         l->held[before].lifted = true;
         l->held[before].lift_send = l->sends;
     }
-    /* Rows of held keys published since: kept with the first rule (every
-     * rule's list goes out as one). */
-    if (st->n_also > 0 && l->n_held > 0) {
-        struct held_rule *h = &l->held[0];
-        if (!(h->also = obx_calloc(st->n_also, sizeof(*h->also))))
+    /* Rows of held keys published since: their keys are not stored, so
+     * they are listed while any rule lives. */
+    for (size_t i = 0; i < st->n_also; i++)
+        if (!also_add(l, st->also_sent[i], 0, 0))
             return -1;
-        memcpy(h->also, st->also_sent, st->n_also * sizeof(*h->also));
-        h->n_also = h->cap_also = st->n_also;
-    }
     for (size_t i = 0; i < st->n_off; i++) {
         int64_t t = topic_index(r, st->off_topics[i]);
         struct log_offset *o = t < 0 ? NULL : log_offset_of(r, (uint32_t)t, st->off_partitions[i]);

@@ -62,6 +62,16 @@ struct fake {
 
     int wake_requests; /* calls of ops->wake_at */
     int64_t wake_at;   /* the last one's time */
+
+    /* log mode */
+    bool fetch_log;       /* the last fetch was log mode's full one ... */
+    int64_t fetch_from;   /* ... from this stored hwm */
+    size_t fetch_n_held;  /* ... leaving these held keys out */
+    bool mark_log;        /* the last mark was a cursor row: */
+    int64_t cursor_batch; /* its number */
+    int64_t cursor_hwm;
+    char cursor_snap[32];
+    size_t cursor_held, cursor_also;
 };
 
 static int fake_fetch(void *io, const struct obx_fetch *f)
@@ -78,6 +88,9 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     fk->after_id = f->keyset ? f->after_id : 0;
     snprintf(fk->snapshot, sizeof(fk->snapshot), "%s", f->snapshot ? f->snapshot : "");
     fk->max_row_bytes = f->max_row_bytes;
+    fk->fetch_log = f->log;
+    fk->fetch_from = f->log ? f->after_id : 0;
+    fk->fetch_n_held = f->n_held;
     fk->n_blocked = f->n_blocked;
     if (f->n_blocked > 0) {
         snprintf(fk->blocked_key, sizeof(fk->blocked_key), "%s/%.*s", f->blocked[0].topic,
@@ -104,6 +117,14 @@ static int fake_mark(void *io, const struct obx_mark *m)
     f->n_dead = m->n_dead;
     if (m->n_dead > 0)
         snprintf(f->dead_reason, sizeof(f->dead_reason), "%s", m->dead_reasons[0]);
+    f->mark_log = m->log;
+    if (m->log) {
+        f->cursor_batch = m->batch;
+        f->cursor_hwm = m->hwm;
+        snprintf(f->cursor_snap, sizeof(f->cursor_snap), "%s", m->snapshot);
+        f->cursor_held = m->n_held;
+        f->cursor_also = m->n_also;
+    }
     return 0;
 }
 
@@ -1443,6 +1464,132 @@ static void test_one_record_per_key(void **state)
     assert_int_equal(c->f.produced, 6); /* 10 not produced */
 }
 
+/* ---- log mode ---- */
+
+/* A relay in log mode, Postgres ready, the recovery pass read `st`. */
+static void log_ready(struct ctx *c, const struct obx_log_state *st, int64_t now)
+{
+    struct obx_relay_settings log = settings;
+    log.log_mode = true;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&log, &ops, &c->f, &c->r), 0);
+    obx_relay_on_pg_ready(c->r, now);
+    assert_int_equal(obx_relay_on_log_state(c->r, st), 0);
+    obx_relay_on_recovered(c->r, true, now);
+}
+
+/* A cursor row covers the fetches whose rows are all acknowledged: rows of a
+ * later fetch acknowledged first wait (their slots kept) until the earlier
+ * fetch's rows are in too; then one row, with the later fetch's cursor. */
+static void test_log_cursor_waits_for_earlier_fetch(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_log_state none = {0};
+    log_ready(c, &none, 0);
+    assert_false(c->f.fetch_log); /* no cursor yet: every unsent row */
+    c->snapshot = "10:10:";
+    fetched(c, 1, 4, 1); /* a full batch: the next fetch goes at once */
+    assert_int_equal(c->f.produced, 4);
+    c->snapshot = "12:12:";
+    fetched(c, 5, 2, 2);
+    assert_int_equal(c->f.produced, 6);
+    ack(c, 4, true, 3); /* rows 5 and 6 of the second fetch */
+    ack(c, 5, true, 3);
+    obx_relay_tick(c->r, 500);
+    assert_int_equal(c->f.marks, 0); /* row 1..4 still with Kafka */
+    assert_int_equal(obx_relay_in_flight(c->r), 6);
+    for (int k = 0; k < 3; k++)
+        ack(c, k, true, 501);
+    assert_int_equal(c->f.marks, 0);
+    ack(c, 3, true, 502); /* the last: a batch is waiting, so at once */
+    assert_int_equal(c->f.marks, 1);
+    assert_true(c->f.mark_log);
+    assert_int_equal(c->f.cursor_batch, 1);
+    assert_int_equal(c->f.cursor_hwm, 6);
+    assert_string_equal(c->f.cursor_snap, "12:12:");
+    assert_int_equal(c->f.n_offsets, 1); /* partition 0 up to offset 105 */
+    assert_int_equal(c->f.off_offsets[0], 105);
+    obx_relay_on_marked(c->r, 503);
+    assert_int_equal(obx_relay_in_flight(c->r), 0);
+    assert_int_equal(obx_relay_marked_total(c->r), 6);
+}
+
+/* A row that goes back unsent (the Kafka queue was full) takes the claims
+ * of its fetch and of the fetches after it: no cursor row covers it until
+ * it was handed out again and acknowledged. */
+static void test_log_release_drops_claims(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_log_state none = {0};
+    log_ready(c, &none, 0);
+    c->snapshot = "10:10:";
+    c->f.busy_at = 2;    /* row 3 meets a full queue: 3 and 4 back unsent */
+    fetched(c, 1, 4, 1); /* rows 1, 2 out */
+    assert_int_equal(c->f.produced, 2);
+    ack(c, 0, true, 2);
+    ack(c, 1, true, 2);
+    fetched(c, 5, 0, 3); /* the fetch sent before the queue filled up: ignored */
+    obx_relay_tick(c->r, 1000);
+    assert_int_equal(c->f.marks, 0); /* the fetch's claim went with rows 3 and 4 */
+    until_fetching(c, 1001);
+    assert_false(c->f.keyset); /* a full fetch, leaving out what is in flight */
+    assert_true(excluded(c, 1) && excluded(c, 2));
+    fetched(c, 3, 2, 1002);
+    assert_int_equal(c->f.produced, 4);
+    ack(c, 2, true, 1003);
+    ack(c, 3, true, 1003); /* a batch of 4 acknowledged: written at once */
+    assert_int_equal(c->f.marks, 1);
+    assert_int_equal(c->f.cursor_hwm, 4);
+    obx_relay_on_marked(c->r, 1004);
+    assert_int_equal(obx_relay_in_flight(c->r), 0);
+}
+
+/* After a restart: the first fetch is log mode's full one from the stored
+ * cursor, with its held keys; a record the recovery pass found is taken as
+ * acknowledged, not produced; a refused row is held in the next cursor row
+ * while later rows of other keys go on. */
+static void test_log_restart_from_stored_cursor(void **state)
+{
+    struct ctx *c = *state;
+    const struct obx_log_held held = {"t", "k2", 2, 2};
+    const struct obx_log_found found = {4, "t", 0, 77};
+    const char *off_topics[] = {"t"};
+    const struct obx_log_state st = {.has_cursor = true,
+                                     .batch = 41,
+                                     .hwm = 3,
+                                     .snapshot = "9:9:",
+                                     .held = &held,
+                                     .n_held = 1,
+                                     .off_topics = off_topics,
+                                     .off_partitions = (const int32_t[]){0},
+                                     .off_offsets = (const int64_t[]){70},
+                                     .n_off = 1,
+                                     .found = &found,
+                                     .n_found = 1};
+    log_ready(c, &st, 0);
+    assert_true(c->f.fetch_log);
+    assert_int_equal(c->f.fetch_from, 3);
+    assert_int_equal(c->f.fetch_n_held, 1);
+    c->snapshot = "20:20:";
+    fetched_ids(c, (const int64_t[]){2, 4, 5}, 3, 1); /* 2: the held row; 4: found */
+    assert_int_equal(c->f.produced, 2);               /* 2 and 5 */
+    assert_int_equal(c->f.produced_ids[0], 2);
+    assert_int_equal(c->f.produced_ids[1], 5);
+    report(c, 0, OBX_DELIVERY_REJECTED, 2); /* row 2 refused again: held, retried */
+    report(c, 1, OBX_DELIVERED, 2);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING); /* a full one, after the hold */
+    fetched_ids(c, NULL, 0, 3);
+    obx_relay_tick(c->r, 200); /* the write's delay */
+    assert_int_equal(c->f.marks, 1);
+    assert_int_equal(c->f.cursor_batch, 42);
+    assert_int_equal(c->f.cursor_hwm, 5);
+    assert_true(c->f.cursor_held >= 1);    /* row 2 and its key left out ... */
+    assert_int_equal(c->f.cursor_also, 1); /* ... but row 5 of its key, published */
+    /* 4 (found, offset 77) and 5 (offset 101) covered; partition 0 moves on. */
+    assert_int_equal(c->f.n_offsets, 1);
+    assert_int_equal(c->f.off_offsets[0], 101);
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
@@ -1486,6 +1633,9 @@ static void test_one_record_per_key(void **state)
     X(test_byte_budget_withholds)                                                                  \
     X(test_fetch_rides_on_mark)                                                                    \
     X(test_batch_refused_as_a_fetch_goes)                                                          \
-    X(test_one_record_per_key)
+    X(test_one_record_per_key)                                                                     \
+    X(test_log_cursor_waits_for_earlier_fetch)                                                     \
+    X(test_log_release_drops_claims)                                                               \
+    X(test_log_restart_from_stored_cursor)
 
 OBX_FIXTURE_MAIN(TESTS)
