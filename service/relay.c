@@ -149,7 +149,7 @@ struct log_state {
     size_t n_also, cap_also;
     struct obx_log_held *held_out; /* for the fetch and the write */
     int64_t *also_out;
-    size_t cap_held_out, cap_also_out, n_also_out;
+    size_t cap_held_out, cap_also_out, n_also_out, n_held_out;
 
     struct found_row *found; /* sorted by id */
     size_t n_found;
@@ -613,10 +613,29 @@ static bool also_needed(const struct log_state *l, const struct also_row *a)
 {
     for (size_t i = 0; i < l->n_held; i++) {
         const struct held_rule *h = &l->held[i];
-        if (!a->hash ||
+        if (!a->hash || a->id == h->from_id ||
             (h->key && h->hash == a->hash && h->topic == a->topic && a->id > h->from_id))
-            return true;
+            return true; /* the refused row itself, delivered since, or one of its key */
     }
+    return false;
+}
+
+/* Whether a lifted rule starts at row `id`. */
+static bool lifted_rule_of(const struct log_state *l, int64_t id)
+{
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].from_id == id && l->held[i].lifted)
+            return true;
+    return false;
+}
+
+/* Whether a rule went on before the ready claim's fetch was sent: the next
+ * cursor row drops it, worth writing even if it covers no new row. */
+static bool rule_to_drop(const struct log_state *l)
+{
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].lifted && l->ready_send > l->held[i].lift_send)
+            return true;
     return false;
 }
 
@@ -995,7 +1014,7 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
 
 /* The held keys and the rows of them published, in log.held_out and
  * log.also_out (`extra` more ids of room in also_out). false: no memory. */
-static bool log_held_out_room(struct obx_relay *r, size_t extra)
+static bool log_held_out_room(struct obx_relay *r, size_t extra, uint64_t claim_send)
 {
     struct log_state *l = &r->log;
     size_t n_also = extra + l->n_also;
@@ -1014,9 +1033,13 @@ static bool log_held_out_room(struct obx_relay *r, size_t extra)
         l->cap_also_out = n_also;
     }
     l->n_also_out = 0;
+    l->n_held_out = 0;
     for (size_t i = 0; i < l->n_held; i++) {
         const struct held_rule *h = &l->held[i];
-        l->held_out[i] = (struct obx_log_held){r->topics[h->topic], h->key, h->key_len, h->from_id};
+        if (h->lifted && claim_send > h->lift_send)
+            continue; /* the claim written with these covers its rows */
+        l->held_out[l->n_held_out++] =
+            (struct obx_log_held){r->topics[h->topic], h->key, h->key_len, h->from_id};
     }
     for (size_t i = 0; i < l->n_also; i++)
         l->also_out[l->n_also_out++] = l->also[i].id;
@@ -1025,7 +1048,7 @@ static bool log_held_out_room(struct obx_relay *r, size_t extra)
 
 static bool log_held_out(struct obx_relay *r)
 {
-    if (log_held_out_room(r, 0))
+    if (log_held_out_room(r, 0, 0))
         return true;
     obx_error("relay: out of memory building the fetch");
     return false;
@@ -1068,7 +1091,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         f->after_id = r->log.stored_hwm;
         f->snapshot = r->log.stored_snap;
         f->held = r->log.held_out;
-        f->n_held = r->log.n_held;
+        f->n_held = r->log.n_held_out;
         f->also_sent = r->log.also_out;
         f->n_also = r->log.n_also_out;
     }
@@ -1262,22 +1285,24 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
         else if (s->state == SLOT_DEAD)
             r->dead_reasons[n_dead] = s->reason, r->dead_ids[n_dead++] = s->id;
     }
-    if (n_cov + n_dead == 0) {
+    if (n_cov + n_dead == 0 && !rule_to_drop(l)) {
         l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
         return false;
     }
     /* Acknowledged rows of held keys: published, though the rule leaves
      * their key's rows out. A hash may match another key: listing a row
      * that is covered anyway changes nothing. */
-    if (!log_held_out_room(r, n_cov)) {
+    if (!log_held_out_room(r, n_cov + n_dead, l->ready_send)) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
     for (int i = 0; i < r->set.max_in_flight && l->n_held > 0; i++) {
         const struct slot *s = &r->slots[i];
-        if (s->orphan || s->state != SLOT_ACKED || s->seq > l->ready_seq || !s->log_hash)
-            continue;
+        if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_DEAD) || s->seq > l->ready_seq)
+            continue; /* a dead letter is done with too */
         struct also_row a = {s->id, s->log_hash, s->topic};
+        if (!a.hash && !held_now(r, s->id) && !lifted_rule_of(l, s->id))
+            continue; /* no key: only a rule of the row itself leaves it out */
         if (!also_needed(l, &a))
             continue;
         if (!also_add(l, a.id, a.hash, a.topic)) {
@@ -1301,7 +1326,7 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
                          .hwm = l->ready_hwm,
                          .snapshot = l->write_snap,
                          .held = l->held_out,
-                         .n_held = l->n_held,
+                         .n_held = l->n_held_out,
                          .also_sent = l->also_out,
                          .n_also = l->n_also_out,
                          .restart = restart,
