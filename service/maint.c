@@ -24,7 +24,7 @@ struct obx_maint {
     int64_t retention_interval_ms;
     int retention_batch;
     int partition_rows;
-    int64_t reclaim_ms; /* log mode: partitions reclaimed past this age; 0 = never */
+    int64_t reclaim_ms; /* partitions log mode's cursor covers reclaimed past this age; 0 = never */
     bool log_mode;
 
     bool with_stats; /* count the backlog (for /metrics) */
@@ -76,7 +76,10 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->retention_interval_ms = cfg->retention_interval_ms;
     m->retention_batch = cfg->retention_batch;
     m->partition_rows = cfg->partition_rows;
-    m->reclaim_ms = cfg->on_sent == OBX_ON_SENT_LOG ? cfg->retention_ms : 0;
+    /* In every mode: after log mode, mark and delete mode leave the rows
+     * its cursor covers (sent_at NULL) to this too. Without a cursor row
+     * it is one look at an empty table. */
+    m->reclaim_ms = cfg->retention_ms;
     m->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
     m->stats_spacing_ms = OBX_MAINT_STATS_MS;
     count_from_start(m);
