@@ -234,34 +234,37 @@ static void run_purge(struct obx_maint *m)
 
 /* Partitions ahead of the ids. An error is logged and tried again at the
  * next round: meanwhile rows land in the DEFAULT partition, never refused. */
+/* Runs `sql` (one row, one number) into *out; on failure the job's error
+ * says `what` failed. */
+static void run_count(struct obx_maint *m, const char *sql, int nparams, const char *const *params,
+                      const char *what, int64_t *out)
+{
+    PGresult *res = PQexecParams(m->conn, sql, nparams, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
+        set_error(m, what);
+    else
+        *out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+}
+
 static void run_partitions(struct obx_maint *m)
 {
     char rows[24], ahead[8];
     snprintf(rows, sizeof(rows), "%d", m->partition_rows);
     snprintf(ahead, sizeof(ahead), "%d", OBX_STORE_PARTITIONS_AHEAD);
     const char *params[] = {rows, ahead};
-    PGresult *res =
-        PQexecParams(m->conn, OBX_STORE_SQL_UPKEEP_PARTITIONS, 2, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
-        set_error(m, "partition upkeep failed");
-    else
-        m->parts_made = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-    PQclear(res);
+    run_count(m, OBX_STORE_SQL_UPKEEP_PARTITIONS, 2, params, "partition upkeep failed",
+              &m->parts_made);
 }
 
-/* Log mode: whole partitions the stored cursor covers, past retention. */
+/* Whole partitions the stored cursor of log mode covers, past retention. */
 static void run_reclaim(struct obx_maint *m)
 {
     char keep[32];
     snprintf(keep, sizeof(keep), "%lld", (long long)m->reclaim_ms);
     const char *params[] = {keep};
-    PGresult *res =
-        PQexecParams(m->conn, OBX_STORE_SQL_RECLAIM_PARTITIONS, 1, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
-        set_error(m, "partition reclaim failed");
-    else
-        m->parts_reclaimed = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-    PQclear(res);
+    run_count(m, OBX_STORE_SQL_RECLAIM_PARTITIONS, 1, params, "partition reclaim failed",
+              &m->parts_reclaimed);
 }
 
 /* Worker thread: only the job's fields and m->conn are touched here. */

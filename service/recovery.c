@@ -605,10 +605,12 @@ static void scan_work(uv_work_t *w)
 
 /* ---- back on the loop ---- */
 
-static void send_mark(struct obx_recovery *rec)
+/* The chunk's records into params[0..3] (ids, topics, keys, digests); the
+ * first `n` arrays are reset. */
+static void found_params(struct obx_recovery *rec, int n)
 {
     struct obx_pg_array *a = rec->params;
-    for (int k = 0; k < NPARAMS; k++)
+    for (int k = 0; k < n; k++)
         obx_pg_array_reset(&a[k]);
     for (size_t i = 0; i < rec->n_found; i++) {
         const struct found *f = &rec->found[i];
@@ -618,6 +620,26 @@ static void send_mark(struct obx_recovery *rec)
         obx_pg_array_add_text(&a[2], f->key, f->key_len);
         obx_pg_array_add_text(&a[3], f->tombstone ? NULL : f->digest, 64);
     }
+}
+
+/* The first `n` arrays into values; false (the pass failed) out of memory. */
+static bool finish_params(struct obx_recovery *rec, int n)
+{
+    for (int k = 0; k < n; k++) {
+        rec->values[k] = obx_pg_array_finish(&rec->params[k]);
+        if (!rec->values[k]) {
+            obx_error("recovery: out of memory building the chunk's statement");
+            finish(rec, false);
+            return false;
+        }
+    }
+    return true;
+}
+
+static void send_mark(struct obx_recovery *rec)
+{
+    struct obx_pg_array *a = rec->params;
+    found_params(rec, NPARAMS);
     for (size_t i = 0; i < rec->n_parts; i++) {
         struct part *p = &rec->parts[i];
         /* Done: everything up to the end seen; otherwise up to `next`. */
@@ -630,14 +652,8 @@ static void send_mark(struct obx_recovery *rec)
         obx_pg_array_add_int(&a[6], upto);
         p->stored = upto;
     }
-    for (int k = 0; k < NPARAMS; k++) {
-        rec->values[k] = obx_pg_array_finish(&a[k]);
-        if (!rec->values[k]) {
-            obx_error("recovery: out of memory building the recovery mark");
-            finish(rec, false);
-            return;
-        }
-    }
+    if (!finish_params(rec, NPARAMS))
+        return;
     if (obx_pg_send_tx(rec->pg, rec->sql, NPARAMS, rec->values, OBX_FP_RECOVER_BEFORE_COMMIT,
                        on_mark_result, rec) != 0) {
         finish(rec, false); /* if the connection broke, `lost` follows */
@@ -650,31 +666,15 @@ static void send_mark(struct obx_recovery *rec)
  * not cover (nothing is written). */
 static void send_match(struct obx_recovery *rec)
 {
-    struct obx_pg_array *a = rec->params;
-    for (int k = 0; k < 4; k++)
-        obx_pg_array_reset(&a[k]);
-    for (size_t i = 0; i < rec->n_found; i++) {
-        const struct found *f = &rec->found[i];
-        const char *topic = rec->topics[f->topic];
-        obx_pg_array_add_int(&a[0], f->id);
-        obx_pg_array_add_text(&a[1], topic, strlen(topic));
-        obx_pg_array_add_text(&a[2], f->key, f->key_len);
-        obx_pg_array_add_text(&a[3], f->tombstone ? NULL : f->digest, 64);
-    }
+    found_params(rec, 4);
     for (size_t i = 0; i < rec->n_parts; i++) { /* read up to here */
         struct part *p = &rec->parts[i];
         int64_t upto = p->done ? p->end - 1 : p->next - 1;
         if (upto > p->stored)
             p->stored = upto;
     }
-    for (int k = 0; k < 4; k++) {
-        rec->values[k] = obx_pg_array_finish(&a[k]);
-        if (!rec->values[k]) {
-            obx_error("recovery: out of memory building the recovery match");
-            finish(rec, false);
-            return;
-        }
-    }
+    if (!finish_params(rec, 4))
+        return;
     if (obx_pg_send(rec->pg, obx_store_sql_log_recover(), 4, rec->values, 0, on_match_result,
                     rec) != 0) {
         finish(rec, false);

@@ -148,29 +148,35 @@ static const char SQL_FETCH_FULL_TAIL[] =
  * has no LIMIT, which would cut it in (xid, id) order: its rows are few
  * (an INSERT that drew its id just before the snapshot, a dead letter put
  * back), and its index entries are read without a visit to the table. */
+/* The keyset fetch's three parts (rows above $1; rows of the transactions
+ * snapshot $7 saw running; rows of later ones), each with `ex(t)` as one
+ * more condition on its table t. */
+#define KEYSET_PARTS(ex)                                                                           \
+    "(SELECT * FROM outbox.events u"                                                               \
+    " WHERE u.sent_at IS NULL AND u.id > $1::bigint" ex("u")                                       \
+        FETCH_HELD_BACK("u", "$3", "$4", "$5")                                                     \
+    " ORDER BY u.id LIMIT $2::int)"                                                                \
+    " UNION ALL"                                                                                   \
+    " (SELECT l.* FROM pg_snapshot_xip($7::pg_snapshot) AS x(xid),"                                \
+    "    LATERAL (SELECT * FROM outbox.events l"                                                   \
+    "             WHERE l.sent_at IS NULL AND l.xid >= x.xid"                                      \
+    "               AND (l.xid, l.id) <= (x.xid, $1::bigint)" ex("l")                              \
+                    FETCH_HELD_BACK("l", "$3", "$4", "$5")                                         \
+    "             ORDER BY l.xid, l.id LIMIT $2::int) l"                                           \
+    "  WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"                                 \
+    "  ORDER BY l.id + 0 LIMIT $2::int)"                                                           \
+    " UNION ALL"                                                                                   \
+    " (SELECT * FROM outbox.events n"                                                              \
+    "  WHERE n.sent_at IS NULL AND n.id <= $1::bigint"                                             \
+    "    AND (n.xid, n.id) >= (pg_snapshot_xmax($7::pg_snapshot), " MIN_BIGINT ")"                 \
+    "    AND n.xid < pg_snapshot_xmax(pg_current_snapshot())" ex("n")                              \
+        FETCH_HELD_BACK("n", "$3", "$4", "$5")                                                     \
+    "  ORDER BY n.xid, n.id)"
+#define NOTHING_MORE(t) ""
 static const char SQL_FETCH_KEYSET[] =
     FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS("e", "$6")
-    "  FROM ((SELECT * FROM outbox.events u"
-    "         WHERE u.sent_at IS NULL AND u.id > $1::bigint"
-                FETCH_HELD_BACK("u", "$3", "$4", "$5")
-    "         ORDER BY u.id LIMIT $2::int)"
-    "        UNION ALL"
-    "        (SELECT l.* FROM pg_snapshot_xip($7::pg_snapshot) AS x(xid),"
-    "           LATERAL (SELECT * FROM outbox.events l"
-    "                    WHERE l.sent_at IS NULL AND l.xid >= x.xid"
-    "                      AND (l.xid, l.id) <= (x.xid, $1::bigint)"
-                           FETCH_HELD_BACK("l", "$3", "$4", "$5")
-    "                    ORDER BY l.xid, l.id LIMIT $2::int) l"
-    "         WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"
-    "         ORDER BY l.id + 0 LIMIT $2::int)"
-    "        UNION ALL"
-    "        (SELECT * FROM outbox.events n"
-    "         WHERE n.sent_at IS NULL AND n.id <= $1::bigint"
-    "           AND (n.xid, n.id) >= (pg_snapshot_xmax($7::pg_snapshot), " MIN_BIGINT ")"
-    "           AND n.xid < pg_snapshot_xmax(pg_current_snapshot())"
-                FETCH_HELD_BACK("n", "$3", "$4", "$5")
-    "         ORDER BY n.xid, n.id)) e"
+    "  FROM (" KEYSET_PARTS(NOTHING_MORE) ") e"
     "  ORDER BY e.id LIMIT $2::int)) b";
 /* clang-format on */
 
@@ -213,36 +219,16 @@ const char *obx_store_sql_fetch_keyset(void)
  * from the lowest held id; empty when none is held). Rows in flight can be
  * anywhere here, so every part leaves them out. */
 #define IDS "\x01"
+#define NOT_IN_FLIGHT(t) " AND NOT (" t ".id = ANY (" IDS "))"
 static const char SQL_FETCH_LOG[] =
     FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS("e", "$6")
-    "  FROM ((SELECT * FROM outbox.events u"
-    "         WHERE u.sent_at IS NULL AND u.id > $1::bigint AND NOT (u.id = ANY (" IDS "))"
-                FETCH_HELD_BACK("u", "$3", "$4", "$5")
-    "         ORDER BY u.id LIMIT $2::int)"
-    "        UNION ALL"
-    "        (SELECT l.* FROM pg_snapshot_xip($7::pg_snapshot) AS x(xid),"
-    "           LATERAL (SELECT * FROM outbox.events l"
-    "                    WHERE l.sent_at IS NULL AND l.xid >= x.xid"
-    "                      AND (l.xid, l.id) <= (x.xid, $1::bigint)"
-    "                      AND NOT (l.id = ANY (" IDS "))"
-                           FETCH_HELD_BACK("l", "$3", "$4", "$5")
-    "                    ORDER BY l.xid, l.id LIMIT $2::int) l"
-    "         WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"
-    "         ORDER BY l.id + 0 LIMIT $2::int)"
-    "        UNION ALL"
-    "        (SELECT * FROM outbox.events n"
-    "         WHERE n.sent_at IS NULL AND n.id <= $1::bigint"
-    "           AND (n.xid, n.id) >= (pg_snapshot_xmax($7::pg_snapshot), " MIN_BIGINT ")"
-    "           AND n.xid < pg_snapshot_xmax(pg_current_snapshot())"
-    "           AND NOT (n.id = ANY (" IDS "))"
-                FETCH_HELD_BACK("n", "$3", "$4", "$5")
-    "         ORDER BY n.xid, n.id)"
+    "  FROM (" KEYSET_PARTS(NOT_IN_FLIGHT)
     "        UNION ALL"
     "        (SELECT * FROM outbox.events k"
     "         WHERE k.sent_at IS NULL AND k.id <= $1::bigint"
     "           AND k.id >= coalesce((SELECT min(f) FROM unnest($10::bigint[]) f), $1::bigint + 1)"
-    "           AND pg_visible_in_snapshot(k.xid, $7::pg_snapshot) AND NOT (k.id = ANY (" IDS "))"
+    "           AND pg_visible_in_snapshot(k.xid, $7::pg_snapshot)" NOT_IN_FLIGHT("k")
     "           AND" LOG_HELD("k")
                 FETCH_HELD_BACK("k", "$3", "$4", "$5")
     "         ORDER BY k.id LIMIT $2::int)) e"
