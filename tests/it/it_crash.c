@@ -513,7 +513,7 @@ static void test_reject_retry(void **state)
     assert_int_equal(s_sent_count(&env), 501);
     assert_int_equal(h_sql_int(c,
                                "SELECT count(*) FROM outbox.unpublished"
-                               " AND id IN (%lld, %lld)",
+                               " WHERE id IN (%lld, %lld)",
                                (long long)big, (long long)after),
                      2);
     assert_true(h_relay_log_contains(&env, "refused by Kafka"));
