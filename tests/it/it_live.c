@@ -747,8 +747,10 @@ static void test_lost_in_every_state(void **state)
                  " 'y'::bytea FROM generate_series(1, 50) g");
         h_sql(c, "BEGIN");
         h_sql(c, "SELECT id FROM outbox.events WHERE sent_at IS NULL FOR UPDATE");
+        h_sql(c, "LOCK TABLE outbox.log_cursor IN SHARE MODE"); /* log mode's cursor row */
         kill(env.relay_pid, SIGCONT);
-        wait_backend_on_lock("aa", "WITH offsets");
+        const char *mode = getenv("OBX_IT_ON_SENT");
+        wait_backend_on_lock("aa", mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH offsets");
         cut_and_expect_notice(&env, "aa", cut, "marking");
         PQfinish(c);
         c = h_connect(&env);

@@ -261,7 +261,8 @@ static void test_retention(void **state)
     /* Kafka down: the 20 unsent rows stay unsent while retention runs. */
     assert_true(h_broker_cmd(&env, "down all"));
     h_relay_start(&env, NULL,
-                  (const char *const[]){"retention.period=1d", "retention.batch_size=100",
+                  (const char *const[]){"relay.on_sent=mark", /* its row-by-row retention */
+                                        "retention.period=1d", "retention.batch_size=100",
                                         "retention.interval=1s", NULL});
     h_wait_log(&env, "retention: deleted 2480 rows sent more than 86400s ago (26 batches)", 20000);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"), 20);
