@@ -1809,6 +1809,16 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
             return -1;
         o->stored = st->off_offsets[i];
     }
+    /* Rows refused or failed in an earlier session of this process are
+     * still held back (their entries outlive a lost session): the cursor
+     * rows of this one must leave them out too. */
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        const struct blocked *b = &r->blocked[i];
+        size_t before = l->n_held;
+        hold(r, b->id, b->topic, b->key, b->key_len);
+        if (l->n_held == before && !held_now(r, b->id))
+            return -1;
+    }
     l->loaded = true;
     return 0;
 }
@@ -2047,6 +2057,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
             s->partition = fr.partition;
             s->offset = fr.offset;
             r->to_mark++;
+            if (r->n_blocked > 0)
+                unblock(r, s->id); /* it was held: its key goes on */
             continue;
         }
         if (r->set.one_per_key && row->key) {

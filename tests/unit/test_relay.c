@@ -1590,6 +1590,41 @@ static void test_log_restart_from_stored_cursor(void **state)
     assert_int_equal(c->f.off_offsets[0], 101);
 }
 
+/* A row whose delivery failed is held back, and stays so when the session
+ * is lost before it is retried: the next session's cursor rows hold it too
+ * (chaos found a cursor covering such a row, never published, when only the
+ * rules read back from the stored cursor were held). */
+static void test_log_held_row_outlives_the_session(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_log_state none = {0};
+    log_ready(c, &none, 0);
+    c->snapshot = "10:10:";
+    fetched(c, 1, 3, 1);
+    ack(c, 0, true, 2);
+    ack(c, 1, false, 2); /* row 2 not delivered: held, retried later */
+    ack(c, 2, true, 2);
+    obx_relay_on_pg_lost(c->r, 3);
+    const struct obx_log_state again = {
+        .has_cursor = true, .batch = 1, .hwm = 0, .snapshot = "9:9:"};
+    obx_relay_on_pg_ready(c->r, 4);
+    assert_int_equal(obx_relay_on_log_state(c->r, &again), 0);
+    obx_relay_on_recovered(c->r, true, 4);
+    assert_true(c->f.fetch_log);
+    assert_true(excluded(c, 2)); /* not due yet */
+    c->snapshot = "12:12:";
+    fetched_ids(c, (const int64_t[]){1, 3, 4}, 3, 5); /* 1 and 3 were published: recovered */
+    for (int k = 3; k < 6; k++)
+        ack(c, k, true, 6);
+    obx_relay_tick(c->r, 200);
+    while (obx_relay_state(c->r) == OBX_RELAY_FETCHING)
+        fetched_ids(c, NULL, 0, 200);
+    obx_relay_tick(c->r, 400);
+    assert_true(c->f.marks >= 1);
+    assert_true(c->f.mark_log);
+    assert_int_equal(c->f.cursor_held, 1); /* row 2: still left out */
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_exclusion_and_backpressure)                                                             \
@@ -1636,6 +1671,7 @@ static void test_log_restart_from_stored_cursor(void **state)
     X(test_one_record_per_key)                                                                     \
     X(test_log_cursor_waits_for_earlier_fetch)                                                     \
     X(test_log_release_drops_claims)                                                               \
-    X(test_log_restart_from_stored_cursor)
+    X(test_log_restart_from_stored_cursor)                                                         \
+    X(test_log_held_row_outlives_the_session)
 
 OBX_FIXTURE_MAIN(TESTS)
