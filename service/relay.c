@@ -1505,6 +1505,14 @@ static bool drain_over(const struct obx_relay *r, int64_t now)
      * pass finds these rows, from offsets no mark has moved. */
     if (uncertain(r) && r->in_use == r->to_mark)
         return true;
+    /* Log mode: every report is in and no claim is left to store (the last
+     * fetches made none, a row went back unsent): what is acknowledged is
+     * in Kafka, and the next start's pass finds it. */
+    if (r->set.log_mode && r->state == OBX_RELAY_IDLE && r->n_outstanding == 0 &&
+        r->in_use == r->to_mark &&
+        !(r->log.has_ready && r->log.ready_seq > r->log.stored_seq &&
+          r->log.ready_seq != r->log.looked_seq))
+        return true;
     if (now < r->drain_deadline)
         return false;
     return r->state == OBX_RELAY_WAIT_PG || (r->state == OBX_RELAY_IDLE && r->to_mark == 0);
