@@ -105,7 +105,8 @@ static int fake_mark(void *io, const struct obx_mark *m)
     struct fake *f = io;
     f->marks++;
     assert_true(m->n_ids <= MAX_CALLS && m->n_offsets <= MAX_CALLS && m->n_dead <= MAX_CALLS);
-    memcpy(f->marked, m->ids, m->n_ids * sizeof(*m->ids));
+    if (m->n_ids > 0) /* log mode's cursor row has none (and no array) */
+        memcpy(f->marked, m->ids, m->n_ids * sizeof(*m->ids));
     f->n_marked = m->n_ids;
     for (size_t i = 0; i < m->n_offsets; i++) {
         snprintf(f->off_topics[i], sizeof(f->off_topics[i]), "%s", m->topics[i]);
