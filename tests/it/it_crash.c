@@ -34,10 +34,6 @@ static int teardown_env(void **state)
  * stores its progress chunk by chunk): whatever mode the suite runs in. */
 static const char *const mark_only[] = {"relay.on_sent=mark", NULL};
 
-/* The relay's extra settings in every start of a scenario: the log-mode
- * variants set relay.on_sent = log. */
-static const char *const *mode_args;
-
 #define KILLED      (128 + SIGKILL)
 #define TOPICS_SPEC ((const char *const[]){"it.a:4", "it.b:3", "it.c:1", NULL})
 
@@ -97,12 +93,12 @@ static long crash_then_recover(const char *spec, const char *point)
     h_env_start(&env, TOPICS_SPEC);
     s_prefill(&env, "it.a", 4000);
     writers_start(&ws, 0);
-    h_relay_start(&env, spec, mode_args);
+    h_relay_start(&env, spec, NULL);
     assert_int_equal(h_relay_wait(&env, 60000), KILLED);
     snprintf(expect, sizeof(expect), "failpoint %s: crash", point);
     assert_true(h_relay_log_contains(&env, expect));
 
-    h_relay_start(&env, NULL, mode_args);
+    h_relay_start(&env, NULL, NULL);
     s_wait_sent(&env, 4000, 60000);
     assert_true(writers_stop(&ws) > 0);
     drain_and_check();
@@ -140,46 +136,6 @@ static void test_crash_mark_before_commit(void **state)
 static void test_crash_mark_after_commit(void **state)
 {
     (void)state;
-    crash_then_recover("mark.after_commit=crash@3", "mark.after_commit");
-}
-
-/* The same windows in log mode: nothing is marked, the cursor row is the
- * "mark"; the records acknowledged but not covered by a stored cursor row
- * are found by the recovery pass. */
-static const char *const log_args[] = {"relay.on_sent=log", NULL};
-
-static void test_crash_log_fetch_after(void **state)
-{
-    (void)state;
-    mode_args = log_args;
-    crash_then_recover("fetch.after=crash@3", "fetch.after");
-}
-
-static void test_crash_log_produce_after(void **state)
-{
-    (void)state;
-    mode_args = log_args;
-    crash_then_recover("produce.after=crash@3", "produce.after");
-}
-
-static void test_crash_log_ack_after(void **state)
-{
-    (void)state;
-    mode_args = log_args;
-    assert_true(crash_then_recover("ack.after=crash@3", "ack.after") > 0);
-}
-
-static void test_crash_log_mark_before_commit(void **state)
-{
-    (void)state;
-    mode_args = log_args;
-    assert_true(crash_then_recover("mark.before_commit=crash@3", "mark.before_commit") > 0);
-}
-
-static void test_crash_log_mark_after_commit(void **state)
-{
-    (void)state;
-    mode_args = log_args;
     crash_then_recover("mark.after_commit=crash@3", "mark.after_commit");
 }
 
@@ -815,11 +771,6 @@ int main(int argc, char **argv)
         T(test_crash_ack_after),
         T(test_crash_mark_before_commit),
         T(test_crash_mark_after_commit),
-        T(test_crash_log_fetch_after),
-        T(test_crash_log_produce_after),
-        T(test_crash_log_ack_after),
-        T(test_crash_log_mark_before_commit),
-        T(test_crash_log_mark_after_commit),
         T(test_switch_modes_under_load),
         T(test_crash_recover_after_scan),
         T(test_crash_recover_before_commit),
