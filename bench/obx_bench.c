@@ -208,9 +208,13 @@ static double backend_cpu_s(int pid);
 
 static char *wal_lsn(PGconn *c, char *buf, size_t len)
 {
-    PGresult *r = PQexec(c, "SELECT pg_current_wal_lsn()");
+    /* The insert position, not pg_current_wal_lsn() (what is written out):
+     * a big INSERT's last few MB can still wait in the WAL buffers, and a
+     * drain measured from the written position counted them (21 bytes a
+     * row of a prefill of 200,000 rows, in every mode). */
+    PGresult *r = PQexec(c, "SELECT pg_current_wal_insert_lsn()");
     if (PQresultStatus(r) != PGRES_TUPLES_OK)
-        die("pg_current_wal_lsn", PQresultErrorMessage(r));
+        die("pg_current_wal_insert_lsn", PQresultErrorMessage(r));
     snprintf(buf, len, "%s", PQgetvalue(r, 0, 0));
     PQclear(r);
     return buf;
@@ -219,7 +223,8 @@ static char *wal_lsn(PGconn *c, char *buf, size_t len)
 static double wal_since(PGconn *c, const char *lsn)
 {
     char sql[160];
-    snprintf(sql, sizeof(sql), "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '%s')::bigint", lsn);
+    snprintf(sql, sizeof(sql), "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '%s')::bigint",
+             lsn);
     return (double)query_int(c, sql);
 }
 
@@ -865,6 +870,22 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     proc_stats(pid, &s1);
     res->pg_cpu_ms_per_1k = (backend_cpu_s(relay_backend) - b0) * 1e6 / rows;
     res->wal_per_row = wal_since(c, lsn) / rows;
+    if (getenv("OBX_BENCH_WAL_DETAIL")) { /* what the drain's WAL is, by record type */
+        char sql[512];
+        snprintf(sql, sizeof(sql),
+                 "SELECT string_agg(format('%%s: %%s records, %%s bytes', "
+                 "\"resource_manager/record_type\","
+                 " count, combined_size), '; ' ORDER BY combined_size DESC)"
+                 " FROM pg_get_wal_stats('%s', pg_current_wal_insert_lsn(), true)"
+                 " WHERE count > 0",
+                 lsn);
+        exec_ok(c, "CREATE EXTENSION IF NOT EXISTS pg_walinspect");
+        PGresult *r = PQexec(c, sql);
+        if (PQresultStatus(r) == PGRES_TUPLES_OK)
+            fprintf(stderr, "obx-bench: drain WAL, %s mode: %s\n", mode_name(on_sent),
+                    PQgetvalue(r, 0, 0));
+        PQclear(r);
+    }
     if (allocs)
         *allocs = read_count(count_file) - a0;
     res->rows_per_s = rows / (t1 - t0);
@@ -991,6 +1012,13 @@ struct lat_writer {
     int windows;  /* 0: one topic */
 };
 
+/* The Kafka-side floor of the latency: records produced straight to 'lat'
+ * by a producer with outboxd's settings (idempotent, linger.ms 1, one
+ * request in flight a connection), no Postgres and no relay, read back by
+ * the same consumer. NULL: the writers commit rows with outbox.enqueue. */
+static rd_kafka_t *direct_producer;
+static atomic_long direct_next;
+
 static void *lat_writer_main(void *arg)
 {
     struct lat_writer *w = arg;
@@ -1005,6 +1033,24 @@ static void *lat_writer_main(void *arg)
         snprintf(key, sizeof(key), "key-%d", k++ % KEYS);
         double t = now_s(); /* one statement = one transaction: commit at its end */
         lat_topic(topic, sizeof(topic), w->windows, (int)((t - w->start) / WINDOW_S));
+        if (direct_producer) {
+            long long id = id_base + 1 + atomic_fetch_add(&direct_next, 1);
+            char idtext[24];
+            int il = snprintf(idtext, sizeof(idtext), "%lld", id);
+            rd_kafka_headers_t *h = rd_kafka_headers_new(1);
+            rd_kafka_header_add(h, "outbox-id", -1, idtext, il);
+            if (id - id_base < MAX_IDS)
+                commit_at[id - id_base] = t;
+            rd_kafka_resp_err_t e = rd_kafka_producev(
+                direct_producer, RD_KAFKA_V_TOPIC(topic), RD_KAFKA_V_KEY(key, strlen(key)),
+                RD_KAFKA_V_VALUE((void *)"{\"event\": \"latency probe\"}", 27),
+                RD_KAFKA_V_HEADERS(h), RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_END);
+            if (e != RD_KAFKA_RESP_ERR_NO_ERROR)
+                die("produce", rd_kafka_err2str(e));
+            atomic_fetch_add(&written, 1);
+            next += period;
+            continue;
+        }
         const char *v[3] = {key, "{\"event\": \"latency probe\"}", topic};
         PGresult *r =
             PQexecParams(c, "SELECT outbox.enqueue($3, $1, $2::jsonb)", 3, NULL, v, NULL, NULL, 0);
@@ -1201,6 +1247,38 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
     free(s);
 }
 
+/* The Kafka-side floor at `rate` (see direct_producer). */
+static void kafka_floor(const struct opts *o, int rate, struct lat_result *res)
+{
+    char err[512];
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    const char *settings[][2] = {{"bootstrap.servers", o->bootstrap},
+                                 {"enable.idempotence", "true"},
+                                 {"max.in.flight.requests.per.connection", "1"},
+                                 {"partitioner", "murmur2_random"},
+                                 {"linger.ms", "1"}};
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err)))
+            die("producer conf", err);
+    direct_producer = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
+    if (!direct_producer)
+        die("producer", err);
+    rd_kafka_producev(direct_producer, RD_KAFKA_V_TOPIC("lat"), RD_KAFKA_V_VALUE("x", 1),
+                      RD_KAFKA_V_END);
+    rd_kafka_flush(direct_producer, 10000);
+    /* Ids of our own, above any the relay ever gave: the consumer matches by them. */
+    id_base += 100000000;
+    atomic_store(&direct_next, 0);
+    size_t n;
+    struct lat_sample *s = lat_run(o, rate, o->latency_seconds, NULL, &n);
+    lat_summary(s, n, -1e9, 1e9, res);
+    res->achieved = (double)n / o->latency_seconds;
+    free(s);
+    rd_kafka_flush(direct_producer, 10000);
+    rd_kafka_destroy(direct_producer);
+    direct_producer = NULL;
+}
+
 /* ---- what the application's database does to the relay ---- */
 
 static double per_1k_ms(double cpu_s, long rows)
@@ -1297,7 +1375,8 @@ static void horizon(const struct opts *o, int on_sent, int seconds, bool hold, c
                                   " WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS);
     long long live = query_int(f, "SELECT sum(n_live_tup) FROM pg_stat_user_tables"
                                   " WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS);
-    long long bytes = query_int(f, "SELECT pg_total_relation_size('outbox.events')");
+    long long bytes = query_int(f, "SELECT sum(pg_total_relation_size(relid))"
+                                   " FROM pg_partition_tree('outbox.events')");
     PQfinish(f);
     if (hold)
         exec_ok(h, "ROLLBACK");
@@ -1616,7 +1695,10 @@ int main(int argc, char **argv)
         if (end == getenv("OBX_BENCH_LATENCY_ONLY") || *end != '\0' || secs < 1 || secs > 600)
             die("OBX_BENCH_LATENCY_ONLY", "want seconds a rate, 1 to 600");
         o.latency_seconds = (int)secs;
-        pid_t relay = spawn_outboxd(&o, OBX_ON_SENT_MARK, NULL);
+        /* OBX_BENCH_LATENCY_MODE=mark|delete|log: the relay's mode (mark). */
+        const char *lm = getenv("OBX_BENCH_LATENCY_MODE");
+        int lat_mode = lm ? mode_of("OBX_BENCH_LATENCY_MODE", lm) : OBX_ON_SENT_MARK;
+        pid_t relay = spawn_outboxd(&o, lat_mode, NULL);
         sleep(2);
         c = connect_db(&o);
         exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
@@ -1624,8 +1706,10 @@ int main(int argc, char **argv)
         id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
         PQfinish(c);
         printf("outboxd latency, %s: commit -> record read by a consumer in this process, "
-               "4 writers, mark mode, outboxd defaults, %d s a rate.\n\n",
-               context, o.latency_seconds);
+               "4 writers, %s mode, outboxd defaults, %d s a rate; and the Kafka side alone: "
+               "records produced straight to Kafka with outboxd's producer settings, no "
+               "Postgres, read back by the same consumer.\n\n",
+               context, mode_name(lat_mode), o.latency_seconds);
         printf("| rate | achieved | samples | p50 | p99 | p99.9 | max |\n"
                "| --- | --- | --- | --- | --- | --- | --- |\n");
         static const int only_rates[3] = {100, 1000, 5000};
@@ -1636,6 +1720,13 @@ int main(int argc, char **argv)
                    only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
         }
         stop_outboxd(relay);
+        for (int i = 0; i < 3; i++) {
+            struct lat_result l;
+            kafka_floor(&o, only_rates[i], &l);
+            printf("| %d/s, Kafka side alone | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | "
+                   "%.2f ms |\n",
+                   only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
+        }
         return 0;
     }
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
@@ -1644,12 +1735,13 @@ int main(int argc, char **argv)
         struct drain_result d;
         drain(&o, mode, o.rows, 200, false, &d, NULL, NULL);
         printf("%s: job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows, %.1f us machine "
-               "CPU per row), drain %.0f rows/s = %.2f (%.1f ms backend CPU per 1k rows, %.1f us "
-               "machine CPU per row, %.0f WAL bytes and %.3f dead versions per row), %.2f s "
+               "CPU per row, %.1f WAL bytes per row), drain %.0f rows/s = %.2f (%.1f ms backend "
+               "CPU per 1k rows, %.1f us "
+               "machine CPU per row, %.1f WAL bytes and %.3f dead versions per row), %.2f s "
                "outboxd CPU per 100k\n",
-               mode_name(mode), job.rows_per_s, job.cpu_ms_per_1k, job.machine_us, d.rows_per_s,
-               d.rows_per_s / job.rows_per_s, d.pg_cpu_ms_per_1k, d.machine_us, d.wal_per_row,
-               d.dead_per_row, d.cpu_per_100k);
+               mode_name(mode), job.rows_per_s, job.cpu_ms_per_1k, job.machine_us, job.wal_per_row,
+               d.rows_per_s, d.rows_per_s / job.rows_per_s, d.pg_cpu_ms_per_1k, d.machine_us,
+               d.wal_per_row, d.dead_per_row, d.cpu_per_100k);
         return 0;
     }
     fprintf(stderr, "obx-bench: 1+3/5 Postgres-side limit and outboxd drain, paired...\n");
@@ -1700,6 +1792,8 @@ int main(int argc, char **argv)
         free(s);
         stop_outboxd(relay);
     }
+    struct lat_result floor_1k;
+    kafka_floor(&o, 1000, &floor_1k);
     for (int m = 0; m < 3; m++)
         horizon(&o, modes[m], hz_seconds, true, "", &hz[m]);
     /* Last, on a topic of its own: the volume it pushes through the mock
