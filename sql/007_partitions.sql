@@ -8,7 +8,7 @@
 -- now stay where they are, in the partition outbox.events_legacy (every id
 -- below a bound set 100,000,000 above the highest id drawn so far; a
 -- new install starts at 1); new
--- rows go to partitions of relay.partition_rows ids each, which the relay
+-- rows go to partitions of retention.partition_rows ids each, which the relay
 -- creates ahead of the ids (outbox.upkeep_partitions) in every mode. Ids
 -- jump once, to that bound: an identity has gaps anyway, and ids stay in
 -- commit order per key.
