@@ -232,8 +232,6 @@ static void run_purge(struct obx_maint *m)
     }
 }
 
-/* Partitions ahead of the ids. An error is logged and tried again at the
- * next round: meanwhile rows land in the DEFAULT partition, never refused. */
 /* Runs `sql` (one row, one number) into *out; on failure the job's error
  * says `what` failed. */
 static void run_count(struct obx_maint *m, const char *sql, int nparams, const char *const *params,
@@ -247,6 +245,8 @@ static void run_count(struct obx_maint *m, const char *sql, int nparams, const c
     PQclear(res);
 }
 
+/* Partitions ahead of the ids. An error is logged and tried again at the
+ * next round: meanwhile rows land in the DEFAULT partition, never refused. */
 static void run_partitions(struct obx_maint *m)
 {
     char rows[24], ahead[8];
@@ -273,14 +273,14 @@ static void work_cb(uv_work_t *w)
     struct obx_maint *m = w->data;
     if (!connect_if_needed(m))
         return;
-    if (m->job_parts)
-        run_partitions(m);
-    if (m->job_stats && !m->error[0])
+    if (m->job_stats)
         run_stats(m);
     if (m->job_purge && !m->error[0])
         run_purge(m);
     if (m->job_reclaim && !m->error[0])
         run_reclaim(m);
+    if (m->job_parts && !m->error[0]) /* last: a lock it waits out delays nothing else */
+        run_partitions(m);
     if (m->conn && PQstatus(m->conn) != CONNECTION_OK)
         disconnect(m);
 }

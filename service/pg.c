@@ -1081,8 +1081,8 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
     if (keyset)
         return start_prepared(pg, &req, STMT_FETCH_KEYSET, 7, values, 1);
     if (f->log) {
-        /* From the stored cursor: its hwm and snapshot as the keyset's. */
-        snprintf(pg->after_text, sizeof(pg->after_text), "%lld", (long long)f->after_id);
+        /* From the stored cursor: its hwm (fetch_params wrote after_text)
+         * and snapshot as the keyset's. */
         const char *in_flight = values[0];
         values[0] = pg->after_text;
         values[6] = f->snapshot;

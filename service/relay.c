@@ -481,11 +481,6 @@ static struct fetch_rec *rec_of(struct obx_relay *r, uint64_t seq)
     return &l->recs[(l->rec_head + (seq - l->head_seq)) % l->cap_recs];
 }
 
-static char *dup_text(const char *s)
-{
-    return s ? obx_strdup(s) : NULL;
-}
-
 /* A record for the fetch just answered; its seq, or 0 out of memory (then
  * the rows are not taken: see on_fetched). */
 static uint64_t rec_push(struct obx_relay *r)
@@ -531,7 +526,7 @@ static void rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char
     struct fetch_rec *f = rec_of(r, seq);
     if (!f || f->claim)
         return;
-    f->snap = dup_text(snap);
+    f->snap = obx_strdup(snap);
     f->claim = f->snap != NULL; /* no memory: no claim, which is always safe */
     f->hwm = hwm;
 }
