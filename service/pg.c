@@ -33,7 +33,9 @@ struct pg_request {
     obx_pg_rows_fn rows_done;
     void *arg;
     enum { TX_NONE, TX_BEGIN, TX_BODY, TX_COMMIT, TX_ROLLBACK } tx;
-    const char *sql; /* the transaction's body */
+    const char *sql; /* the transaction's body: its text, or with `prepared` its name */
+    bool prepared;
+    int result_format;
     int nparams;
     const char *const *values;
     int failpoint;    /* reached between the body and COMMIT; -1 = none */
@@ -630,7 +632,10 @@ static void request_step(struct obx_pg *pg, PGresult *res)
             break;
         }
         q->tx = TX_BODY;
-        send_raw(pg, q->sql, q->nparams, q->values, 0);
+        if (q->prepared)
+            send_prepared(pg, q->sql, q->nparams, q->values, q->result_format);
+        else
+            send_raw(pg, q->sql, q->nparams, q->values, q->result_format);
         break;
     case TX_BODY:
         if (ok && q->failpoint >= 0 && obx_failpoints_active.armed &&
@@ -1134,17 +1139,35 @@ static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int first, c
     return 0;
 }
 
+/* The mark's statements run as in production whatever is armed; only with
+ * mark.before_commit armed is the same prepared statement wrapped in BEGIN
+ * ... COMMIT, so that the moment between it and COMMIT exists (the "during
+ * the mark" crash window). `values` must outlive the BEGIN's round trip. */
+static int start_mark_statement(struct obx_pg *pg, struct pg_request req, const char *name,
+                                int nparams, const char *const *values, int result_format)
+{
+    if (obx_failpoints_active.entry[OBX_FP_MARK_BEFORE_COMMIT].action == OBX_FP_OFF)
+        return start_prepared(pg, &req, name, nparams, values, result_format);
+    req.tx = TX_BEGIN;
+    req.sql = name;
+    req.prepared = true;
+    req.result_format = result_format;
+    req.nparams = nparams;
+    req.values = values;
+    req.failpoint = OBX_FP_MARK_BEFORE_COMMIT;
+    return start_request(pg, &req, "BEGIN", 0, NULL, 0);
+}
+
 int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const struct obx_fetch *f,
                            obx_pg_rows_fn done, void *arg)
 {
-    /* An armed failpoint needs the mark's own transaction (see send_mark). */
-    if (obx_failpoints_active.armed || m->n_dead > 0 || !f->keyset || !f->snapshot)
+    if (m->n_dead > 0 || !f->keyset || !f->snapshot)
         return 1;
-    const char *values[11];
+    const char **values = pg->param_values;
     if (fetch_params(pg, f, true, values) != 0 || mark_params(pg, m, 6, values + 7) != 0)
         return -1;
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
-    return start_prepared(pg, &req, STMT_MARK_FETCH, 11, values, 1);
+    return start_mark_statement(pg, req, STMT_MARK_FETCH, 11, values, 1);
 }
 
 /* Log mode's cursor row (obx_store_sql_log_write's parameters). */
@@ -1185,11 +1208,8 @@ static int send_log_write(struct obx_pg *pg, const struct obx_mark *m, obx_pg_do
             return -1;
         }
     }
-    if (!obx_failpoints_active.armed) {
-        struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
-        return start_prepared(pg, &req, STMT_MARK, 13, values, 0);
-    }
-    return obx_pg_send_tx(pg, pg->mark_sql, 13, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
+    struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
+    return start_mark_statement(pg, req, STMT_MARK, 13, values, 0);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
@@ -1213,17 +1233,11 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
             return -1;
         }
     }
-    const char *sql = m->n_dead == 0 ? pg->mark_plain_sql : pg->mark_sql;
-    int nparams = m->n_dead == 0 ? 4 : 6;
     /* The mark is one statement, so on its own it is one transaction: one
-     * round trip instead of three. Only an armed failpoint needs the moment
-     * between the statement and COMMIT (the "during the mark" crash window). */
-    if (!obx_failpoints_active.armed) {
-        struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
-        return start_prepared(pg, &req, m->n_dead == 0 ? STMT_MARK_PLAIN : STMT_MARK, nparams,
-                              values, 0);
-    }
-    return obx_pg_send_tx(pg, sql, nparams, values, OBX_FP_MARK_BEFORE_COMMIT, done, arg);
+     * round trip instead of three. */
+    struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
+    return start_mark_statement(pg, req, m->n_dead == 0 ? STMT_MARK_PLAIN : STMT_MARK,
+                                m->n_dead == 0 ? 4 : 6, values, 0);
 }
 
 uint64_t obx_pg_reconnects(const struct obx_pg *pg)

@@ -2177,6 +2177,10 @@ void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, 
     r->now = now;
     if (r->state != OBX_RELAY_MARKING || !r->fetch_riding)
         return;
+    if (failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) { /* as in obx_relay_on_marked */
+        obx_relay_on_query_failed(r, "injected error after commit", now);
+        return;
+    }
     r->fetch_riding = false;
     mark_done(r, now);
     set_state(r, OBX_RELAY_FETCHING, "the fetch beside the mark");

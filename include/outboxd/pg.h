@@ -137,7 +137,7 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
                       void *arg) OBX_WARN_UNUSED;
 /* The plain mark and the keyset fetch as one statement (see
  * obx_store_sql_mark_fetch). 1: they cannot go together (dead letters, a
- * full fetch, or an armed failpoint): nothing was sent. */
+ * full fetch): nothing was sent. */
 int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const struct obx_fetch *f,
                            obx_pg_rows_fn done, void *arg);
 /* The mark transaction: confirm m->ids (set sent_at, or delete in delete
