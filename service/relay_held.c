@@ -1,0 +1,330 @@
+/*
+ * relay_held: refused rows (relay.on_reject = retry, probes of a refused
+ * batch), the later rows of their keys held back behind them, and, with a
+ * finite kafka.message.timeout.ms, rows parked behind their key's record at
+ * Kafka. See relay_int.h for the state, relay.c for the cycle.
+ */
+#include "relay_int.h"
+#include "outboxd/alloc.h"
+#include "outboxd/log.h"
+
+#include <string.h>
+
+struct blocked *relay_find_block_by_id(struct obx_relay *r, int64_t id)
+{
+    for (size_t i = 0; i < r->n_blocked; i++)
+        if (r->blocked[i].id == id)
+            return &r->blocked[i];
+    return NULL;
+}
+
+/* True if `row` must wait behind an earlier refused row of its key. */
+bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic)
+{
+    if (!row->key)
+        return false;
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        const struct blocked *b = &r->blocked[i];
+        if (b->key && b->topic == topic && row->id > b->id && b->key_len == row->key_len &&
+            memcmp(b->key, row->key, row->key_len) == 0)
+            return true;
+    }
+    return false;
+}
+
+void relay_unblock(struct obx_relay *r, int64_t id)
+{
+    struct blocked *b = relay_find_block_by_id(r, id);
+    if (!b)
+        return;
+    relay_cursor_clear(r); /* its key's later rows may be waiting below hwm */
+    obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
+             b->attempts);
+    if (r->set.log_mode)
+        relay_lift(r, id);
+    obx_free(b->key);
+    *b = r->blocked[--r->n_blocked];
+}
+
+/* Forgets the entry of row `id` without a word (dead-lettered, or gone). */
+void relay_drop_block(struct obx_relay *r, int64_t id)
+{
+    struct blocked *b = relay_find_block_by_id(r, id);
+    if (!b)
+        return;
+    relay_cursor_clear(r);
+    if (r->set.log_mode)
+        relay_lift(r, id);
+    obx_free(b->key);
+    *b = r->blocked[--r->n_blocked];
+}
+
+/* True if an earlier held row of its key holds `b` back too. */
+bool relay_behind_another(const struct obx_relay *r, const struct blocked *b)
+{
+    for (size_t j = 0; j < r->n_blocked && b->key; j++) {
+        const struct blocked *o = &r->blocked[j];
+        if (o->key && o->id < b->id && o->topic == b->topic && o->key_len == b->key_len &&
+            memcmp(o->key, b->key, b->key_len) == 0)
+            return true;
+    }
+    return false;
+}
+
+/* The probe to try next: the lowest-id due one that no earlier refused row
+ * of its key holds back. NULL if none. */
+struct blocked *relay_due_probe(struct obx_relay *r, int64_t now)
+{
+    struct blocked *best = NULL;
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        struct blocked *b = &r->blocked[i];
+        if (!b->probe || b->retry_at > now || (best && best->id < b->id))
+            continue;
+        if (!relay_behind_another(r, b))
+            best = b;
+    }
+    return best;
+}
+
+/* After a full fetch: a held row that was due when it was sent, that no
+ * earlier held row of its key held back in it (one may have gone since),
+ * and whose place the answer passed without it, is no longer unsent (the
+ * recovery pass found it in Kafka and marked it, or another relay published
+ * it): its key goes on. `rows` are the answer's n rows, `full`: it had as
+ * many as it asked for. */
+void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full)
+{
+    for (size_t i = 0; i < r->n_blocked;) {
+        const struct blocked *b = &r->blocked[i];
+        bool passed = !full || (n > 0 && rows[n - 1].id > b->id);
+        bool due = !b->probe && b->retry_at <= r->fetch_sent_at;
+        bool fetched = false;
+        for (size_t j = 0; j < n && passed && due && !fetched; j++)
+            fetched = rows[j].id == b->id;
+        if (!passed || !due || fetched || b->behind_at_fetch) {
+            i++;
+            continue;
+        }
+        obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
+                 (long long)b->id);
+        relay_drop_block(r, b->id); /* moves the last entry here */
+        r->want_fetch = true;
+    }
+}
+
+/* Room for twice as many refused rows: their entries, their keys for the
+ * fetch, and their ids among the fetch's exclusions. */
+int relay_grow_blocked(struct obx_relay *r)
+{
+    size_t cap = r->cap_blocked ? r->cap_blocked * 2 : 64;
+    struct blocked *b = obx_realloc(r->blocked, cap * sizeof(*b));
+    if (!b)
+        return -1;
+    r->blocked = b;
+    struct obx_blocked_key *k = obx_realloc(r->keys, cap * sizeof(*k));
+    if (!k)
+        return -1;
+    r->keys = k;
+    int64_t *ki = obx_realloc(r->key_ids, cap * sizeof(*ki));
+    if (!ki)
+        return -1;
+    r->key_ids = ki;
+    int64_t *ids = obx_realloc(r->ids, ((size_t)r->set.max_in_flight + cap) * sizeof(*ids));
+    if (!ids)
+        return -1;
+    r->ids = ids;
+    r->cap_blocked = cap;
+    return 0;
+}
+
+/* Row `id` was refused: retry it later, holding back its key meanwhile. */
+void relay_block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
+                 int64_t now)
+{
+    relay_cursor_clear(r); /* it is below hwm, and comes back by a full fetch */
+    struct blocked *b = relay_find_block_by_id(r, id);
+    if (!b) {
+        if (r->n_blocked == r->cap_blocked && relay_grow_blocked(r) != 0) {
+            /* Retried at once, and its key goes on: a fault we say out loud. */
+            obx_error("relay: out of memory holding back the key of row %lld (%zu held back)",
+                      (long long)id, r->n_blocked);
+            return;
+        }
+        char *copy = NULL;
+        if (key && !(copy = obx_malloc(key_len ? key_len : 1))) {
+            obx_error("relay: out of memory holding back the key of row %lld", (long long)id);
+            return;
+        }
+        if (key)
+            memcpy(copy, key, key_len);
+        b = &r->blocked[r->n_blocked++];
+        *b = (struct blocked){.id = id, .topic = topic, .key = copy, .key_len = key_len};
+        if (r->set.log_mode)
+            relay_hold(r, id, topic, key, key_len);
+    }
+    int64_t delay = r->set.retry_backoff_ms;
+    for (int i = 0; i < b->attempts && delay < MAX_REJECT_BACKOFF_MS; i++)
+        delay *= 2;
+    if (delay > MAX_REJECT_BACKOFF_MS)
+        delay = MAX_REJECT_BACKOFF_MS;
+    b->attempts++;
+    b->retry_at = now + delay;
+}
+
+/* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
+void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                    const char *reason, int64_t now)
+{
+    if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
+        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
+                  "outbox.dead_letters",
+                  (long long)s->id, r->topics[s->topic], reason);
+        s->reason = obx_strdup(reason ? reason : "refused by Kafka");
+        if (s->reason) {
+            if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
+                relay_log_settle(r, s, true);
+            s->state = SLOT_DEAD;
+            r->to_mark++;
+            relay_drop_block(r, s->id); /* refused alone too: its key goes on */
+            return;
+        }
+        obx_error("relay: out of memory dead-lettering row %lld; retrying it", (long long)s->id);
+    } else {
+        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; retrying it, later rows of "
+                  "its key wait (relay.on_reject = retry)",
+                  (long long)s->id, r->topics[s->topic], reason);
+    }
+    relay_block(r, s->id, s->topic, key, key_len, now);
+    struct blocked *b = relay_find_block_by_id(r, s->id);
+    if (b)
+        b->probe = false; /* refused alone: a retry with back-off from here */
+    relay_slot_release(r, s);
+    r->want_fetch = true;
+}
+
+/* The batch row `s` went in was refused for good, perhaps for another
+ * record's sake (a batch is too large as a whole, or one record in it is):
+ * its key waits while it is tried again alone, at once. */
+void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                         const char *reason, int64_t now)
+{
+    obx_warn("relay: the batch of row %lld (topic %s) was refused by Kafka: %s; trying the row "
+             "alone before relay.on_reject applies, later rows of its key wait",
+             (long long)s->id, r->topics[s->topic], reason);
+    relay_block(r, s->id, s->topic, key, key_len, now);
+    struct blocked *b = relay_find_block_by_id(r, s->id);
+    if (b) {
+        b->probe = true;
+        b->retry_at = now;
+    }
+    relay_slot_release(r, s);
+    r->want_fetch = true;
+}
+
+/* A copy of `row` in one allocation, or NULL. */
+static struct obx_row *row_copy(const struct obx_row *row)
+{
+    size_t topic_len = strlen(row->topic) + 1;
+    size_t payload_len = row->payload ? row->payload_len : 0;
+    struct obx_row *c =
+        obx_malloc(sizeof(*c) + topic_len + row->key_len + payload_len + row->headers_len);
+    if (!c)
+        return NULL;
+    char *p = (char *)(c + 1);
+    *c = *row;
+    memcpy(p, row->topic, topic_len);
+    c->topic = p;
+    p += topic_len;
+    if (row->key) {
+        memcpy(p, row->key, row->key_len);
+        c->key = p;
+        p += row->key_len;
+    }
+    if (row->payload) {
+        memcpy(p, row->payload, payload_len);
+        c->payload = p;
+        p += payload_len;
+    }
+    if (row->headers) {
+        memcpy(p, row->headers, row->headers_len);
+        c->headers = p;
+    }
+    return c;
+}
+
+/* The rows parked behind key hash h go back unsent, to be fetched again. */
+void relay_release_parked_of(struct obx_relay *r, uint64_t h)
+{
+    int32_t i;
+    bool any = false;
+    while ((i = obx_keycount_unpark(&r->busy_keys, h)) >= 0) {
+        relay_slot_release(r, &r->slots[i]);
+        any = true;
+    }
+    if (any)
+        relay_after_release(r);
+}
+
+/* Every parked row goes back unsent: the relay stops handing rows to Kafka
+ * (shutdown, fatal error, session lost). */
+void relay_release_all_parked(struct obx_relay *r)
+{
+    if (!r->set.one_per_key)
+        return;
+    for (int i = 0; i < r->set.max_in_flight; i++)
+        if (r->slots[i].state == SLOT_PARKED)
+            relay_release_parked_of(r, r->slots[i].key_hash);
+}
+
+/* Parks row `row` of slot s behind its key's record at Kafka. false: no
+ * memory for it (the caller leaves it for a later fetch). */
+bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
+{
+    struct obx_row *copy = row_copy(row);
+    if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, (int32_t)(s - r->slots)) != 0) {
+        obx_free(copy);
+        return false;
+    }
+    s->parked = copy;
+    s->state = SLOT_PARKED;
+    return true;
+}
+
+/* Key hash h has no record at Kafka any more, the last one delivered: its
+ * first parked row goes now, if the relay may publish. */
+void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
+{
+    if (!r->recovered || r->draining || r->state == OBX_RELAY_WAIT_PG) {
+        relay_release_parked_of(r, h); /* fetched again once it may */
+        return;
+    }
+    int32_t i = obx_keycount_unpark(&r->busy_keys, h);
+    if (i < 0)
+        return;
+    struct slot *p = &r->slots[i];
+    const char *reason = NULL;
+    p->state = SLOT_PRODUCED;
+    enum obx_produce_result pr = r->ops->produce(r->io, p->parked, p, &reason);
+    if (pr == OBX_PRODUCE_OK) {
+        obx_free(p->parked);
+        p->parked = NULL;
+        (void)obx_keycount_add(&r->busy_keys, h); /* it had a place: cannot fail */
+        r->n_outstanding++;
+        return;
+    }
+    if (pr == OBX_PRODUCE_BUSY) {
+        relay_slot_release(r, p);
+        r->not_before = now + 100;
+    } else {
+        relay_rejected(r, p, p->parked->key, p->parked->key_len, reason, now);
+        obx_free(p->parked);
+        p->parked = NULL;
+    }
+    relay_release_parked_of(r, h); /* the rest of the key after it, by a fetch */
+    relay_after_release(r);
+}
+
+size_t obx_relay_blocked_keys(const struct obx_relay *r)
+{
+    return r->n_blocked;
+}

@@ -1,0 +1,333 @@
+/*
+ * relay_int: the relay's state and the functions its rooms share (internal
+ * to service/; include/outboxd/relay.h is the relay's interface).
+ *
+ *   relay.c        the cycle: fetch, produce, delivery reports, mark
+ *   relay_log.c    log mode's cursor rows (relay.on_sent = log)
+ *   relay_held.c   refused rows, held-back keys, rows parked behind their key
+ *   relay_drain.c  drain, shutdown, progress and stalls
+ */
+#ifndef OUTBOXD_RELAY_INT_H
+#define OUTBOXD_RELAY_INT_H
+#include "outboxd/failpoint.h"
+#include "outboxd/keycount.h"
+#include "outboxd/relay.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* "No row" wherever an id is kept: ids may be 0 or below (an identity
+ * restarted or set there by an operator). */
+#define NO_ID INT64_MIN
+/* Longest pause between retries of a refused row. */
+#define MAX_REJECT_BACKOFF_MS (60 * 1000)
+/* The pause before the next look for new rows after a fetch that found
+ * some; each look that finds none doubles it, up to relay.poll_interval. */
+#define POLL_MIN_MS 1
+/* How often the marks store the partitions' offsets (outbox.kafka_offsets).
+ * A stored offset only says where the recovery pass starts reading, so it
+ * may lag: the pass then reads up to this much more. Storing it with every
+ * mark updated a dozen rows a few hundred times a second, and under a held
+ * xmin horizon every one of those versions stays, and each upsert walked
+ * them all. */
+#define OFFSETS_STORE_MS 1000
+
+enum slot_state {
+    SLOT_FREE = 0,
+    SLOT_PRODUCED,     /* handed to Kafka, delivery report pending */
+    SLOT_ACKED,        /* persisted by Kafka, not yet marked */
+    SLOT_MARKING,      /* in the mark transaction now in flight */
+    SLOT_DEAD,         /* refused; to be moved to outbox.dead_letters */
+    SLOT_DEAD_MARKING, /* in the mark transaction now in flight, as a dead letter */
+    SLOT_PARKED,       /* set.one_per_key: fetched, waiting behind its key's record at Kafka */
+};
+
+struct slot {
+    int64_t id;
+    int64_t created_us; /* for the latency histogram */
+    int64_t offset;
+    int32_t partition;
+    uint32_t topic; /* index into obx_relay.topics */
+    enum slot_state state;
+    int32_t next_free;      /* free-list link, -1 = end */
+    char *reason;           /* SLOT_DEAD*: why Kafka refused it (owned) */
+    struct obx_row *parked; /* SLOT_PARKED: a copy of the row (owned, one allocation) */
+    uint64_t key_hash;      /* set.one_per_key and a key: its obx_keycount_hash */
+    uint64_t log_hash;      /* log mode and a key: its obx_keycount_hash */
+    uint64_t seq;           /* log mode: the fetch that handed it out */
+    bool orphan;            /* log mode: handed out by a session that is gone */
+};
+
+/* ---- log mode (relay.on_sent = log) ----
+ *
+ * Nothing is written per row. What is published is what the newest cursor
+ * row covers: every row with an id up to its hwm whose writer its snapshot
+ * saw committed, but the rows of its held keys. The relay stores a cursor
+ * row once every row handed out up to some fetch has been acknowledged:
+ * that fetch's own cursor (hwm and snapshot) is then a true claim. So every
+ * fetch has a record: how many of its rows are still pending (with Kafka,
+ * or parked), and its cursor if that made a claim (a fetch after which the
+ * cursor did not hold makes none, and a row going back unsent takes the
+ * claims of its fetch and the later ones away). The oldest records are
+ * dropped as their rows settle, and the newest claim among them is `ready`:
+ * the next cursor row stores it and frees the slots of the rows it covers.
+ * Acknowledged rows of later fetches keep their slots until a later row.
+ *
+ * Refused rows and the rows of their keys behind them are `held`: the
+ * cursor rows name them until a claim made after they went on is stored.
+ * Each partition's stored offset is where the recovery pass starts reading:
+ * below the lowest offset of an acknowledged row a cursor row does not
+ * cover yet, so the pass finds every record the cursor does not account for
+ * (records of a partition are acknowledged in offset order). */
+struct fetch_rec {
+    size_t pending;   /* rows handed out and not yet settled */
+    bool claim;       /* the cursor after this fetch holds */
+    uint64_t send_no; /* which fetch sent (for held keys going on) */
+    int64_t hwm;
+    char *snap; /* owned when claim */
+};
+
+struct held_rule {
+    uint32_t topic;
+    char *key; /* owned; NULL = the row alone */
+    size_t key_len;
+    int64_t from_id;
+    uint64_t hash;      /* obx_keycount_hash of topic and key */
+    bool lifted;        /* the refused row went on (delivered, dead-lettered, gone) */
+    uint64_t lift_send; /* fetches sent when it was lifted */
+};
+
+/* A row of a held key published since it was held: the cursor rows list
+ * it while a rule that leaves it out lives (a later rule of the same key,
+ * after a second refusal, included). */
+struct also_row {
+    int64_t id;
+    uint64_t hash; /* of its topic and key; 0: not known (read back at start) */
+    uint32_t topic;
+};
+
+struct found_row { /* a record the recovery pass found for an uncovered row */
+    int64_t id;
+    uint32_t topic;
+    int32_t partition;
+    int64_t offset;
+};
+
+struct log_offset { /* a partition's offset as stored (or to be stored) */
+    uint32_t topic;
+    int32_t partition;
+    int64_t stored;  /* -1: none yet */
+    int64_t covered; /* scratch while a write is built: highest offset it covers */
+    int64_t below;   /* ... lowest offset of an acknowledged row it does not cover */
+};
+
+struct log_state {
+    struct fetch_rec *recs; /* ring of fetch records, oldest at head */
+    size_t cap_recs, rec_head, n_recs;
+    uint64_t head_seq; /* seq of recs[rec_head] */
+    uint64_t next_seq;
+    uint64_t sends;         /* fetches sent */
+    uint64_t fetch_send_no; /* the fetch in flight's */
+
+    bool has_ready; /* the newest claim with nothing pending up to it */
+    uint64_t ready_seq, ready_send;
+    int64_t ready_hwm;
+    char *ready_snap;
+
+    bool has_stored;     /* the stored cursor (loaded, or written by us) */
+    uint64_t stored_seq; /* 0: loaded at the start of the session */
+    uint64_t stored_send;
+    int64_t stored_batch, stored_hwm;
+    char *stored_snap;
+    uint64_t writes; /* since the table was last emptied */
+
+    uint64_t write_seq; /* the claim the write in flight stores */
+    uint64_t write_send;
+    int64_t write_hwm;
+    char *write_snap;
+    uint64_t looked_seq; /* the ready claim last found to cover nothing */
+    int64_t ready_since; /* when the ready claim last moved past the stored one */
+
+    struct held_rule *held;
+    size_t n_held, cap_held;
+    struct also_row *also;
+    size_t n_also, cap_also;
+    struct obx_log_held *held_out; /* for the fetch and the write */
+    int64_t *also_out;
+    size_t cap_held_out, cap_also_out, n_also_out, n_held_out;
+
+    struct found_row *found; /* sorted by id */
+    size_t n_found;
+
+    struct log_offset *offs;
+    size_t n_offs, cap_offs;
+    bool restart_next; /* the write in flight empties the table */
+    bool loaded;       /* this session has read the stored cursor */
+};
+
+/* A refused row under relay.on_reject = retry, or a row whose whole batch
+ * was refused (a probe: it is tried again alone before on_reject applies). */
+struct blocked {
+    int64_t id;
+    int64_t retry_at;
+    uint32_t topic;
+    int attempts;
+    bool probe;
+    bool behind_at_fetch; /* an earlier one of its key held it back in the fetch in flight */
+    char *key;            /* owned; NULL = no key (only the row itself waits) */
+    size_t key_len;
+};
+
+struct obx_relay {
+    struct obx_relay_settings set;
+    const struct obx_relay_ops *ops;
+    void *io;
+    enum obx_relay_state state;
+
+    struct slot *slots;
+    int32_t free_head;
+    size_t in_use;  /* slots not FREE */
+    size_t to_mark; /* slots ACKED or DEAD (waiting for a mark) */
+
+    /* Topic names seen so far; slots refer to them by index. */
+    char **topics;
+    size_t n_topics, cap_topics;
+    uint32_t last_topic;
+
+    /* Refused rows and the keys they hold back: grown as needed. */
+    struct blocked *blocked;
+    size_t n_blocked, cap_blocked;
+
+    /* Scratch arrays for the fetch and mark arguments, sized once. */
+    int64_t *ids;
+    int64_t *dead_ids;
+    const char **dead_reasons;
+    /* The highest acknowledged offset per partition not yet stored. */
+    const char **off_topics;
+    int32_t *off_partitions;
+    int64_t *off_offsets;
+    size_t n_off, cap_off;
+    bool offsets_in_mark;         /* the mark in flight stores them */
+    int64_t offsets_due;          /* when the next mark stores them */
+    struct obx_blocked_key *keys; /* cap_blocked of them */
+    int64_t *key_ids;             /* cap_blocked of them */
+
+    struct slot **batch; /* slots of the rows of the fetch being produced */
+
+    /* The fetch cursor. While it holds, every unsent row with an id up to
+     * `hwm` whose transaction is visible in snapshot `snap` has been handed
+     * out by this session (or is held back behind a refused row, or waits
+     * as a refused row itself), and no row in flight lies above `hwm`. The
+     * keyset fetch then asks only for ids above `hwm` and for the rows below
+     * it that `snap` did not see yet (late commits), and nothing in flight
+     * can be among them. Whatever may break that (a row back unsent, a
+     * fetch ignored, a new session) clears `cursor_ok`; the next fetch is
+     * then a full one, which excludes what is in flight and sets it again. */
+    bool cursor_ok;
+    uint64_t cursor_gen; /* counts relay_cursor_clear() calls */
+    uint64_t fetch_gen;  /* cursor_gen when the fetch in flight was sent */
+    int64_t hwm;
+    char *snap;
+    size_t snap_cap;
+    int64_t top_id;        /* highest id handed out in this session (NO_ID: none) */
+    bool fetch_keyset;     /* the fetch in flight is a keyset fetch ... */
+    int64_t fetch_after;   /* ... above this id */
+    int fetch_limit;       /* its row limit */
+    int64_t fetch_max_ex;  /* full fetch: the highest id it excluded */
+    int bytes_limit;       /* most rows relay.fetch_max_bytes allows for now */
+    bool fetch_riding;     /* the mark in flight carries the next fetch */
+    bool caught_up;        /* the last fetch found fewer rows than it asked for */
+    int64_t fetch_probe;   /* the fetch in flight is a full one sent when this probe was due
+                            * (NO_ID: none) */
+    int64_t fetch_sent_at; /* when the fetch in flight was sent */
+
+    /* set.one_per_key: the keys with a record at Kafka and the rows parked
+     * behind them; key_waits: a row was left for a later fetch instead (no
+     * memory to park it). */
+    struct obx_keycount busy_keys;
+    bool key_waits;
+
+    size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
+    int64_t probe_id;     /* a probe handed to Kafka alone, report pending (NO_ID: none) */
+    bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
+
+    bool recovered;         /* the start-up recovery pass has succeeded */
+    uint64_t unknowns;      /* possibly-persisted reports so far */
+    uint64_t pass_unknowns; /* ... when the recovery pass in flight started */
+    uint64_t settled;       /* ... when the last successful pass started */
+    bool want_fetch;        /* rows may be waiting: a look is due, a full batch, ... */
+    int64_t not_before;     /* back-off: no statement before this time */
+    int64_t poll_delay;     /* the pause before the next look for new rows */
+    int64_t next_look_at;   /* when that look is due */
+
+    int64_t now; /* time of the event being handled */
+    bool draining;
+    int64_t drain_deadline; /* stop waiting for deliveries; mark what was acknowledged */
+    int64_t hard_deadline;  /* stop, whatever is in flight (shutdown.timeout) */
+
+    int64_t last_progress;     /* see obx_relay_last_progress */
+    int64_t unknown_warned_at; /* last "may or may not be in Kafka" warning */
+    int64_t state_since;       /* when the state last changed */
+    int64_t stalled_ms;        /* > 0 while a stall is reported */
+    int64_t stall_logged_at;
+    int exit_code;
+    uint64_t marked_total;
+    uint64_t dead_total;
+    uint64_t fetches[2]; /* full, keyset */
+
+    struct log_state log; /* set.log_mode only */
+};
+
+/* relay.c (the cycle) */
+void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
+int64_t relay_topic_index(struct obx_relay *r, const char *name);
+void relay_slot_release(struct obx_relay *r, struct slot *s);
+void relay_cursor_clear(struct obx_relay *r);
+int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
+void relay_stop(struct obx_relay *r, const char *why);
+int relay_grow_offsets(struct obx_relay *r);
+void relay_kick(struct obx_relay *r, int64_t now);
+void relay_after_release(struct obx_relay *r);
+
+/* relay_log.c (log mode) */
+struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq);
+uint64_t relay_rec_push(struct obx_relay *r);
+void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
+void relay_recs_settle(struct obx_relay *r);
+void relay_claims_drop_from(struct obx_relay *r, uint64_t seq);
+void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked);
+void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len);
+void relay_lift(struct obx_relay *r, int64_t id);
+bool relay_take_found(struct obx_relay *r, int64_t id, struct found_row *out);
+void relay_log_reset(struct obx_relay *r);
+bool relay_log_held_out(struct obx_relay *r);
+bool relay_start_log_write(struct obx_relay *r, int64_t now);
+void relay_log_write_done(struct obx_relay *r);
+
+/* relay_held.c (refused rows and held-back keys) */
+struct blocked *relay_find_block_by_id(struct obx_relay *r, int64_t id);
+bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic);
+void relay_unblock(struct obx_relay *r, int64_t id);
+void relay_drop_block(struct obx_relay *r, int64_t id);
+bool relay_behind_another(const struct obx_relay *r, const struct blocked *b);
+struct blocked *relay_due_probe(struct obx_relay *r, int64_t now);
+void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full);
+int relay_grow_blocked(struct obx_relay *r);
+void relay_block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
+                 int64_t now);
+void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                    const char *reason, int64_t now);
+void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                         const char *reason, int64_t now);
+void relay_release_parked_of(struct obx_relay *r, uint64_t h);
+void relay_release_all_parked(struct obx_relay *r);
+bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
+void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
+
+/* relay_drain.c (drain and stall) */
+bool relay_uncertain(const struct obx_relay *r);
+bool relay_drain_over(const struct obx_relay *r, int64_t now);
+void relay_progress(struct obx_relay *r, int64_t now);
+
+#endif

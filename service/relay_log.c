@@ -1,0 +1,619 @@
+/*
+ * relay_log: log mode (relay.on_sent = log): the records of the fetches, the
+ * claims they make, the held keys the cursor rows name, and the cursor row
+ * itself. See relay_int.h for the state, relay.c for the cycle.
+ */
+#include "relay_int.h"
+#include "outboxd/alloc.h"
+#include "outboxd/log.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq)
+{
+    struct log_state *l = &r->log;
+    if (seq < l->head_seq || seq - l->head_seq >= l->n_recs)
+        return NULL;
+    return &l->recs[(l->rec_head + (seq - l->head_seq)) % l->cap_recs];
+}
+
+/* A record for the fetch just answered; its seq, or 0 out of memory (then
+ * the rows are not taken: see on_fetched). */
+uint64_t relay_rec_push(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    /* The newest record has nothing pending (its fetch handed nothing out,
+     * or all of it settled) while an older one waits: this fetch takes its
+     * place, with its own claim if it makes one. So a row that waits long
+     * (a partition Kafka cannot take) costs one record per fetch that
+     * hands rows out behind it, not one per look for new rows. */
+    if (l->n_recs > 1) {
+        uint64_t back_seq = l->head_seq + l->n_recs - 1;
+        struct fetch_rec *back = relay_rec_of(r, back_seq);
+        if (back && back->pending == 0) {
+            obx_free(back->snap);
+            *back = (struct fetch_rec){.send_no = l->fetch_send_no};
+            return back_seq;
+        }
+    }
+    if (l->n_recs == l->cap_recs) {
+        size_t cap = l->cap_recs ? l->cap_recs * 2 : 64;
+        struct fetch_rec *grown = obx_calloc(cap, sizeof(*grown));
+        if (!grown)
+            return 0;
+        for (size_t i = 0; i < l->n_recs; i++)
+            grown[i] = l->recs[(l->rec_head + i) % l->cap_recs];
+        obx_free(l->recs);
+        l->recs = grown;
+        l->cap_recs = cap;
+        l->rec_head = 0;
+    }
+    if (l->n_recs == 0)
+        l->head_seq = l->next_seq + 1;
+    uint64_t seq = ++l->next_seq;
+    struct fetch_rec *f = &l->recs[(l->rec_head + l->n_recs++) % l->cap_recs];
+    *f = (struct fetch_rec){.send_no = l->fetch_send_no};
+    return seq;
+}
+
+/* The fetch `seq` made a claim: its cursor (hwm, snap). */
+void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap)
+{
+    struct fetch_rec *f = relay_rec_of(r, seq);
+    if (!f || f->claim)
+        return;
+    f->snap = obx_strdup(snap);
+    f->claim = f->snap != NULL; /* no memory: no claim, which is always safe */
+    f->hwm = hwm;
+}
+
+/* Records whose rows have all settled leave the ring, oldest first; the
+ * newest claim among them becomes ready. */
+void relay_recs_settle(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    while (l->n_recs > 0) {
+        struct fetch_rec *f = &l->recs[l->rec_head];
+        if (f->pending > 0)
+            break;
+        if (f->claim) {
+            if (!l->has_ready || l->ready_seq <= l->stored_seq)
+                l->ready_since = r->now;
+            obx_free(l->ready_snap);
+            l->ready_snap = f->snap;
+            l->ready_hwm = f->hwm;
+            l->ready_seq = l->head_seq;
+            l->ready_send = f->send_no;
+            l->has_ready = true;
+            f->snap = NULL;
+        }
+        l->rec_head = (l->rec_head + 1) % l->cap_recs;
+        l->n_recs--;
+        l->head_seq++;
+    }
+}
+
+/* The claims of fetch `seq` and of every later one no longer hold: a row of
+ * that fetch is unsent again without being held. */
+void relay_claims_drop_from(struct obx_relay *r, uint64_t seq)
+{
+    struct log_state *l = &r->log;
+    for (uint64_t s = seq < l->head_seq ? l->head_seq : seq; s < l->head_seq + l->n_recs; s++) {
+        struct fetch_rec *f = relay_rec_of(r, s);
+        if (!f)
+            break;
+        f->claim = false;
+        obx_free(f->snap);
+        f->snap = NULL;
+    }
+}
+
+/* Whether row `id` is refused and held: the cursor rows leave it (and its
+ * key's later rows) out, so the claims that count it as handed out hold. */
+static bool held_now(const struct obx_relay *r, int64_t id)
+{
+    for (size_t i = 0; i < r->log.n_held; i++)
+        if (r->log.held[i].from_id == id && !r->log.held[i].lifted)
+            return true;
+    return false;
+}
+
+/* Slot `s` no longer waits for Kafka: `acked` (acknowledged or to be dead-
+ * lettered) or not (back unsent, or held). */
+void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked)
+{
+    if (!r->set.log_mode || s->orphan || s->seq == 0)
+        return;
+    struct fetch_rec *f = relay_rec_of(r, s->seq);
+    if (!acked && !held_now(r, s->id))
+        relay_claims_drop_from(r, s->seq);
+    if (f && f->pending > 0)
+        f->pending--;
+    s->seq = acked ? s->seq : 0;
+    relay_recs_settle(r);
+}
+
+static void held_free(struct held_rule *h)
+{
+    obx_free(h->key);
+}
+
+/* Whether a held rule still leaves published row `a` out (so the cursor
+ * rows must go on listing it). */
+static bool also_needed(const struct log_state *l, const struct also_row *a)
+{
+    for (size_t i = 0; i < l->n_held; i++) {
+        const struct held_rule *h = &l->held[i];
+        if (!a->hash || a->id == h->from_id ||
+            (h->key && h->hash == a->hash && h->topic == a->topic && a->id > h->from_id))
+            return true; /* the refused row itself, delivered since, or one of its key */
+    }
+    return false;
+}
+
+/* Whether a lifted rule starts at row `id`. */
+static bool lifted_rule_of(const struct log_state *l, int64_t id)
+{
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].from_id == id && l->held[i].lifted)
+            return true;
+    return false;
+}
+
+/* Whether a rule went on before the ready claim's fetch was sent: the next
+ * cursor row drops it, worth writing even if it covers no new row. */
+static bool rule_to_drop(const struct log_state *l)
+{
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].lifted && l->ready_send > l->held[i].lift_send)
+            return true;
+    return false;
+}
+
+/* Adds a published row of a held key; false out of memory. */
+static bool also_add(struct log_state *l, int64_t id, uint64_t hash, uint32_t topic)
+{
+    if (l->n_also == l->cap_also) {
+        size_t cap = l->cap_also ? l->cap_also * 2 : 16;
+        struct also_row *g = obx_realloc(l->also, cap * sizeof(*g));
+        if (!g)
+            return false;
+        l->also = g;
+        l->cap_also = cap;
+    }
+    l->also[l->n_also++] = (struct also_row){id, hash, topic};
+    return true;
+}
+
+/* Log mode: row `id` of `topic` (key or NULL) is refused or waits: the
+ * cursor leaves it and its key's later rows out until it goes on. */
+void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].from_id == id && !l->held[i].lifted)
+            return;
+    if (l->n_held == l->cap_held) {
+        size_t cap = l->cap_held ? l->cap_held * 2 : 16;
+        struct held_rule *g = obx_realloc(l->held, cap * sizeof(*g));
+        if (!g) {
+            obx_error("relay: out of memory holding row %lld out of the cursor; stopping the "
+                      "cursor until it is delivered",
+                      (long long)id);
+            relay_claims_drop_from(r, 0);
+            return;
+        }
+        l->held = g;
+        l->cap_held = cap;
+    }
+    char *copy = NULL;
+    if (key && !(copy = obx_malloc(key_len ? key_len : 1))) {
+        obx_error("relay: out of memory holding row %lld out of the cursor", (long long)id);
+        relay_claims_drop_from(r, 0);
+        return;
+    }
+    if (key)
+        memcpy(copy, key, key_len);
+    l->held[l->n_held++] = (struct held_rule){
+        .topic = topic,
+        .key = copy,
+        .key_len = key_len,
+        .from_id = id,
+        .hash = key ? obx_keycount_hash(topic, key, key_len) : 0,
+    };
+}
+
+/* Row `id` went on (delivered, dead-lettered or gone): its key's rows may be
+ * fetched, and the rule goes once a claim made after this is stored. */
+void relay_lift(struct obx_relay *r, int64_t id)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_held; i++) {
+        if (l->held[i].from_id == id && !l->held[i].lifted) {
+            l->held[i].lifted = true;
+            l->held[i].lift_send = l->sends;
+        }
+    }
+}
+
+/* A found row for `id`, removed from the list; false if none. */
+bool relay_take_found(struct obx_relay *r, int64_t id, struct found_row *out)
+{
+    struct log_state *l = &r->log;
+    size_t lo = 0, hi = l->n_found;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (l->found[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == l->n_found || l->found[lo].id != id)
+        return false;
+    *out = l->found[lo];
+    memmove(&l->found[lo], &l->found[lo + 1], (l->n_found - lo - 1) * sizeof(*l->found));
+    l->n_found--;
+    return true;
+}
+
+/* The session's log state starts again from what the next recovery pass
+ * reads: claims, held keys, found rows and stored offsets are forgotten. */
+void relay_log_reset(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_recs; i++)
+        obx_free(l->recs[(l->rec_head + i) % l->cap_recs].snap);
+    l->n_recs = 0;
+    l->has_ready = false;
+    l->has_stored = false;
+    for (size_t i = 0; i < l->n_held; i++)
+        held_free(&l->held[i]);
+    l->n_held = 0;
+    l->n_found = 0;
+    l->n_offs = 0;
+    l->n_also = 0;
+    l->loaded = false;
+}
+
+/* The held keys and the rows of them published, in log.held_out and
+ * log.also_out (`extra` more ids of room in also_out). false: no memory. */
+static bool log_held_out_room(struct obx_relay *r, size_t extra, uint64_t claim_send)
+{
+    struct log_state *l = &r->log;
+    size_t n_also = extra + l->n_also;
+    if (l->n_held > l->cap_held_out) {
+        struct obx_log_held *h = obx_realloc(l->held_out, l->n_held * sizeof(*h));
+        if (!h)
+            return false;
+        l->held_out = h;
+        l->cap_held_out = l->n_held;
+    }
+    if (n_also > l->cap_also_out) {
+        int64_t *a = obx_realloc(l->also_out, n_also * sizeof(*a));
+        if (!a)
+            return false;
+        l->also_out = a;
+        l->cap_also_out = n_also;
+    }
+    l->n_also_out = 0;
+    l->n_held_out = 0;
+    for (size_t i = 0; i < l->n_held; i++) {
+        const struct held_rule *h = &l->held[i];
+        if (h->lifted && claim_send > h->lift_send)
+            continue; /* the claim written with these covers its rows */
+        l->held_out[l->n_held_out++] =
+            (struct obx_log_held){r->topics[h->topic], h->key, h->key_len, h->from_id};
+    }
+    for (size_t i = 0; i < l->n_also; i++)
+        l->also_out[l->n_also_out++] = l->also[i].id;
+    return true;
+}
+
+bool relay_log_held_out(struct obx_relay *r)
+{
+    if (log_held_out_room(r, 0, 0))
+        return true;
+    obx_error("relay: out of memory building the fetch");
+    return false;
+}
+
+/* Cursor rows between two that empty the table (and carry every offset). */
+#define LOG_RESTART_EVERY 1000
+/* A cursor row waits this long for more acknowledgements, unless a batch of
+ * them is waiting already (or the relay drains): a row per 100 ms at most
+ * when rows trickle in, a few hundred bytes of WAL each, and the one
+ * connection is left to the fetches in between. What a row does not cover
+ * yet keeps its slot, and a crash meanwhile costs the recovery pass a
+ * longer read of Kafka, nothing else. */
+#define LOG_WRITE_DELAY_MS 100
+
+/* The stored offset entry of (topic, partition), added if new; NULL out of
+ * memory (that partition's offset then lags, which costs the recovery pass
+ * a longer read and nothing else). */
+static struct log_offset *log_offset_of(struct obx_relay *r, uint32_t topic, int32_t partition)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_offs; i++)
+        if (l->offs[i].topic == topic && l->offs[i].partition == partition)
+            return &l->offs[i];
+    if (l->n_offs == l->cap_offs) {
+        size_t cap = l->cap_offs ? l->cap_offs * 2 : 32;
+        struct log_offset *g = obx_realloc(l->offs, cap * sizeof(*g));
+        if (!g)
+            return NULL;
+        l->offs = g;
+        l->cap_offs = cap;
+    }
+    struct log_offset *o = &l->offs[l->n_offs++];
+    *o = (struct log_offset){
+        .topic = topic, .partition = partition, .stored = -1, .covered = -1, .below = INT64_MAX};
+    return o;
+}
+
+/* Log mode: the offset to store for each partition, into the off_* arrays
+ * (those that moved, or all with `all`): below the lowest acknowledged row
+ * the write does not cover (nor any record the recovery pass found), else
+ * the highest it covers. */
+static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
+{
+    struct log_state *l = &r->log;
+    for (size_t i = 0; i < l->n_offs; i++) {
+        l->offs[i].covered = -1;
+        l->offs[i].below = INT64_MAX;
+    }
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_MARKING) || s->offset < 0)
+            continue;
+        struct log_offset *o = log_offset_of(r, s->topic, s->partition);
+        if (!o)
+            continue;
+        if (s->seq <= upto) {
+            if (s->offset > o->covered)
+                o->covered = s->offset;
+        } else if (s->offset < o->below) {
+            o->below = s->offset;
+        }
+    }
+    for (size_t i = 0; i < l->n_found; i++) {
+        struct log_offset *o = log_offset_of(r, l->found[i].topic, l->found[i].partition);
+        if (o && l->found[i].offset < o->below)
+            o->below = l->found[i].offset;
+    }
+    r->n_off = 0;
+    for (size_t i = 0; i < l->n_offs; i++) {
+        struct log_offset *o = &l->offs[i];
+        int64_t v = o->below != INT64_MAX ? o->below - 1 : o->covered;
+        if (v < o->stored)
+            v = o->stored; /* never back: see the comment on log mode */
+        o->covered = v;    /* what this write stores */
+        if (v < 0 || (!all && v == o->stored))
+            continue;
+        if (r->n_off == r->cap_off && relay_grow_offsets(r) != 0)
+            return false;
+        r->off_topics[r->n_off] = r->topics[o->topic];
+        r->off_partitions[r->n_off] = o->partition;
+        r->off_offsets[r->n_off++] = v;
+    }
+    return true;
+}
+
+/* Acknowledged rows of held keys (and dead letters, done with too) that
+ * the ready claim covers: published, though a rule leaves their key's rows
+ * out, so the cursor row lists them (l->also_out). A hash may match another
+ * key: listing a row that is covered anyway changes nothing. False with no
+ * memory. */
+static bool list_also_sent(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    for (int i = 0; i < r->set.max_in_flight && l->n_held > 0; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_DEAD) || s->seq > l->ready_seq)
+            continue;
+        struct also_row a = {s->id, s->log_hash, s->topic};
+        if (!a.hash && !held_now(r, s->id) && !lifted_rule_of(l, s->id))
+            continue; /* no key: only a rule of the row itself leaves it out */
+        if (!also_needed(l, &a))
+            continue;
+        if (!also_add(l, a.id, a.hash, a.topic))
+            return false;
+        l->also_out[l->n_also_out++] = s->id;
+    }
+    return true;
+}
+
+/* Log mode: a cursor row for the ready claim, covering the acknowledged
+ * rows of the fetches up to it (and dead-lettering the refused ones among
+ * them). Returns true if it was sent. */
+bool relay_start_log_write(struct obx_relay *r, int64_t now)
+{
+    struct log_state *l = &r->log;
+    if (!l->has_ready || l->ready_seq <= l->stored_seq || l->ready_seq == l->looked_seq)
+        return false;
+    if (!r->draining && now - l->ready_since < LOG_WRITE_DELAY_MS &&
+        r->to_mark < (size_t)r->set.batch_size)
+        return false;
+    size_t n_cov = 0, n_dead = 0;
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->orphan || s->seq > l->ready_seq)
+            continue;
+        if (s->state == SLOT_ACKED)
+            n_cov++;
+        else if (s->state == SLOT_DEAD)
+            r->dead_reasons[n_dead] = s->reason, r->dead_ids[n_dead++] = s->id;
+    }
+    if (n_cov + n_dead == 0 && !rule_to_drop(l)) {
+        l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
+        return false;
+    }
+    if (!log_held_out_room(r, n_cov + n_dead, l->ready_send) || !list_also_sent(r)) {
+        obx_error("relay: out of memory building the cursor row");
+        return false;
+    }
+    bool restart = l->writes + 1 >= LOG_RESTART_EVERY;
+    if (!log_offsets_out(r, l->ready_seq, restart)) {
+        obx_error("relay: out of memory building the cursor row");
+        return false;
+    }
+    obx_free(l->write_snap);
+    if (!(l->write_snap = obx_strdup(l->ready_snap))) {
+        obx_error("relay: out of memory building the cursor row");
+        return false;
+    }
+    struct obx_mark m = {.log = true,
+                         .batch = l->stored_batch + 1,
+                         .hwm = l->ready_hwm,
+                         .snapshot = l->write_snap,
+                         .held = l->held_out,
+                         .n_held = l->n_held_out,
+                         .also_sent = l->also_out,
+                         .n_also = l->n_also_out,
+                         .restart = restart,
+                         .topics = r->off_topics,
+                         .partitions = r->off_partitions,
+                         .offsets = r->off_offsets,
+                         .n_offsets = r->n_off,
+                         .dead_ids = r->dead_ids,
+                         .dead_reasons = r->dead_reasons,
+                         .n_dead = n_dead};
+    if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
+        r->not_before = now + r->set.retry_backoff_ms;
+        return false;
+    }
+    if (r->ops->mark(r->io, &m) != 0)
+        return false;
+    l->write_seq = l->ready_seq;
+    l->write_send = l->ready_send;
+    l->write_hwm = l->ready_hwm;
+    l->restart_next = restart;
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->orphan || s->seq > l->ready_seq || (s->state != SLOT_ACKED && s->state != SLOT_DEAD))
+            continue;
+        s->state = s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING;
+        r->to_mark--;
+    }
+    relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
+    return true;
+}
+
+/* The cursor row in flight committed: it is the stored cursor now. */
+void relay_log_write_done(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    l->has_stored = true;
+    l->stored_batch++;
+    l->stored_seq = l->write_seq;
+    l->stored_send = l->write_send;
+    l->stored_hwm = l->write_hwm;
+    obx_free(l->stored_snap);
+    l->stored_snap = l->write_snap;
+    l->write_snap = NULL;
+    l->writes = l->restart_next ? 1 : l->writes + 1;
+    for (size_t i = 0; i < l->n_offs; i++)
+        l->offs[i].stored = l->offs[i].covered;
+    /* A held key whose refused row went on before a fetch that the stored
+     * claim comes from (or an earlier one) is covered by that claim. */
+    for (size_t i = 0; i < l->n_held;) {
+        if (l->held[i].lifted && l->stored_send > l->held[i].lift_send) {
+            held_free(&l->held[i]);
+            l->held[i] = l->held[--l->n_held];
+        } else {
+            i++;
+        }
+    }
+    for (size_t i = 0; i < l->n_also;) {
+        if (also_needed(l, &l->also[i]))
+            i++;
+        else
+            l->also[i] = l->also[--l->n_also];
+    }
+}
+
+static int compare_found(const void *a, const void *b)
+{
+    int64_t x = ((const struct found_row *)a)->id, y = ((const struct found_row *)b)->id;
+    return (x > y) - (x < y);
+}
+
+int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
+{
+    struct log_state *l = &r->log;
+    /* Mark and delete mode after log mode read the stored cursor too (and
+     * never write one): their full fetch leaves the rows it covers alone. */
+    /* The records found, whether the session begins or a pass settled a
+     * possibly-persisted report: rows in flight now are not among them
+     * (found rows are only taken when fetched). */
+    struct found_row *found = NULL;
+    if (st->n_found > 0 && !(found = obx_calloc(st->n_found, sizeof(*found))))
+        return -1;
+    for (size_t i = 0; i < st->n_found; i++) {
+        int64_t t = relay_topic_index(r, st->found[i].topic);
+        if (t < 0) {
+            obx_free(found);
+            return -1;
+        }
+        found[i] = (struct found_row){st->found[i].id, (uint32_t)t, st->found[i].partition,
+                                      st->found[i].offset};
+    }
+    if (st->n_found > 1)
+        qsort(found, st->n_found, sizeof(*found), compare_found);
+    obx_free(l->found);
+    l->found = found;
+    l->n_found = st->n_found;
+    if (l->loaded)
+        return 0; /* the cursor is this session's own */
+    relay_log_reset(r);
+    l->found = found; /* log_reset forgot them */
+    l->n_found = st->n_found;
+    l->has_stored = st->has_cursor;
+    l->stored_seq = 0;
+    l->stored_send = 0;
+    l->stored_batch = st->has_cursor ? st->batch : 0;
+    l->stored_hwm = st->hwm;
+    l->writes = 0; /* the next write empties the table when it is due */
+    obx_free(l->stored_snap);
+    l->stored_snap = NULL;
+    if (st->has_cursor && !(l->stored_snap = obx_strdup(st->snapshot)))
+        return -1;
+    for (size_t i = 0; i < st->n_held; i++) {
+        const struct obx_log_held *h = &st->held[i];
+        int64_t t = relay_topic_index(r, h->topic);
+        if (t < 0)
+            return -1;
+        size_t before = l->n_held;
+        relay_hold(r, h->from_id, (uint32_t)t, h->key, h->key_len);
+        if (l->n_held == before)
+            return -1;
+        /* Lifted at once: the first claim of this session (from a full
+         * fetch, which reads the held rows) covers them. */
+        l->held[before].lifted = true;
+        l->held[before].lift_send = l->sends;
+    }
+    /* Rows of held keys published since: their keys are not stored, so
+     * they are listed while any rule lives. */
+    for (size_t i = 0; i < st->n_also; i++)
+        if (!also_add(l, st->also_sent[i], 0, 0))
+            return -1;
+    for (size_t i = 0; i < st->n_off; i++) {
+        int64_t t = relay_topic_index(r, st->off_topics[i]);
+        struct log_offset *o = t < 0 ? NULL : log_offset_of(r, (uint32_t)t, st->off_partitions[i]);
+        if (!o)
+            return -1;
+        o->stored = st->off_offsets[i];
+    }
+    /* Rows refused or failed in an earlier session of this process are
+     * still held back (their entries outlive a lost session): the cursor
+     * rows of this one must leave them out too. */
+    for (size_t i = 0; i < r->n_blocked; i++) {
+        const struct blocked *b = &r->blocked[i];
+        size_t before = l->n_held;
+        relay_hold(r, b->id, b->topic, b->key, b->key_len);
+        if (l->n_held == before && !held_now(r, b->id))
+            return -1;
+    }
+    l->loaded = true;
+    return 0;
+}
