@@ -598,6 +598,32 @@ static int start(struct app *a)
     return 0;
 }
 
+/* `--check [--live]`, or a configuration that failed to load: says what
+ * it found and returns the exit code. */
+static int check_and_exit(struct app *a, int rc, bool live)
+{
+    catch_early_signals(false); /* --check --live may wait on the network */
+    if (early_signal)
+        raise(early_signal);
+    for (size_t i = 0; rc == 0 && i < a->n_weakened; i++)
+        printf("outboxd: warning: %s\n", a->weakened[i]);
+    if (rc == 0)
+        printf("outboxd: configuration OK\n");
+    if (rc == 0 && live) {
+        int problems = obx_check_live(&a->cfg, stdout);
+        if (problems > 0) {
+            printf("outboxd: live check found %d problem%s\n", problems, problems == 1 ? "" : "s");
+            rc = EXIT_RUNTIME;
+        } else {
+            printf("outboxd: live check passed\n");
+        }
+    }
+    if (a->cfg_loaded)
+        obx_config_free(&a->cfg);
+    obx_free(a->xargs);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     struct app a;
@@ -625,29 +651,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "outboxd: %s\n", err);
         rc = EXIT_USAGE;
     }
-    if (rc != 0 || check_only) {
-        catch_early_signals(false); /* --check --live may wait on the network */
-        if (early_signal)
-            raise(early_signal);
-        for (size_t i = 0; rc == 0 && i < a.n_weakened; i++)
-            printf("outboxd: warning: %s\n", a.weakened[i]);
-        if (rc == 0)
-            printf("outboxd: configuration OK\n");
-        if (rc == 0 && live) {
-            int problems = obx_check_live(&a.cfg, stdout);
-            if (problems > 0) {
-                printf("outboxd: live check found %d problem%s\n", problems,
-                       problems == 1 ? "" : "s");
-                rc = EXIT_RUNTIME;
-            } else {
-                printf("outboxd: live check passed\n");
-            }
-        }
-        if (a.cfg_loaded)
-            obx_config_free(&a.cfg);
-        obx_free(a.xargs);
-        return rc;
-    }
+    if (rc != 0 || check_only)
+        return check_and_exit(&a, rc, live);
     obx_log_setup((enum obx_log_level)a.cfg.log_level, (enum obx_log_format)a.cfg.log_format);
     if (obx_failpoints_active.armed)
         obx_warn("failpoints armed: %s", getenv("OUTBOXD_FAILPOINTS"));

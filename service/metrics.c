@@ -177,21 +177,17 @@ static double cpu_seconds(void)
            (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
-void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
+/* What the relay did with rows: counters, gauges and histograms. */
+static void render_rows(struct obx_buf *out, const struct obx_metrics_gauges *g)
 {
-    header(out, "outboxd_build_info", "gauge", "Versions of outboxd and the libraries it runs on.");
-    obx_buf_printf(out,
-                   "outboxd_build_info{version=\"%s\",librdkafka=\"%s\",libpq=\"%d\","
-                   "libuv=\"%s\"} 1\n",
-                   OBX_VERSION, g->librdkafka_version ? g->librdkafka_version : "",
-                   g->libpq_version, g->libuv_version ? g->libuv_version : "");
     labelled(out, "outboxd_records_published_total", "topic",
              "Records Kafka acknowledged, by topic.", g->published);
     labelled(out, "outboxd_publish_errors_total", "reason",
              "Produce calls or deliveries that failed, by librdkafka error name.",
              g->publish_errors);
     simple(out, "outboxd_rows_marked_total", "counter",
-           "Rows confirmed in Postgres (marked sent, or deleted) after Kafka acknowledged them.",
+           "Rows confirmed in Postgres after Kafka acknowledged them (marked sent, deleted, or "
+           "covered by a cursor row in log mode).",
            (double)g->rows_marked);
     header(out, "outboxd_fetches_total", "counter",
            "Fetch statements sent, by kind: keyset (above the cursor, and late commits) or full "
@@ -225,6 +221,11 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
     histogram(out, "outboxd_commit_to_ack_seconds",
               "From the row's created_at (its insert) to Kafka's acknowledgement.", g->ack_latency);
     histogram(out, "outboxd_fetch_batch_rows", "Rows returned by each fetch.", g->batch_rows);
+}
+
+/* The connections, readiness, progress and recovery. */
+static void render_health(struct obx_buf *out, const struct obx_metrics_gauges *g)
+{
     simple(out, "outboxd_postgres_connected", "gauge",
            "1 when the relay's Postgres connection is set up and usable.",
            g->postgres_connected ? 1 : 0);
@@ -254,6 +255,18 @@ void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
            (double)g->recovery_partitions_left);
     simple(out, "outboxd_draining", "gauge", "1 after SIGTERM/SIGINT, while in-flight rows finish.",
            g->draining ? 1 : 0);
+}
+
+void obx_metrics_render(struct obx_buf *out, const struct obx_metrics_gauges *g)
+{
+    header(out, "outboxd_build_info", "gauge", "Versions of outboxd and the libraries it runs on.");
+    obx_buf_printf(out,
+                   "outboxd_build_info{version=\"%s\",librdkafka=\"%s\",libpq=\"%d\","
+                   "libuv=\"%s\"} 1\n",
+                   OBX_VERSION, g->librdkafka_version ? g->librdkafka_version : "",
+                   g->libpq_version, g->libuv_version ? g->libuv_version : "");
+    render_rows(out, g);
+    render_health(out, g);
     simple(out, "process_cpu_seconds_total", "counter", "User and system CPU time spent.",
            cpu_seconds());
     simple(out, "process_resident_memory_bytes", "gauge", "Resident memory size.",

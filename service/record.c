@@ -171,6 +171,62 @@ static int hex4(const char *p, unsigned *out)
 
 /* A string at j->p (its opening quote); its unescaped bytes go to the
  * scratch buffer. */
+/* The escape after a backslash at j->p, as a code point (a surrogate pair
+ * joined). -1 after json_fail. */
+static int json_escape(struct json *j, unsigned *cp)
+{
+    if (j->p >= j->end)
+        return json_fail(j, "an escape cut short");
+    static const char plain[] = "\"\\/bfnrt", meant[] = "\"\\/\b\f\n\r\t";
+    char e = *j->p++;
+    const char *at = e ? strchr(plain, e) : NULL;
+    if (at) {
+        *cp = (unsigned char)meant[at - plain];
+        return 0;
+    }
+    if (e != 'u')
+        return json_fail(j, "an unknown escape");
+    if (j->end - j->p < 4 || hex4(j->p, cp) != 0)
+        return json_fail(j, "a bad \\u escape");
+    j->p += 4;
+    if (*cp >= 0xdc00 && *cp <= 0xdfff)
+        return json_fail(j, "a lone surrogate");
+    if (*cp >= 0xd800 && *cp <= 0xdbff) { /* a surrogate pair */
+        unsigned lo;
+        if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' || hex4(j->p + 2, &lo) != 0 ||
+            lo < 0xdc00 || lo > 0xdfff)
+            return json_fail(j, "a lone surrogate");
+        j->p += 6;
+        *cp = 0x10000 + ((*cp - 0xd800) << 10) + (lo - 0xdc00);
+    }
+    return 0;
+}
+
+/* Code point cp as UTF-8 at dst (room for 4 bytes); returns the length. */
+static size_t utf8_put(char *dst, unsigned cp)
+{
+    if (cp < 0x80) {
+        dst[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        dst[0] = (char)(0xc0 | (cp >> 6));
+        dst[1] = (char)(0x80 | (cp & 0x3f));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        dst[0] = (char)(0xe0 | (cp >> 12));
+        dst[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        dst[2] = (char)(0x80 | (cp & 0x3f));
+        return 3;
+    }
+    dst[0] = (char)(0xf0 | (cp >> 18));
+    dst[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+    dst[2] = (char)(0x80 | ((cp >> 6) & 0x3f));
+    dst[3] = (char)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
 static int json_string(struct json *j, const char **out, size_t *out_len)
 {
     struct obx_headers *h = j->h;
@@ -189,66 +245,10 @@ static int json_string(struct json *j, const char **out, size_t *out_len)
             dst[n++] = (char)c;
             continue;
         }
-        if (j->p >= j->end)
-            return json_fail(j, "an escape cut short");
-        char e = *j->p++;
         unsigned cp;
-        switch (e) {
-        case '"':
-        case '\\':
-        case '/':
-            cp = (unsigned char)e;
-            break;
-        case 'b':
-            cp = '\b';
-            break;
-        case 'f':
-            cp = '\f';
-            break;
-        case 'n':
-            cp = '\n';
-            break;
-        case 'r':
-            cp = '\r';
-            break;
-        case 't':
-            cp = '\t';
-            break;
-        case 'u':
-            if (j->end - j->p < 4 || hex4(j->p, &cp) != 0)
-                return json_fail(j, "a bad \\u escape");
-            j->p += 4;
-            if (cp >= 0xd800 && cp <= 0xdbff) { /* a surrogate pair */
-                unsigned lo;
-                if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' ||
-                    hex4(j->p + 2, &lo) != 0 || lo < 0xdc00 || lo > 0xdfff)
-                    return json_fail(j, "a lone surrogate");
-                j->p += 6;
-                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-            } else if (cp >= 0xdc00 && cp <= 0xdfff) {
-                return json_fail(j, "a lone surrogate");
-            }
-            break;
-        default:
-            return json_fail(j, "an unknown escape");
-        }
-        if (reserve(j, n + 4) != 0)
+        if (json_escape(j, &cp) != 0 || reserve(j, n + 4) != 0)
             return -1;
-        if (cp < 0x80) {
-            dst[n++] = (char)cp;
-        } else if (cp < 0x800) {
-            dst[n++] = (char)(0xc0 | (cp >> 6));
-            dst[n++] = (char)(0x80 | (cp & 0x3f));
-        } else if (cp < 0x10000) {
-            dst[n++] = (char)(0xe0 | (cp >> 12));
-            dst[n++] = (char)(0x80 | ((cp >> 6) & 0x3f));
-            dst[n++] = (char)(0x80 | (cp & 0x3f));
-        } else {
-            dst[n++] = (char)(0xf0 | (cp >> 18));
-            dst[n++] = (char)(0x80 | ((cp >> 12) & 0x3f));
-            dst[n++] = (char)(0x80 | ((cp >> 6) & 0x3f));
-            dst[n++] = (char)(0x80 | (cp & 0x3f));
-        }
+        n += utf8_put(dst + n, cp);
     }
     if (j->p >= j->end)
         return json_fail(j, "a string not closed");

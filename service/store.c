@@ -465,7 +465,9 @@ const char *obx_store_sql_recovery_plan(void)
 const char *obx_store_sql_backlog(void)
 {
     /* Any mode: log mode's rows are never marked, the view asks its cursor. */
-    return "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)"
+    return "SELECT count(*) AS rows,"
+           "       coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)"
+           "         AS oldest_seconds"
            " FROM outbox.unpublished";
 }
 
@@ -507,7 +509,8 @@ const char *obx_store_sql_backlog_since(void)
 
 const char *obx_store_sql_waiting(void)
 {
-    return "SELECT topic, count(*) FROM outbox.unpublished GROUP BY topic ORDER BY 2 DESC";
+    return "SELECT topic, count(*) AS rows FROM outbox.unpublished GROUP BY topic"
+           " ORDER BY rows DESC";
 }
 
 const char *obx_store_sql_purge(void)
@@ -533,29 +536,35 @@ const char *obx_store_sql_relay_sessions(void)
 {
     /* A standby's last statement is always its try of the lock (every
      * 250 ms); the active relay holds the lock. */
-    return "SELECT a.pid, coalesce(a.application_name, ''),"
-           "       coalesce(host(a.client_addr), 'local socket'), " UTC("a.backend_start") ","
-           "       l.pid IS NOT NULL, extract(epoch FROM now() - a.backend_start)::bigint"
+    return "SELECT a.pid, coalesce(a.application_name, '') AS application_name,"
+           "       coalesce(host(a.client_addr), 'local socket') AS client,"
+           "       " UTC("a.backend_start") " AS started, l.pid IS NOT NULL AS active,"
+           "       extract(epoch FROM now() - a.backend_start)::bigint AS session_seconds"
            " FROM pg_stat_activity a"
            " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
            "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid = 2"
            " WHERE l.pid IS NOT NULL"
            "    OR a.query LIKE 'SELECT pg_try_advisory_lock(1868724338, 0)%'"
-           " ORDER BY 5 DESC, a.backend_start";
+           " ORDER BY active DESC, a.backend_start";
 }
 /* clang-format on */
 
 const char *obx_store_sql_dead_summary(void)
 {
-    return "SELECT count(*), coalesce(extract(epoch FROM now() - max(failed_at)), 0)::bigint"
+    return "SELECT count(*) AS rows,"
+           "       coalesce(extract(epoch FROM now() - max(failed_at)), 0)::bigint"
+           "         AS newest_seconds"
            " FROM outbox.dead_letters";
 }
 
 const char *obx_store_sql_oldest_xmin(void)
 {
-    return "SELECT pid, age(backend_xmin), coalesce(application_name, ''), coalesce(state, ''),"
-           "       coalesce(extract(epoch FROM now() - xact_start), 0)::bigint,"
-           "       left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), 60)"
+    return "SELECT pid, age(backend_xmin) AS xmin_age,"
+           "       coalesce(application_name, '') AS application_name,"
+           "       coalesce(state, '') AS state,"
+           "       coalesce(extract(epoch FROM now() - xact_start), 0)::bigint"
+           "         AS transaction_seconds,"
+           "       left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), 60) AS query"
            " FROM pg_stat_activity"
            " WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()"
            /* Of equal horizons, the longest-open transaction: a relay's
@@ -566,16 +575,18 @@ const char *obx_store_sql_oldest_xmin(void)
 
 const char *obx_store_sql_oldest_slot(void)
 {
-    return "SELECT slot_name, greatest(age(xmin), age(catalog_xmin)) FROM pg_replication_slots"
-           " WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY 2 DESC LIMIT 1";
+    return "SELECT slot_name, greatest(age(xmin), age(catalog_xmin)) AS xmin_age"
+           " FROM pg_replication_slots"
+           " WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL ORDER BY xmin_age DESC LIMIT 1";
 }
 
 /* clang-format off */
 const char *obx_store_sql_events_tuples(void)
 {
     /* Summed over the partitions; the oldest partition's last vacuum. */
-    return "SELECT coalesce(sum(n_live_tup), 0), coalesce(sum(n_dead_tup), 0),"
+    return "SELECT coalesce(sum(n_live_tup), 0) AS live, coalesce(sum(n_dead_tup), 0) AS dead,"
            "       coalesce(" UTC("min(greatest(last_autovacuum, last_vacuum))") ", 'never')"
+           "         AS last_vacuum"
            " FROM pg_stat_user_tables WHERE relid IN " OBX_STORE_SQL_EVENTS_PARTITIONS;
 }
 /* clang-format on */

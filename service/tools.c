@@ -55,6 +55,54 @@ static int parse_id(const char *s, int64_t *out)
     return 0;
 }
 
+/* The words after the options, as each tool takes them. */
+static int check_words(const struct obx_tool_args *t)
+{
+    if (strcmp(t->tool, "status") == 0 && t->n_words > 0)
+        return usage_error(t->tool, "takes no arguments");
+    if (strcmp(t->tool, "dead") == 0) {
+        if (t->n_words < 1 ||
+            (strcmp(t->words[0], "list") != 0 && strcmp(t->words[0], "retry") != 0 &&
+             strcmp(t->words[0], "drop") != 0))
+            return usage_error(t->tool, "say list, retry ID... or drop ID...");
+        if (strcmp(t->words[0], "list") == 0 && t->n_words > 1)
+            return usage_error(t->tool, "list takes no ids");
+        if (strcmp(t->words[0], "list") != 0 && t->n_words < 2)
+            return usage_error(t->tool, "name the dead letters' ids");
+        for (int i = 1; i < t->n_words; i++) {
+            int64_t id;
+            if (parse_id(t->words[i], &id) != 0) {
+                char what[160];
+                snprintf(what, sizeof(what), "'%.60s' is not a row id", t->words[i]);
+                return usage_error(t->tool, what);
+            }
+        }
+    }
+    if (strcmp(t->tool, "replay") == 0) {
+        if (t->n_words > 0)
+            return usage_error(t->tool, "takes options only");
+        if (!t->topic || !t->topic[0])
+            return usage_error(t->tool, "--topic is required");
+        if (!t->from_id == !t->since)
+            return usage_error(t->tool, "give --from-id N [--to-id M] or --since TIME");
+        if (t->to_id && !t->from_id)
+            return usage_error(t->tool, "--to-id goes with --from-id");
+        if (t->to_id && t->to_id < t->from_id)
+            return usage_error(t->tool, "--to-id is below --from-id");
+        if (t->since) {
+            /* Handed to Postgres as timestamptz: ISO 8601 characters only. */
+            for (const char *p = t->since; *p; p++)
+                if (!((*p >= '0' && *p <= '9') || strchr("-:T .Z+", *p)))
+                    return usage_error(t->tool, "--since takes an ISO 8601 time, e.g. "
+                                                "2026-12-01T10:00:00Z");
+            if (strlen(t->since) < 10)
+                return usage_error(t->tool, "--since takes an ISO 8601 time, e.g. "
+                                            "2026-12-01T10:00:00Z");
+        }
+    }
+    return 0;
+}
+
 int obx_tool_parse(int argc, char **argv, struct obx_tool_args *t)
 {
     static const struct option longopts[] = {
@@ -114,49 +162,7 @@ int obx_tool_parse(int argc, char **argv, struct obx_tool_args *t)
     }
     t->words = argv + optind;
     t->n_words = argc - optind;
-    if (strcmp(t->tool, "status") == 0 && t->n_words > 0)
-        return usage_error(t->tool, "takes no arguments");
-    if (strcmp(t->tool, "dead") == 0) {
-        if (t->n_words < 1 ||
-            (strcmp(t->words[0], "list") != 0 && strcmp(t->words[0], "retry") != 0 &&
-             strcmp(t->words[0], "drop") != 0))
-            return usage_error(t->tool, "say list, retry ID... or drop ID...");
-        if (strcmp(t->words[0], "list") == 0 && t->n_words > 1)
-            return usage_error(t->tool, "list takes no ids");
-        if (strcmp(t->words[0], "list") != 0 && t->n_words < 2)
-            return usage_error(t->tool, "name the dead letters' ids");
-        for (int i = 1; i < t->n_words; i++) {
-            int64_t id;
-            if (parse_id(t->words[i], &id) != 0) {
-                char what[160];
-                snprintf(what, sizeof(what), "'%.60s' is not a row id", t->words[i]);
-                return usage_error(t->tool, what);
-            }
-        }
-    }
-    if (strcmp(t->tool, "replay") == 0) {
-        if (t->n_words > 0)
-            return usage_error(t->tool, "takes options only");
-        if (!t->topic || !t->topic[0])
-            return usage_error(t->tool, "--topic is required");
-        if (!t->from_id == !t->since)
-            return usage_error(t->tool, "give --from-id N [--to-id M] or --since TIME");
-        if (t->to_id && !t->from_id)
-            return usage_error(t->tool, "--to-id goes with --from-id");
-        if (t->to_id && t->to_id < t->from_id)
-            return usage_error(t->tool, "--to-id is below --from-id");
-        if (t->since) {
-            /* Handed to Postgres as timestamptz: ISO 8601 characters only. */
-            for (const char *p = t->since; *p; p++)
-                if (!((*p >= '0' && *p <= '9') || strchr("-:T .Z+", *p)))
-                    return usage_error(t->tool, "--since takes an ISO 8601 time, e.g. "
-                                                "2026-12-01T10:00:00Z");
-            if (strlen(t->since) < 10)
-                return usage_error(t->tool, "--since takes an ISO 8601 time, e.g. "
-                                            "2026-12-01T10:00:00Z");
-        }
-    }
-    return 0;
+    return check_words(t);
 }
 
 void obx_tool_args_free(struct obx_tool_args *t)
@@ -311,167 +317,226 @@ static void read_relay_view(const struct obx_config *cfg, struct relay_view *v)
     v->in_flight = metric(body, "outboxd_rows_in_flight", 0);
 }
 
-static int status(const struct obx_tool_args *t, const struct obx_config *cfg)
+/* A column of a result by the name its statement gives it (store.c), so
+ * that no tool counts column positions. "" if the statement lacks it. */
+static const char *col(const PGresult *res, int row, const char *name)
 {
-    PGconn *c = tool_connect(cfg, t->tool);
-    if (!c)
-        return EXIT_UNHEALTHY;
-    PGresult *sessions = run(c, t->tool, obx_store_sql_relay_sessions(), 0, NULL, PGRES_TUPLES_OK);
-    PGresult *backlog = run(c, t->tool, obx_store_sql_backlog(), 0, NULL, PGRES_TUPLES_OK);
-    PGresult *topics = run(c, t->tool, obx_store_sql_waiting(), 0, NULL, PGRES_TUPLES_OK);
-    PGresult *dead = run(c, t->tool, obx_store_sql_dead_summary(), 0, NULL, PGRES_TUPLES_OK);
-    PGresult *xmin = run(c, t->tool, obx_store_sql_oldest_xmin(), 0, NULL, PGRES_TUPLES_OK);
-    PGresult *slot = run(c, t->tool, obx_store_sql_oldest_slot(), 0, NULL, PGRES_TUPLES_OK);
-    PGresult *tuples = run(c, t->tool, obx_store_sql_events_tuples(), 0, NULL, PGRES_TUPLES_OK);
-    int rc = 0;
-    if (!sessions || !backlog || !topics || !dead || !xmin || !slot || !tuples) {
-        rc = EXIT_UNHEALTHY;
-        goto done;
+    int k = PQfnumber(res, name);
+    if (k < 0) {
+        OBX_BUG("a statement's result has no column %s", name);
+        return "";
     }
+    return PQgetvalue(res, row, k);
+}
+
+static bool col_true(const PGresult *res, int row, const char *name)
+{
+    return strcmp(col(res, row, name), "t") == 0;
+}
+
+/* What `outboxd status` reads from Postgres, and what is wrong. */
+struct status_data {
+    PGresult *sessions, *backlog, *topics, *dead, *xmin, *slot, *tuples;
     struct relay_view rv;
-    read_relay_view(cfg, &rv);
-
-    int n_active = 0;
-    for (int i = 0; i < PQntuples(sessions); i++)
-        n_active += strcmp(PQgetvalue(sessions, i, 4), "t") == 0;
-    long long unsent = strtoll(PQgetvalue(backlog, 0, 0), NULL, 10);
-    double lag = strtod(PQgetvalue(backlog, 0, 1), NULL);
-    long long n_dead = strtoll(PQgetvalue(dead, 0, 0), NULL, 10);
+    long long unsent, n_dead;
+    double lag;
     char problems[4][120];
-    int n_problems = 0;
+    int n_problems;
+};
+
+static bool status_read(PGconn *c, const struct obx_tool_args *t, const struct obx_config *cfg,
+                        struct status_data *d)
+{
+    d->sessions = run(c, t->tool, obx_store_sql_relay_sessions(), 0, NULL, PGRES_TUPLES_OK);
+    d->backlog = run(c, t->tool, obx_store_sql_backlog(), 0, NULL, PGRES_TUPLES_OK);
+    d->topics = run(c, t->tool, obx_store_sql_waiting(), 0, NULL, PGRES_TUPLES_OK);
+    d->dead = run(c, t->tool, obx_store_sql_dead_summary(), 0, NULL, PGRES_TUPLES_OK);
+    d->xmin = run(c, t->tool, obx_store_sql_oldest_xmin(), 0, NULL, PGRES_TUPLES_OK);
+    d->slot = run(c, t->tool, obx_store_sql_oldest_slot(), 0, NULL, PGRES_TUPLES_OK);
+    d->tuples = run(c, t->tool, obx_store_sql_events_tuples(), 0, NULL, PGRES_TUPLES_OK);
+    if (!d->sessions || !d->backlog || !d->topics || !d->dead || !d->xmin || !d->slot || !d->tuples)
+        return false;
+    read_relay_view(cfg, &d->rv);
+    d->unsent = strtoll(col(d->backlog, 0, "rows"), NULL, 10);
+    d->lag = strtod(col(d->backlog, 0, "oldest_seconds"), NULL);
+    d->n_dead = strtoll(col(d->dead, 0, "rows"), NULL, 10);
+    int n_active = 0;
+    for (int i = 0; i < PQntuples(d->sessions); i++)
+        n_active += col_true(d->sessions, i, "active");
+    size_t len = sizeof(d->problems[0]);
     if (n_active == 0)
-        snprintf(problems[n_problems++], sizeof(problems[0]), "no outboxd holds the relay lock");
-    if (lag > STATUS_MAX_LAG_S)
-        snprintf(problems[n_problems++], sizeof(problems[0]),
-                 "the oldest unsent row waits for %.0fs", lag);
-    if (rv.reachable && rv.stalled > 0)
-        snprintf(problems[n_problems++], sizeof(problems[0]), "the relay reports a stall");
-    if (rv.reachable && rv.ready == 0)
-        snprintf(problems[n_problems++], sizeof(problems[0]), "the relay is not ready");
-    rc = n_problems ? EXIT_UNHEALTHY : 0;
+        snprintf(d->problems[d->n_problems++], len, "no outboxd holds the relay lock");
+    if (d->lag > STATUS_MAX_LAG_S)
+        snprintf(d->problems[d->n_problems++], len, "the oldest unsent row waits for %.0fs",
+                 d->lag);
+    if (d->rv.reachable && d->rv.stalled > 0)
+        snprintf(d->problems[d->n_problems++], len, "the relay reports a stall");
+    if (d->rv.reachable && d->rv.ready == 0)
+        snprintf(d->problems[d->n_problems++], len, "the relay is not ready");
+    return true;
+}
 
-    if (t->json) {
-        FILE *o = stdout;
-        fprintf(o, "{\"healthy\":%s,\"problems\":[", rc ? "false" : "true");
-        for (int i = 0; i < n_problems; i++) {
-            fputs(i ? "," : "", o);
-            json_str(o, problems[i]);
-        }
-        fputs("],\"relays\":[", o);
-        for (int i = 0; i < PQntuples(sessions); i++) {
-            fprintf(o, "%s{\"pid\":%s,\"application_name\":", i ? "," : "",
-                    PQgetvalue(sessions, i, 0));
-            json_str(o, PQgetvalue(sessions, i, 1));
-            fputs(",\"client\":", o);
-            json_str(o, PQgetvalue(sessions, i, 2));
-            fprintf(o, ",\"session_start\":\"%s\",\"active\":%s}", PQgetvalue(sessions, i, 3),
-                    strcmp(PQgetvalue(sessions, i, 4), "t") == 0 ? "true" : "false");
-        }
-        fprintf(o, "],\"unsent_rows\":%lld,\"oldest_unsent_seconds\":%.3f,\"unsent_by_topic\":{",
-                unsent, lag);
-        for (int i = 0; i < PQntuples(topics); i++) {
-            fputs(i ? "," : "", o);
-            json_str(o, PQgetvalue(topics, i, 0));
-            fprintf(o, ":%s", PQgetvalue(topics, i, 1));
-        }
-        fprintf(o, "},\"dead_letters\":%lld", n_dead);
-        if (rv.reachable)
-            fprintf(o,
-                    ",\"relay_metrics\":{\"keys_held_back\":%.0f,\"rows_in_flight\":%.0f,"
-                    "\"last_progress_unix\":%.3f,\"ready\":%s,\"stalled\":%s}",
-                    rv.keys_held_back, rv.in_flight, rv.last_progress,
-                    rv.ready > 0 ? "true" : "false", rv.stalled > 0 ? "true" : "false");
-        else
-            fputs(",\"relay_metrics\":null", o);
-        if (PQntuples(xmin) == 1) {
-            fprintf(o, ",\"oldest_xmin\":{\"pid\":%s,\"age\":%s,\"application_name\":",
-                    PQgetvalue(xmin, 0, 0), PQgetvalue(xmin, 0, 1));
-            json_str(o, PQgetvalue(xmin, 0, 2));
-            fputs(",\"state\":", o);
-            json_str(o, PQgetvalue(xmin, 0, 3));
-            fprintf(o, ",\"transaction_seconds\":%s,\"query\":", PQgetvalue(xmin, 0, 4));
-            json_str(o, PQgetvalue(xmin, 0, 5));
-            fputc('}', o);
-        } else {
-            fputs(",\"oldest_xmin\":null", o);
-        }
-        if (PQntuples(slot) == 1) {
-            fputs(",\"oldest_slot\":{\"name\":", o);
-            json_str(o, PQgetvalue(slot, 0, 0));
-            fprintf(o, ",\"age\":%s}", PQgetvalue(slot, 0, 1));
-        } else {
-            fputs(",\"oldest_slot\":null", o);
-        }
-        if (PQntuples(tuples) == 1)
-            fprintf(o,
-                    ",\"events_live_tuples\":%s,\"events_dead_tuples\":%s,\"last_vacuum\":\"%s\"",
-                    PQgetvalue(tuples, 0, 0), PQgetvalue(tuples, 0, 1), PQgetvalue(tuples, 0, 2));
-        fputs("}\n", o);
-        goto done;
+static void status_free(struct status_data *d)
+{
+    PQclear(d->sessions);
+    PQclear(d->backlog);
+    PQclear(d->topics);
+    PQclear(d->dead);
+    PQclear(d->xmin);
+    PQclear(d->slot);
+    PQclear(d->tuples);
+}
+
+/* The part of `status --json` that Postgres's own views say. */
+static void status_json_horizon(FILE *o, const struct status_data *d)
+{
+    if (PQntuples(d->xmin) == 1) {
+        fprintf(o, ",\"oldest_xmin\":{\"pid\":%s,\"age\":%s,\"application_name\":",
+                col(d->xmin, 0, "pid"), col(d->xmin, 0, "xmin_age"));
+        json_str(o, col(d->xmin, 0, "application_name"));
+        fputs(",\"state\":", o);
+        json_str(o, col(d->xmin, 0, "state"));
+        fprintf(o,
+                ",\"transaction_seconds\":%s,\"query\":", col(d->xmin, 0, "transaction_seconds"));
+        json_str(o, col(d->xmin, 0, "query"));
+        fputc('}', o);
+    } else {
+        fputs(",\"oldest_xmin\":null", o);
     }
+    if (PQntuples(d->slot) == 1) {
+        fputs(",\"oldest_slot\":{\"name\":", o);
+        json_str(o, col(d->slot, 0, "slot_name"));
+        fprintf(o, ",\"age\":%s}", col(d->slot, 0, "xmin_age"));
+    } else {
+        fputs(",\"oldest_slot\":null", o);
+    }
+    if (PQntuples(d->tuples) == 1)
+        fprintf(o, ",\"events_live_tuples\":%s,\"events_dead_tuples\":%s,\"last_vacuum\":\"%s\"",
+                col(d->tuples, 0, "live"), col(d->tuples, 0, "dead"),
+                col(d->tuples, 0, "last_vacuum"));
+}
 
+static void status_json(FILE *o, const struct status_data *d)
+{
+    fprintf(o, "{\"healthy\":%s,\"problems\":[", d->n_problems ? "false" : "true");
+    for (int i = 0; i < d->n_problems; i++) {
+        fputs(i ? "," : "", o);
+        json_str(o, d->problems[i]);
+    }
+    fputs("],\"relays\":[", o);
+    for (int i = 0; i < PQntuples(d->sessions); i++) {
+        fprintf(o, "%s{\"pid\":%s,\"application_name\":", i ? "," : "", col(d->sessions, i, "pid"));
+        json_str(o, col(d->sessions, i, "application_name"));
+        fputs(",\"client\":", o);
+        json_str(o, col(d->sessions, i, "client"));
+        fprintf(o, ",\"session_start\":\"%s\",\"active\":%s}", col(d->sessions, i, "started"),
+                col_true(d->sessions, i, "active") ? "true" : "false");
+    }
+    fprintf(o, "],\"unsent_rows\":%lld,\"oldest_unsent_seconds\":%.3f,\"unsent_by_topic\":{",
+            d->unsent, d->lag);
+    for (int i = 0; i < PQntuples(d->topics); i++) {
+        fputs(i ? "," : "", o);
+        json_str(o, col(d->topics, i, "topic"));
+        fprintf(o, ":%s", col(d->topics, i, "rows"));
+    }
+    fprintf(o, "},\"dead_letters\":%lld", d->n_dead);
+    const struct relay_view *rv = &d->rv;
+    if (rv->reachable)
+        fprintf(o,
+                ",\"relay_metrics\":{\"keys_held_back\":%.0f,\"rows_in_flight\":%.0f,"
+                "\"last_progress_unix\":%.3f,\"ready\":%s,\"stalled\":%s}",
+                rv->keys_held_back, rv->in_flight, rv->last_progress,
+                rv->ready > 0 ? "true" : "false", rv->stalled > 0 ? "true" : "false");
+    else
+        fputs(",\"relay_metrics\":null", o);
+    status_json_horizon(o, d);
+    fputs("}\n", o);
+}
+
+/* The relays connected, the rows waiting and the dead letters, as text. */
+static void status_text_rows(const struct status_data *d)
+{
     char age[32];
-    printf("outboxd status: %s\n", rc ? "NOT HEALTHY" : "healthy");
-    for (int i = 0; i < n_problems; i++)
-        printf("  problem: %s\n", problems[i]);
     printf("relays:\n");
-    if (PQntuples(sessions) == 0)
+    if (PQntuples(d->sessions) == 0)
         printf("  none connected\n");
-    for (int i = 0; i < PQntuples(sessions); i++) {
-        human_age(strtoll(PQgetvalue(sessions, i, 5), NULL, 10), age, sizeof(age));
+    for (int i = 0; i < PQntuples(d->sessions); i++) {
+        const char *name = col(d->sessions, i, "application_name");
+        human_age(strtoll(col(d->sessions, i, "session_seconds"), NULL, 10), age, sizeof(age));
         printf("  %-7s %s from %s, pid %s, session since %s (%s)\n",
-               strcmp(PQgetvalue(sessions, i, 4), "t") == 0 ? "active" : "standby",
-               PQgetvalue(sessions, i, 1)[0] ? PQgetvalue(sessions, i, 1) : "(no name)",
-               PQgetvalue(sessions, i, 2), PQgetvalue(sessions, i, 0), PQgetvalue(sessions, i, 3),
-               age);
+               col_true(d->sessions, i, "active") ? "active" : "standby",
+               name[0] ? name : "(no name)", col(d->sessions, i, "client"),
+               col(d->sessions, i, "pid"), col(d->sessions, i, "started"), age);
     }
-    human_age((int64_t)lag, age, sizeof(age));
-    printf("unsent:   %lld rows%s%s\n", unsent, unsent ? ", oldest waiting " : "",
-           unsent ? age : "");
-    for (int i = 0; i < PQntuples(topics) && i < 10; i++)
-        printf("  %-30s %s\n", PQgetvalue(topics, i, 0), PQgetvalue(topics, i, 1));
-    if (PQntuples(topics) > 10)
-        printf("  (%d more topics)\n", PQntuples(topics) - 10);
-    human_age(strtoll(PQgetvalue(dead, 0, 1), NULL, 10), age, sizeof(age));
-    printf("dead letters: %lld%s%s%s\n", n_dead, n_dead ? " (newest " : "", n_dead ? age : "",
-           n_dead ? " ago; outboxd dead list)" : "");
-    if (rv.reachable) {
+    human_age((int64_t)d->lag, age, sizeof(age));
+    printf("unsent:   %lld rows%s%s\n", d->unsent, d->unsent ? ", oldest waiting " : "",
+           d->unsent ? age : "");
+    for (int i = 0; i < PQntuples(d->topics) && i < 10; i++)
+        printf("  %-30s %s\n", col(d->topics, i, "topic"), col(d->topics, i, "rows"));
+    if (PQntuples(d->topics) > 10)
+        printf("  (%d more topics)\n", PQntuples(d->topics) - 10);
+    human_age(strtoll(col(d->dead, 0, "newest_seconds"), NULL, 10), age, sizeof(age));
+    printf("dead letters: %lld%s%s%s\n", d->n_dead, d->n_dead ? " (newest " : "",
+           d->n_dead ? age : "", d->n_dead ? " ago; outboxd dead list)" : "");
+}
+
+/* What the relay's /metrics and Postgres's views say, as text. */
+static void status_text_health(const struct obx_config *cfg, const struct status_data *d)
+{
+    char age[32];
+    const struct relay_view *rv = &d->rv;
+    if (rv->reachable) {
         char since[32] = "never";
-        time_t now = time(NULL);
-        if (rv.last_progress > 0)
-            human_age((int64_t)((double)now - rv.last_progress), since, sizeof(since));
+        if (rv->last_progress > 0)
+            human_age((int64_t)((double)time(NULL) - rv->last_progress), since, sizeof(since));
         printf("relay (%s): %s%s, %.0f rows in flight, %.0f keys held back, last progress %s%s\n",
-               cfg->http_listen, rv.ready > 0 ? "ready" : "not ready",
-               rv.stalled > 0 ? ", STALLED" : "", rv.in_flight, rv.keys_held_back, since,
-               rv.last_progress > 0 ? " ago" : "");
+               cfg->http_listen, rv->ready > 0 ? "ready" : "not ready",
+               rv->stalled > 0 ? ", STALLED" : "", rv->in_flight, rv->keys_held_back, since,
+               rv->last_progress > 0 ? " ago" : "");
     } else {
         printf("relay: its /metrics at %s does not answer from here (keys held back and the last "
                "progress unknown)\n",
                cfg->http_listen && cfg->http_listen[0] ? cfg->http_listen : "(http.listen off)");
     }
-    if (PQntuples(xmin) == 1) {
-        human_age(strtoll(PQgetvalue(xmin, 0, 4), NULL, 10), age, sizeof(age));
+    if (PQntuples(d->xmin) == 1) {
+        const char *app = col(d->xmin, 0, "application_name");
+        human_age(strtoll(col(d->xmin, 0, "transaction_seconds"), NULL, 10), age, sizeof(age));
         printf("xmin horizon: held by pid %s (%s, %s, transaction open %s, xmin age %s): %s\n",
-               PQgetvalue(xmin, 0, 0),
-               PQgetvalue(xmin, 0, 2)[0] ? PQgetvalue(xmin, 0, 2) : "no application name",
-               PQgetvalue(xmin, 0, 3), age, PQgetvalue(xmin, 0, 1), PQgetvalue(xmin, 0, 5));
+               col(d->xmin, 0, "pid"), app[0] ? app : "no application name",
+               col(d->xmin, 0, "state"), age, col(d->xmin, 0, "xmin_age"),
+               col(d->xmin, 0, "query"));
     } else {
         printf("xmin horizon: no session holds a snapshot\n");
     }
-    if (PQntuples(slot) == 1)
-        printf("replication slot holding the horizon: %s (age %s)\n", PQgetvalue(slot, 0, 0),
-               PQgetvalue(slot, 0, 1));
-    if (PQntuples(tuples) == 1)
-        printf("outbox.events: %s live tuples, %s dead, last vacuum %s\n", PQgetvalue(tuples, 0, 0),
-               PQgetvalue(tuples, 0, 1), PQgetvalue(tuples, 0, 2));
-done:
-    PQclear(sessions);
-    PQclear(backlog);
-    PQclear(topics);
-    PQclear(dead);
-    PQclear(xmin);
-    PQclear(slot);
-    PQclear(tuples);
+    if (PQntuples(d->slot) == 1)
+        printf("replication slot holding the horizon: %s (age %s)\n", col(d->slot, 0, "slot_name"),
+               col(d->slot, 0, "xmin_age"));
+    if (PQntuples(d->tuples) == 1)
+        printf("outbox.events: %s live tuples, %s dead, last vacuum %s\n",
+               col(d->tuples, 0, "live"), col(d->tuples, 0, "dead"),
+               col(d->tuples, 0, "last_vacuum"));
+}
+
+static int status(const struct obx_tool_args *t, const struct obx_config *cfg)
+{
+    PGconn *c = tool_connect(cfg, t->tool);
+    if (!c)
+        return EXIT_UNHEALTHY;
+    struct status_data d = {0};
+    int rc = EXIT_UNHEALTHY;
+    if (status_read(c, t, cfg, &d)) {
+        rc = d.n_problems ? EXIT_UNHEALTHY : 0;
+        if (t->json) {
+            status_json(stdout, &d);
+        } else {
+            printf("outboxd status: %s\n", rc ? "NOT HEALTHY" : "healthy");
+            for (int i = 0; i < d.n_problems; i++)
+                printf("  problem: %s\n", d.problems[i]);
+            status_text_rows(&d);
+            status_text_health(cfg, &d);
+        }
+    }
+    status_free(&d);
     PQfinish(c);
     return rc;
 }
