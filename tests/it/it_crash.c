@@ -189,8 +189,9 @@ static void crash_in_recovery(const char *spec, const char *point, const char *c
     char expect[128];
     h_env_start(&env, TOPICS_SPEC);
     s_prefill(&env, "it.b", 3000);
-    /* First leave records in Kafka that are not marked. */
-    h_relay_start(&env, "ack.after=crash@2", args);
+    /* First leave records in Kafka that are not marked (at the first hit: in
+     * log mode one cursor row may cover every row, and a second never come). */
+    h_relay_start(&env, "ack.after=crash@1", args);
     assert_int_equal(h_relay_wait(&env, 60000), KILLED);
     /* Then die in the recovery pass. */
     h_relay_start(&env, spec, args);
