@@ -69,8 +69,9 @@ static const struct key_def keys[] = {
      "most rows handed to Kafka and not yet marked (back-pressure)"},
     {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "10ms", 1, MS_PER_HOUR, NULL, 0,
      "longest pause between two looks for new rows: the relay looks again 1ms after a fetch "
-     "that found rows and twice as long after each one that found none, up to this (an idle "
-     "relay runs this many cheap index lookups a second: 100 at 10ms)"},
+     "that found rows and, after one that found none, an eighth of the time since rows were "
+     "last found, up to this (an idle relay runs this many cheap index lookups a second: 100 "
+     "at 10ms)"},
     {"relay.retry_backoff", KEY_DURATION, OFF(retry_backoff_ms), "1s", 10, MS_PER_HOUR, NULL, 0,
      "pause before fetching again after a failed fetch or a failed delivery"},
     {"relay.stall_timeout", KEY_DURATION, OFF(stall_timeout_ms), "60s", 0, MS_PER_HOUR, NULL, 0,

@@ -376,13 +376,13 @@ static bool fetch_wanted(struct obx_relay *r, int64_t now)
  * every relay.poll_interval while nothing is written. */
 static void schedule_look(struct obx_relay *r, size_t n, int64_t now)
 {
-    if (n > 0) {
+    if (n > 0)
+        r->rows_found_at = now;
+    r->poll_delay = (now - r->rows_found_at) / POLL_QUIET_DIVISOR;
+    if (r->poll_delay < POLL_MIN_MS)
         r->poll_delay = POLL_MIN_MS;
-    } else {
-        r->poll_delay *= 2;
-        if (r->poll_delay > r->set.poll_interval_ms)
-            r->poll_delay = r->set.poll_interval_ms;
-    }
+    if (r->poll_delay > r->set.poll_interval_ms)
+        r->poll_delay = r->set.poll_interval_ms;
     r->next_look_at = now + r->poll_delay;
     if (r->ops->wake_at)
         r->ops->wake_at(r->io, r->next_look_at);

@@ -359,9 +359,9 @@ static void test_exclusion_and_backpressure(void **state)
 }
 
 /* The look for new rows (no wake-up comes from the writers): 1 ms after a
- * fetch that found rows, then twice as long after each one that found
- * none, up to relay.poll_interval (1000 ms here). No fetch before it is
- * due, and rows found bring it back to 1 ms. */
+ * fetch that found rows, then an eighth of the time since rows were last
+ * found (never under 1 ms), up to relay.poll_interval (1000 ms here). No
+ * fetch before it is due, and rows found bring it back to 1 ms. */
 static void test_adaptive_look(void **state)
 {
     struct ctx *c = *state;
@@ -372,19 +372,28 @@ static void test_adaptive_look(void **state)
     assert_int_equal(c->f.fetches, 1);
     look(c, 11);
     assert_int_equal(c->f.fetches, 2);
-    int64_t now = 11, expect = 2;
-    for (int i = 0; i < 12; i++) { /* 2, 4, ..., 512, then 1000 */
+    int64_t now = 11, last = 0;
+    int empty_looks = 0;
+    while (last < 1000) {
         fetched(c, 0, 0, now);
+        int64_t expect = (now - 10) / 8;
+        expect = expect < 1 ? 1 : expect > 1000 ? 1000 : expect;
         assert_int_equal(c->f.wake_at - now, expect);
+        assert_true(expect >= last); /* never sooner while nothing comes */
         obx_relay_tick(c->r, c->f.wake_at - 1);
-        assert_int_equal(c->f.fetches, 2 + i);
+        assert_int_equal(c->f.fetches, 2 + empty_looks);
+        last = expect;
         now = c->f.wake_at;
         look(c, now);
-        assert_int_equal(c->f.fetches, 3 + i);
-        expect = expect * 2 > 1000 ? 1000 : expect * 2;
+        assert_int_equal(c->f.fetches, 3 + empty_looks++);
+        assert_true(empty_looks < 200);
     }
+    /* A gap of 15 ms after rows: still looked for every millisecond. */
     fetched(c, 20, 1, now);
     assert_int_equal(c->f.wake_at, now + 1);
+    look(c, now + 1);
+    fetched(c, 0, 0, now + 15);
+    assert_int_equal(c->f.wake_at, now + 16);
 }
 
 static void test_pg_lost_remarks_first(void **state)
