@@ -159,11 +159,11 @@ static void read_waiting(PGconn *conn, struct waiting *w, FILE *out, int *proble
         return;
     }
     for (int i = 0; i < PQntuples(res) && w->n < MAX_TOPICS; i++) {
-        char *t = obx_strdup(PQgetvalue(res, i, 0));
+        char *t = obx_strdup(obx_store_col(res, i, "topic"));
         if (!t)
             break; /* fewer topics checked; not worth failing the check */
         w->topic[w->n] = t;
-        w->rows[w->n++] = strtoll(PQgetvalue(res, i, 1), NULL, 10);
+        w->rows[w->n++] = strtoll(obx_store_col(res, i, "rows"), NULL, 10);
     }
     w->known = true;
     PQclear(res);

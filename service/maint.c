@@ -170,8 +170,8 @@ static void run_log_stats(struct obx_maint *m)
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
         set_error(m, "backlog query failed");
     } else {
-        m->backlog_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-        m->lag_out = strtod(PQgetvalue(res, 0, 1), NULL);
+        m->backlog_out = strtoll(obx_store_col(res, 0, "rows"), NULL, 10);
+        m->lag_out = strtod(obx_store_col(res, 0, "oldest_seconds"), NULL);
     }
     PQclear(res);
 }
@@ -190,14 +190,14 @@ static void run_stats(struct obx_maint *m)
     PGresult *res =
         PQexecParams(m->conn, obx_store_sql_backlog_since(), 2, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1 ||
-        strlen(PQgetvalue(res, 0, 3)) >= sizeof(m->count_xmin)) {
+        strlen(obx_store_col(res, 0, "next_xmin")) >= sizeof(m->count_xmin)) {
         set_error(m, "backlog query failed");
         count_from_start(m);
     } else {
-        m->backlog_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-        m->lag_out = strtod(PQgetvalue(res, 0, 1), NULL);
-        m->count_floor = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
-        snprintf(m->count_xmin, sizeof(m->count_xmin), "%s", PQgetvalue(res, 0, 3));
+        m->backlog_out = strtoll(obx_store_col(res, 0, "rows"), NULL, 10);
+        m->lag_out = strtod(obx_store_col(res, 0, "oldest_seconds"), NULL);
+        m->count_floor = strtoll(obx_store_col(res, 0, "next_floor"), NULL, 10);
+        snprintf(m->count_xmin, sizeof(m->count_xmin), "%s", obx_store_col(res, 0, "next_xmin"));
     }
     PQclear(res);
     m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);
@@ -219,11 +219,11 @@ static void run_purge(struct obx_maint *m)
             return;
         }
         m->batches++;
-        m->purged += strtoll(PQgetvalue(res, 0, 1), NULL, 10);
-        bool empty = PQgetisnull(res, 0, 0);
+        m->purged += strtoll(obx_store_col(res, 0, "deleted"), NULL, 10);
+        bool empty = obx_store_col_null(res, 0, "last_id");
         if (!empty)
-            m->cursor = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-        bool reached_recent = strtoll(PQgetvalue(res, 0, 2), NULL, 10) > 0;
+            m->cursor = strtoll(obx_store_col(res, 0, "last_id"), NULL, 10);
+        bool reached_recent = strtoll(obx_store_col(res, 0, "recent"), NULL, 10) > 0;
         PQclear(res);
         if (empty || reached_recent) {
             m->round_done = true;

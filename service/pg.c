@@ -433,9 +433,9 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
     long version = 0, id_cache = 1;
     bool in_recovery = false;
     if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 3) {
-        version = strtol(PQgetvalue(res, 0, 0), NULL, 10);
-        in_recovery = strcmp(PQgetvalue(res, 0, 1), "t") == 0;
-        id_cache = strtol(PQgetvalue(res, 0, 2), NULL, 10);
+        version = strtol(obx_store_col(res, 0, "version"), NULL, 10);
+        in_recovery = obx_store_col_true(res, 0, "in_recovery");
+        id_cache = strtol(obx_store_col(res, 0, "id_cache"), NULL, 10);
     }
     if (in_recovery) {
         /* Its snapshots do not list the primary's running writers, so late

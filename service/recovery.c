@@ -747,10 +747,10 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
         finish(rec, false);
         return;
     }
-    rec->id_lo = strtoll(PQgetvalue(res, 0, 3), NULL, 10);
-    rec->id_hi = strtoll(PQgetvalue(res, 0, 4), NULL, 10);
+    rec->id_lo = strtoll(obx_store_col(res, 0, "id_lo"), NULL, 10);
+    rec->id_hi = strtoll(obx_store_col(res, 0, "id_hi"), NULL, 10);
     for (int i = 0; i < n; i++) {
-        const char *topic = PQgetvalue(res, i, 0);
+        const char *topic = obx_store_col(res, i, "topic");
         if (rec->n_topics == 0 || strcmp(rec->topics[rec->n_topics - 1], topic) != 0) {
             rec->topics[rec->n_topics] = obx_strdup(topic);
             if (!rec->topics[rec->n_topics]) {
@@ -760,11 +760,11 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
             }
             rec->n_topics++;
         }
-        if (!PQgetisnull(res, i, 1))
+        if (!obx_store_col_null(res, i, "kafka_partition"))
             rec->parts[rec->n_parts++] = (struct part){
                 .topic = (int)rec->n_topics - 1,
-                .partition = (int32_t)strtol(PQgetvalue(res, i, 1), NULL, 10),
-                .stored = strtoll(PQgetvalue(res, i, 2), NULL, 10),
+                .partition = (int32_t)strtol(obx_store_col(res, i, "kafka_partition"), NULL, 10),
+                .stored = strtoll(obx_store_col(res, i, "stored_offset"), NULL, 10),
             };
     }
     start_chunk(rec);
@@ -788,7 +788,7 @@ static int read_log_state(struct log_read *l, const PGresult *res)
     int n = PQntuples(res);
     size_t n_held = 0, n_also = 0, n_off = 0;
     for (int i = 0; i < n; i++) {
-        char kind = PQgetvalue(res, i, 0)[0];
+        char kind = obx_store_col(res, i, "kind")[0];
         n_held += kind == 'h';
         n_also += kind == 'a';
         n_off += kind == 'o';
@@ -800,9 +800,9 @@ static int read_log_state(struct log_read *l, const PGresult *res)
                    !(l->off_offsets = obx_calloc(n_off, sizeof(*l->off_offsets))))))
         return -1;
     for (int i = 0; i < n; i++) {
-        const char *a = PQgetvalue(res, i, 1), *b = PQgetvalue(res, i, 2),
-                   *c = PQgetvalue(res, i, 3);
-        switch (PQgetvalue(res, i, 0)[0]) {
+        const char *a = obx_store_col(res, i, "a"), *b = obx_store_col(res, i, "b"),
+                   *c = obx_store_col(res, i, "c");
+        switch (obx_store_col(res, i, "kind")[0]) {
         case 'c':
             l->has_cursor = true;
             l->batch = strtoll(a, NULL, 10);
@@ -812,9 +812,9 @@ static int read_log_state(struct log_read *l, const PGresult *res)
             break;
         case 'h': {
             struct obx_log_held *h = &l->held[l->n_held++];
-            bool keyless = PQgetisnull(res, i, 2);
+            bool keyless = obx_store_col_null(res, i, "b");
             h->from_id = strtoll(c, NULL, 10);
-            h->key_len = keyless ? 0 : (size_t)PQgetlength(res, i, 2);
+            h->key_len = keyless ? 0 : strlen(b);
             if (!(h->topic = obx_strdup(a)) || (!keyless && !(h->key = obx_malloc(h->key_len + 1))))
                 return -1;
             if (!keyless)
@@ -868,7 +868,7 @@ static void on_match_result(void *arg, const PGresult *res, const char *error)
     }
     int n = PQntuples(res);
     for (int i = 0; i < n; i++) {
-        int64_t id = strtoll(PQgetvalue(res, i, 0), NULL, 10);
+        int64_t id = strtoll(obx_store_col(res, i, "id"), NULL, 10);
         for (size_t j = 0; j < rec->n_found; j++) {
             const struct found *f = &rec->found[j];
             if (f->id != id)
@@ -916,7 +916,7 @@ static void on_mark_result(void *arg, const PGresult *res, const char *error)
         finish(rec, false);
         return;
     }
-    uint64_t confirmed = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+    uint64_t confirmed = strtoull(obx_store_col(res, 0, "confirmed"), NULL, 10);
     rec->confirmed += confirmed;
     rec->rows_recovered += confirmed;
     size_t left = 0;

@@ -4,6 +4,7 @@
 #include "outboxd/store.h"
 #include "outboxd/buf.h"
 #include "outboxd/config.h"
+#include "outboxd/log.h"
 
 #include <stdarg.h>
 #include <stdbool.h>
@@ -12,6 +13,31 @@
 
 /* Migration file for each schema version, for the "apply this" message. */
 /* clang-format off */
+static int column(const PGresult *res, const char *name)
+{
+    int k = PQfnumber(res, name);
+    if (k < 0)
+        OBX_BUG("a statement's result has no column %s", name);
+    return k;
+}
+
+const char *obx_store_col(const PGresult *res, int row, const char *name)
+{
+    int k = column(res, name);
+    return k < 0 ? "" : PQgetvalue(res, row, k);
+}
+
+bool obx_store_col_null(const PGresult *res, int row, const char *name)
+{
+    int k = column(res, name);
+    return k < 0 || PQgetisnull(res, row, k);
+}
+
+bool obx_store_col_true(const PGresult *res, int row, const char *name)
+{
+    return strcmp(obx_store_col(res, row, name), "t") == 0;
+}
+
 static const char *const migrations[] = {
     [1] = "sql/001_outbox.sql",
     [2] = "sql/002_recovery.sql",
@@ -293,7 +319,7 @@ const char *obx_store_sql_log_state(void)
      * key published since (id), 'o' a partition's stored offset (topic,
      * partition, offset). No 'c' row: no cursor yet. */
     return "WITH" LOG_NEWEST "," LOG_OFFSETS
-           " SELECT 'c', c.batch::text, c.hwm::text, c.snap::text FROM c"
+           " SELECT 'c' AS kind, c.batch::text AS a, c.hwm::text AS b, c.snap::text AS c FROM c"
            " UNION ALL"
            " SELECT 'h', h.topic, h.key, h.from_id::text"
            " FROM c, unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, from_id)"
@@ -406,8 +432,9 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
            "   INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at,"
            "                                    reason)"
            "   SELECT * FROM dead ON CONFLICT (id) DO NOTHING RETURNING 1)"
-           " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM offsets),"
-           "        (SELECT count(*) FROM buried)");
+           " SELECT (SELECT count(*) FROM confirmed) AS confirmed,"
+           "        (SELECT count(*) FROM offsets) AS offsets,"
+           "        (SELECT count(*) FROM buried) AS buried");
     return buf;
 }
 
@@ -446,20 +473,22 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
            " confirmed AS (");
     append_confirm(buf, len, &o, on_sent, NULL, "e.id IN (SELECT id FROM matched)", true);
     append(buf, len, &o, ")," OFFSETS_UPSERT_FMT, 5, 6, 7);
-    append(buf, len, &o,
-           " SELECT (SELECT count(*) FROM confirmed), (SELECT count(*) FROM found),"
-           "        (SELECT count(*) FROM offsets)");
+    append(
+        buf, len, &o,
+        " SELECT (SELECT count(*) FROM confirmed) AS confirmed,"
+        "        (SELECT count(*) FROM found) AS found, (SELECT count(*) FROM offsets) AS offsets");
     return buf;
 }
 
 const char *obx_store_sql_recovery_plan(void)
 {
     /* A record outside [lo, hi] cannot match any unsent row. */
-    return "WITH" LOG_OFFSETS " SELECT t.topic, o.p, o.o, r.lo, r.hi"
+    return "WITH" LOG_OFFSETS " SELECT t.topic, o.p AS kafka_partition, o.o AS stored_offset,"
+           "       r.lo AS id_lo, r.hi AS id_hi"
            " FROM (SELECT DISTINCT topic FROM outbox.unpublished) t"
            " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM outbox.unpublished) r"
            " LEFT JOIN o ON o.topic = t.topic"
-           " ORDER BY 1, 2";
+           " ORDER BY topic, kafka_partition";
 }
 
 const char *obx_store_sql_backlog(void)
@@ -498,13 +527,13 @@ const char *obx_store_sql_backlog_since(void)
            "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"
            "                               (SELECT * FROM above LIMIT 1)) o"
            "   ORDER BY id LIMIT 1)"
-           " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below),"
-           "        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM oldest), "
-           "0),"
+           " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) AS rows,"
+           "        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM oldest),"
+           "                 0) AS oldest_seconds,"
            "        coalesce((SELECT id FROM oldest),"
            "                 (SELECT max(id) + 1 FROM outbox.events WHERE id >= $1::bigint),"
-           "                 $1::bigint),"
-           "        pg_snapshot_xmin(pg_current_snapshot())::text";
+           "                 $1::bigint) AS next_floor,"
+           "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin";
 }
 
 const char *obx_store_sql_waiting(void)
@@ -522,9 +551,10 @@ const char *obx_store_sql_purge(void)
            "   DELETE FROM outbox.events e USING batch b"
            "   WHERE e.id = b.id AND e.sent_at < now() - $3::bigint * interval '1 millisecond'"
            "   RETURNING e.id)"
-           " SELECT (SELECT max(id) FROM batch), (SELECT count(*) FROM doomed),"
+           " SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM doomed) AS "
+           "deleted,"
            "        (SELECT count(*) FROM batch"
-           "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond')";
+           "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond') AS recent";
 }
 
 /* ---- the operator's tools ---- */
@@ -594,9 +624,9 @@ const char *obx_store_sql_events_tuples(void)
 /* clang-format off */
 const char *obx_store_sql_dead_list(void)
 {
-    return "SELECT id, topic, coalesce(key, ''), key IS NULL, reason,"
-           "       extract(epoch FROM now() - failed_at)::bigint,"
-           "       coalesce(octet_length(payload), 0)"
+    return "SELECT id, topic, coalesce(key, '') AS key, key IS NULL AS no_key, reason,"
+           "       extract(epoch FROM now() - failed_at)::bigint AS age_seconds,"
+           "       coalesce(octet_length(payload), 0) AS bytes"
            " FROM outbox.dead_letters ORDER BY id LIMIT $1::int";
 }
 /* clang-format on */
@@ -639,8 +669,12 @@ const char *obx_store_sql_dead_drop(void)
 
 const char *obx_store_sql_replay_plan(void)
 {
-    return "SELECT count(*), min(id), max(id), " UTC("min(created_at)") ", " UTC(
-        "max(created_at)") " FROM outbox.events" REPLAY_WHERE;
+    return "SELECT count(*) AS rows, min(id) AS first_id, max(id) AS last_id,"
+           "       " UTC(
+               "min(created_at)") " AS first_created,"
+                                  "       " UTC(
+                                      "max(created_at)") " AS last_created"
+                                                         " FROM outbox.events" REPLAY_WHERE;
 }
 
 const char *obx_store_sql_replay(void)

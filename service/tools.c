@@ -317,23 +317,6 @@ static void read_relay_view(const struct obx_config *cfg, struct relay_view *v)
     v->in_flight = metric(body, "outboxd_rows_in_flight", 0);
 }
 
-/* A column of a result by the name its statement gives it (store.c), so
- * that no tool counts column positions. "" if the statement lacks it. */
-static const char *col(const PGresult *res, int row, const char *name)
-{
-    int k = PQfnumber(res, name);
-    if (k < 0) {
-        OBX_BUG("a statement's result has no column %s", name);
-        return "";
-    }
-    return PQgetvalue(res, row, k);
-}
-
-static bool col_true(const PGresult *res, int row, const char *name)
-{
-    return strcmp(col(res, row, name), "t") == 0;
-}
-
 /* What `outboxd status` reads from Postgres, and what is wrong. */
 struct status_data {
     PGresult *sessions, *backlog, *topics, *dead, *xmin, *slot, *tuples;
@@ -357,12 +340,12 @@ static bool status_read(PGconn *c, const struct obx_tool_args *t, const struct o
     if (!d->sessions || !d->backlog || !d->topics || !d->dead || !d->xmin || !d->slot || !d->tuples)
         return false;
     read_relay_view(cfg, &d->rv);
-    d->unsent = strtoll(col(d->backlog, 0, "rows"), NULL, 10);
-    d->lag = strtod(col(d->backlog, 0, "oldest_seconds"), NULL);
-    d->n_dead = strtoll(col(d->dead, 0, "rows"), NULL, 10);
+    d->unsent = strtoll(obx_store_col(d->backlog, 0, "rows"), NULL, 10);
+    d->lag = strtod(obx_store_col(d->backlog, 0, "oldest_seconds"), NULL);
+    d->n_dead = strtoll(obx_store_col(d->dead, 0, "rows"), NULL, 10);
     int n_active = 0;
     for (int i = 0; i < PQntuples(d->sessions); i++)
-        n_active += col_true(d->sessions, i, "active");
+        n_active += obx_store_col_true(d->sessions, i, "active");
     size_t len = sizeof(d->problems[0]);
     if (n_active == 0)
         snprintf(d->problems[d->n_problems++], len, "no outboxd holds the relay lock");
@@ -392,28 +375,28 @@ static void status_json_horizon(FILE *o, const struct status_data *d)
 {
     if (PQntuples(d->xmin) == 1) {
         fprintf(o, ",\"oldest_xmin\":{\"pid\":%s,\"age\":%s,\"application_name\":",
-                col(d->xmin, 0, "pid"), col(d->xmin, 0, "xmin_age"));
-        json_str(o, col(d->xmin, 0, "application_name"));
+                obx_store_col(d->xmin, 0, "pid"), obx_store_col(d->xmin, 0, "xmin_age"));
+        json_str(o, obx_store_col(d->xmin, 0, "application_name"));
         fputs(",\"state\":", o);
-        json_str(o, col(d->xmin, 0, "state"));
-        fprintf(o,
-                ",\"transaction_seconds\":%s,\"query\":", col(d->xmin, 0, "transaction_seconds"));
-        json_str(o, col(d->xmin, 0, "query"));
+        json_str(o, obx_store_col(d->xmin, 0, "state"));
+        fprintf(o, ",\"transaction_seconds\":%s,\"query\":",
+                obx_store_col(d->xmin, 0, "transaction_seconds"));
+        json_str(o, obx_store_col(d->xmin, 0, "query"));
         fputc('}', o);
     } else {
         fputs(",\"oldest_xmin\":null", o);
     }
     if (PQntuples(d->slot) == 1) {
         fputs(",\"oldest_slot\":{\"name\":", o);
-        json_str(o, col(d->slot, 0, "slot_name"));
-        fprintf(o, ",\"age\":%s}", col(d->slot, 0, "xmin_age"));
+        json_str(o, obx_store_col(d->slot, 0, "slot_name"));
+        fprintf(o, ",\"age\":%s}", obx_store_col(d->slot, 0, "xmin_age"));
     } else {
         fputs(",\"oldest_slot\":null", o);
     }
     if (PQntuples(d->tuples) == 1)
         fprintf(o, ",\"events_live_tuples\":%s,\"events_dead_tuples\":%s,\"last_vacuum\":\"%s\"",
-                col(d->tuples, 0, "live"), col(d->tuples, 0, "dead"),
-                col(d->tuples, 0, "last_vacuum"));
+                obx_store_col(d->tuples, 0, "live"), obx_store_col(d->tuples, 0, "dead"),
+                obx_store_col(d->tuples, 0, "last_vacuum"));
 }
 
 static void status_json(FILE *o, const struct status_data *d)
@@ -425,19 +408,21 @@ static void status_json(FILE *o, const struct status_data *d)
     }
     fputs("],\"relays\":[", o);
     for (int i = 0; i < PQntuples(d->sessions); i++) {
-        fprintf(o, "%s{\"pid\":%s,\"application_name\":", i ? "," : "", col(d->sessions, i, "pid"));
-        json_str(o, col(d->sessions, i, "application_name"));
+        fprintf(o, "%s{\"pid\":%s,\"application_name\":", i ? "," : "",
+                obx_store_col(d->sessions, i, "pid"));
+        json_str(o, obx_store_col(d->sessions, i, "application_name"));
         fputs(",\"client\":", o);
-        json_str(o, col(d->sessions, i, "client"));
-        fprintf(o, ",\"session_start\":\"%s\",\"active\":%s}", col(d->sessions, i, "started"),
-                col_true(d->sessions, i, "active") ? "true" : "false");
+        json_str(o, obx_store_col(d->sessions, i, "client"));
+        fprintf(o, ",\"session_start\":\"%s\",\"active\":%s}",
+                obx_store_col(d->sessions, i, "started"),
+                obx_store_col_true(d->sessions, i, "active") ? "true" : "false");
     }
     fprintf(o, "],\"unsent_rows\":%lld,\"oldest_unsent_seconds\":%.3f,\"unsent_by_topic\":{",
             d->unsent, d->lag);
     for (int i = 0; i < PQntuples(d->topics); i++) {
         fputs(i ? "," : "", o);
-        json_str(o, col(d->topics, i, "topic"));
-        fprintf(o, ":%s", col(d->topics, i, "rows"));
+        json_str(o, obx_store_col(d->topics, i, "topic"));
+        fprintf(o, ":%s", obx_store_col(d->topics, i, "rows"));
     }
     fprintf(o, "},\"dead_letters\":%lld", d->n_dead);
     const struct relay_view *rv = &d->rv;
@@ -461,21 +446,23 @@ static void status_text_rows(const struct status_data *d)
     if (PQntuples(d->sessions) == 0)
         printf("  none connected\n");
     for (int i = 0; i < PQntuples(d->sessions); i++) {
-        const char *name = col(d->sessions, i, "application_name");
-        human_age(strtoll(col(d->sessions, i, "session_seconds"), NULL, 10), age, sizeof(age));
+        const char *name = obx_store_col(d->sessions, i, "application_name");
+        human_age(strtoll(obx_store_col(d->sessions, i, "session_seconds"), NULL, 10), age,
+                  sizeof(age));
         printf("  %-7s %s from %s, pid %s, session since %s (%s)\n",
-               col_true(d->sessions, i, "active") ? "active" : "standby",
-               name[0] ? name : "(no name)", col(d->sessions, i, "client"),
-               col(d->sessions, i, "pid"), col(d->sessions, i, "started"), age);
+               obx_store_col_true(d->sessions, i, "active") ? "active" : "standby",
+               name[0] ? name : "(no name)", obx_store_col(d->sessions, i, "client"),
+               obx_store_col(d->sessions, i, "pid"), obx_store_col(d->sessions, i, "started"), age);
     }
     human_age((int64_t)d->lag, age, sizeof(age));
     printf("unsent:   %lld rows%s%s\n", d->unsent, d->unsent ? ", oldest waiting " : "",
            d->unsent ? age : "");
     for (int i = 0; i < PQntuples(d->topics) && i < 10; i++)
-        printf("  %-30s %s\n", col(d->topics, i, "topic"), col(d->topics, i, "rows"));
+        printf("  %-30s %s\n", obx_store_col(d->topics, i, "topic"),
+               obx_store_col(d->topics, i, "rows"));
     if (PQntuples(d->topics) > 10)
         printf("  (%d more topics)\n", PQntuples(d->topics) - 10);
-    human_age(strtoll(col(d->dead, 0, "newest_seconds"), NULL, 10), age, sizeof(age));
+    human_age(strtoll(obx_store_col(d->dead, 0, "newest_seconds"), NULL, 10), age, sizeof(age));
     printf("dead letters: %lld%s%s%s\n", d->n_dead, d->n_dead ? " (newest " : "",
            d->n_dead ? age : "", d->n_dead ? " ago; outboxd dead list)" : "");
 }
@@ -499,22 +486,23 @@ static void status_text_health(const struct obx_config *cfg, const struct status
                cfg->http_listen && cfg->http_listen[0] ? cfg->http_listen : "(http.listen off)");
     }
     if (PQntuples(d->xmin) == 1) {
-        const char *app = col(d->xmin, 0, "application_name");
-        human_age(strtoll(col(d->xmin, 0, "transaction_seconds"), NULL, 10), age, sizeof(age));
+        const char *app = obx_store_col(d->xmin, 0, "application_name");
+        human_age(strtoll(obx_store_col(d->xmin, 0, "transaction_seconds"), NULL, 10), age,
+                  sizeof(age));
         printf("xmin horizon: held by pid %s (%s, %s, transaction open %s, xmin age %s): %s\n",
-               col(d->xmin, 0, "pid"), app[0] ? app : "no application name",
-               col(d->xmin, 0, "state"), age, col(d->xmin, 0, "xmin_age"),
-               col(d->xmin, 0, "query"));
+               obx_store_col(d->xmin, 0, "pid"), app[0] ? app : "no application name",
+               obx_store_col(d->xmin, 0, "state"), age, obx_store_col(d->xmin, 0, "xmin_age"),
+               obx_store_col(d->xmin, 0, "query"));
     } else {
         printf("xmin horizon: no session holds a snapshot\n");
     }
     if (PQntuples(d->slot) == 1)
-        printf("replication slot holding the horizon: %s (age %s)\n", col(d->slot, 0, "slot_name"),
-               col(d->slot, 0, "xmin_age"));
+        printf("replication slot holding the horizon: %s (age %s)\n",
+               obx_store_col(d->slot, 0, "slot_name"), obx_store_col(d->slot, 0, "xmin_age"));
     if (PQntuples(d->tuples) == 1)
         printf("outbox.events: %s live tuples, %s dead, last vacuum %s\n",
-               col(d->tuples, 0, "live"), col(d->tuples, 0, "dead"),
-               col(d->tuples, 0, "last_vacuum"));
+               obx_store_col(d->tuples, 0, "live"), obx_store_col(d->tuples, 0, "dead"),
+               obx_store_col(d->tuples, 0, "last_vacuum"));
 }
 
 static int status(const struct obx_tool_args *t, const struct obx_config *cfg)
@@ -557,23 +545,24 @@ static int dead_list(PGconn *c, const struct obx_tool_args *t)
         printf("%-12s %-24s %-16s %8s %7s  %s\n", "id", "topic", "key", "bytes", "age", "reason");
     for (int i = 0; i < PQntuples(r); i++) {
         char age[32];
-        human_age(strtoll(PQgetvalue(r, i, 5), NULL, 10), age, sizeof(age));
-        bool no_key = strcmp(PQgetvalue(r, i, 3), "t") == 0;
+        human_age(strtoll(obx_store_col(r, i, "age_seconds"), NULL, 10), age, sizeof(age));
+        bool no_key = obx_store_col_true(r, i, "no_key");
         if (t->json) {
-            printf("%s{\"id\":%s,\"topic\":", i ? "," : "", PQgetvalue(r, i, 0));
-            json_str(stdout, PQgetvalue(r, i, 1));
+            printf("%s{\"id\":%s,\"topic\":", i ? "," : "", obx_store_col(r, i, "id"));
+            json_str(stdout, obx_store_col(r, i, "topic"));
             fputs(",\"key\":", stdout);
             if (no_key)
                 fputs("null", stdout);
             else
-                json_str(stdout, PQgetvalue(r, i, 2));
+                json_str(stdout, obx_store_col(r, i, "key"));
             fputs(",\"reason\":", stdout);
-            json_str(stdout, PQgetvalue(r, i, 4));
-            printf(",\"age_seconds\":%s,\"bytes\":%s}", PQgetvalue(r, i, 5), PQgetvalue(r, i, 6));
+            json_str(stdout, obx_store_col(r, i, "reason"));
+            printf(",\"age_seconds\":%s,\"bytes\":%s}", obx_store_col(r, i, "age_seconds"),
+                   obx_store_col(r, i, "bytes"));
         } else {
-            printf("%-12s %-24s %-16s %8s %7s  %s\n", PQgetvalue(r, i, 0), PQgetvalue(r, i, 1),
-                   no_key ? "(none)" : PQgetvalue(r, i, 2), PQgetvalue(r, i, 6), age,
-                   PQgetvalue(r, i, 4));
+            printf("%-12s %-24s %-16s %8s %7s  %s\n", obx_store_col(r, i, "id"),
+                   obx_store_col(r, i, "topic"), no_key ? "(none)" : obx_store_col(r, i, "key"),
+                   obx_store_col(r, i, "bytes"), age, obx_store_col(r, i, "reason"));
         }
     }
     if (t->json)
@@ -603,7 +592,7 @@ static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
     for (int i = 1; i < t->n_words; i++) {
         bool found = false;
         for (int k = 0; k < PQntuples(r) && !found; k++)
-            found = strcmp(PQgetvalue(r, k, 0), t->words[i]) == 0;
+            found = strcmp(obx_store_col(r, k, "id"), t->words[i]) == 0;
         if (!found) {
             fprintf(stderr, "outboxd dead: no dead letter has id %s; nothing changed\n",
                     t->words[i]);
@@ -660,7 +649,7 @@ static int replay(const struct obx_tool_args *t, const struct obx_config *cfg)
     PGresult *plan = run(c, t->tool, obx_store_sql_replay_plan(), 4, v, PGRES_TUPLES_OK);
     if (!plan)
         goto out;
-    long long n = strtoll(PQgetvalue(plan, 0, 0), NULL, 10);
+    long long n = strtoll(obx_store_col(plan, 0, "rows"), NULL, 10);
     if (n == 0) {
         printf("nothing to replay: no sent row of topic %s in that range%s\n", t->topic,
                cfg->on_sent == OBX_ON_SENT_DELETE ? " (relay.on_sent = delete keeps none)" : "");
@@ -669,8 +658,8 @@ static int replay(const struct obx_tool_args *t, const struct obx_config *cfg)
     }
     printf("replay: %lld sent rows of topic %s, ids %s to %s, created %s to %s, will be published "
            "again with their ids\n",
-           n, t->topic, PQgetvalue(plan, 0, 1), PQgetvalue(plan, 0, 2), PQgetvalue(plan, 0, 3),
-           PQgetvalue(plan, 0, 4));
+           n, t->topic, obx_store_col(plan, 0, "first_id"), obx_store_col(plan, 0, "last_id"),
+           obx_store_col(plan, 0, "first_created"), obx_store_col(plan, 0, "last_created"));
     if (!t->yes) {
         if (!isatty(STDIN_FILENO)) {
             fprintf(stderr, "outboxd replay: not confirmed: add --yes (stdin is not a terminal)\n");

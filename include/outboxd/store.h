@@ -3,13 +3,25 @@
  * place, each shared fragment written once. The modules that run them (pg,
  * recovery, maint, check, bench/) own connections and results, not SQL.
  *
- * Parameters and result columns are documented with each statement; the
- * fetch's columns are enum obx_fetch_col (record.h).
+ * Parameters and result columns are documented with each statement. The
+ * fetch's columns are enum obx_fetch_col (record.h); every other statement
+ * names its columns, and the modules read them by those names
+ * (obx_store_col), never by position.
  */
 #ifndef OUTBOXD_STORE_H
 #define OUTBOXD_STORE_H
 
+#include <libpq-fe.h>
+#include <stdbool.h>
 #include <stddef.h>
+
+/* Column `name` of row `row` of a statement's result ("" and a logged bug
+ * when the statement has no such column). */
+const char *obx_store_col(const PGresult *res, int row, const char *name);
+/* The same column is NULL. */
+bool obx_store_col_null(const PGresult *res, int row, const char *name);
+/* The same column is boolean true ("t"). */
+bool obx_store_col_true(const PGresult *res, int row, const char *name);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
 #define OBX_SCHEMA_VERSION 7
@@ -51,8 +63,8 @@
  * only from a primary, whose snapshots list every running writer), and the
  * id cache. */
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
-    "SELECT coalesce(max(version), 0), pg_is_in_recovery(), " OBX_STORE_SQL_ID_CACHE               \
-    " FROM outbox.schema_migrations"
+    "SELECT coalesce(max(version), 0) AS version, pg_is_in_recovery() AS "                         \
+    "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache FROM outbox.schema_migrations"
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
  * commits for ever (sql/006). One row: how many. */
