@@ -822,6 +822,22 @@ static int relay_backend_pid(PGconn *c)
                              " WHERE application_name = 'outboxd'");
 }
 
+/* The relay's fetches so far (keyset and full: each look is one) and its
+ * Postgres backend's CPU, at a moment. */
+struct look_cost {
+    double at, cpu_s;
+    long long fetches;
+};
+
+static struct look_cost look_cost_now(int backend_pid)
+{
+    struct look_cost c = {now_s(), backend_pid ? backend_cpu_s(backend_pid) : 0, 0};
+    long long k = relay_metric("outboxd_fetches_total{kind=\"keyset\"}");
+    long long f = relay_metric("outboxd_fetches_total{kind=\"full\"}");
+    c.fetches = (k > 0 ? k : 0) + (f > 0 ? f : 0);
+    return c;
+}
+
 /* What another session does around a drain: before_prefill runs before
  * the rows are written, after_drain once the last one is confirmed and
  * measured. */
@@ -1712,20 +1728,35 @@ int main(int argc, char **argv)
         exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
         sleep(2);
         id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+        int backend = relay_backend_pid(c);
         PQfinish(c);
         printf("outboxd latency, %s: commit -> record read by a consumer in this process, "
                "4 writers, %s mode, outboxd defaults, %d s a rate; and the Kafka side alone: "
                "records produced straight to Kafka with outboxd's producer settings, no "
-               "Postgres, read back by the same consumer.\n\n",
-               context, mode_name(lat_mode), o.latency_seconds);
-        printf("| rate | achieved | samples | p50 | p99 | p99.9 | max |\n"
-               "| --- | --- | --- | --- | --- | --- | --- |\n");
+               "Postgres, read back by the same consumer. What the looks for new rows cost: "
+               "the relay's fetches a second and its Postgres backend's CPU, idle (no writer, "
+               "%d s) and at each rate.\n\n",
+               context, mode_name(lat_mode), o.latency_seconds, o.latency_seconds);
+        printf("| rate | achieved | samples | p50 | p99 | p99.9 | max | fetches/s | relay "
+               "backend CPU |\n"
+               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+        struct look_cost idle0 = look_cost_now(backend);
+        sleep((unsigned)o.latency_seconds);
+        struct look_cost idle1 = look_cost_now(backend);
+        printf("| idle | - | - | - | - | - | - | %.0f | %.1f ms/s |\n",
+               (double)(idle1.fetches - idle0.fetches) / (idle1.at - idle0.at),
+               (idle1.cpu_s - idle0.cpu_s) * 1e3 / (idle1.at - idle0.at));
         static const int only_rates[3] = {100, 1000, 5000};
         for (int i = 0; i < 3; i++) {
             struct lat_result l;
+            struct look_cost c0 = look_cost_now(backend);
             latency(&o, only_rates[i], &l);
-            printf("| %d/s | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | %.2f ms |\n",
-                   only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
+            struct look_cost c1 = look_cost_now(backend);
+            printf("| %d/s | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %.0f | %.1f "
+                   "ms/s |\n",
+                   only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max,
+                   (double)(c1.fetches - c0.fetches) / (c1.at - c0.at),
+                   (c1.cpu_s - c0.cpu_s) * 1e3 / (c1.at - c0.at));
         }
         stop_outboxd(relay);
         for (int i = 0; i < 3; i++) {
