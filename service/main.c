@@ -628,7 +628,7 @@ int main(int argc, char **argv)
 {
     struct app a;
     struct sigaction ign;
-    bool check_only, live;
+    bool check_only = false, live = false;
     char err[512];
     int rc;
 

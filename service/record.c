@@ -169,8 +169,6 @@ static int hex4(const char *p, unsigned *out)
     return 0;
 }
 
-/* A string at j->p (its opening quote); its unescaped bytes go to the
- * scratch buffer. */
 /* The escape after a backslash at j->p, as a code point (a surrogate pair
  * joined). -1 after json_fail. */
 static int json_escape(struct json *j, unsigned *cp)
@@ -227,6 +225,8 @@ static size_t utf8_put(char *dst, unsigned cp)
     return 4;
 }
 
+/* A string at j->p (its opening quote); its unescaped bytes go to the
+ * scratch buffer. */
 static int json_string(struct json *j, const char **out, size_t *out_len)
 {
     struct obx_headers *h = j->h;

@@ -527,6 +527,7 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
     r->want_fetch = true;
     relay_cursor_clear(r); /* another relay may have sent or left rows meanwhile */
     r->not_before = 0;
+    r->rows_found_at = now; /* rows may be waiting: look often at first */
     relay_kick(r, now);
 }
 

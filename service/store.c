@@ -13,6 +13,17 @@
 
 /* Migration file for each schema version, for the "apply this" message. */
 /* clang-format off */
+static const char *const migrations[] = {
+    [1] = "sql/001_outbox.sql",
+    [2] = "sql/002_recovery.sql",
+    [3] = "sql/003_reserved_header.sql",
+    [4] = "sql/004_fetch_cursor.sql",
+    [5] = "sql/005_no_notify.sql",
+    [6] = "sql/006_writer_xid.sql",
+    [7] = "sql/007_partitions.sql",
+};
+/* clang-format on */
+
 static int column(const PGresult *res, const char *name)
 {
     int k = PQfnumber(res, name);
@@ -37,17 +48,6 @@ bool obx_store_col_true(const PGresult *res, int row, const char *name)
 {
     return strcmp(obx_store_col(res, row, name), "t") == 0;
 }
-
-static const char *const migrations[] = {
-    [1] = "sql/001_outbox.sql",
-    [2] = "sql/002_recovery.sql",
-    [3] = "sql/003_reserved_header.sql",
-    [4] = "sql/004_fetch_cursor.sql",
-    [5] = "sql/005_no_notify.sql",
-    [6] = "sql/006_writer_xid.sql",
-    [7] = "sql/007_partitions.sql",
-};
-/* clang-format on */
 _Static_assert(sizeof(migrations) / sizeof(migrations[0]) == OBX_SCHEMA_VERSION + 1,
                "every schema version up to OBX_SCHEMA_VERSION names its migration file");
 

@@ -145,7 +145,8 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len);
 /* The recovery plan, any mode: topics with unpublished rows, each stored
  * (partition, offset) of them (the higher of outbox.kafka_offsets and log
  * mode's cursor rows), and the range of unpublished ids. Columns: topic,
- * partition, last_offset, lo, hi. */
+ * kafka_partition, stored_offset (NULL both when none is stored), id_lo,
+ * id_hi. */
 const char *obx_store_sql_recovery_plan(void);
 
 /* The backlog gauges: unsent rows, age in seconds of the oldest. */
