@@ -513,27 +513,46 @@ const char *obx_store_sql_backlog(void)
  * Each part asks for the order of the index it must read (the session
  * plans with enable_sort off). Columns: unsent rows, age in seconds of the
  * lowest-id one, the next floor, the next xmin (text). */
+/* Not covered by the newest cursor row of log mode (none: every row is
+ * uncovered): at or below its hwm, seen committed by its snapshot, and not
+ * a row of a key it holds (unless listed as published since). Mark and
+ * delete mode after log mode leave such rows unsent in outbox.events until
+ * their partition is reclaimed: they are published all the same. */
+#define NOT_COVERED(t)                                                                             \
+    " AND NOT EXISTS (SELECT FROM c WHERE " t ".id <= c.hwm"                                       \
+    "     AND pg_visible_in_snapshot(" t ".xid, c.snap)"                                           \
+    "     AND NOT (" t ".id <> ALL (c.also_sent) AND EXISTS ("                                     \
+    "          SELECT FROM unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, f)"    \
+    "          WHERE h.topic = " t ".topic AND " t ".id >= h.f"                                    \
+    "            AND (h.key = " t ".key OR (h.key IS NULL AND " t ".id = h.f)))))"
+
 const char *obx_store_sql_backlog_since(void)
 {
-    return "WITH above AS ("
-           "   SELECT id, created_at FROM outbox.events"
-           "   WHERE sent_at IS NULL AND id >= $1::bigint ORDER BY id),"
-           " below AS ("
-           "   SELECT id, created_at FROM outbox.events"
-           "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
-           "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT ") AND id < $1::bigint"
-           "   ORDER BY xid, id),"
-           " oldest AS ("
-           "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"
-           "                               (SELECT * FROM above LIMIT 1)) o"
-           "   ORDER BY id LIMIT 1)"
-           " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) AS rows,"
-           "        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM oldest),"
-           "                 0) AS oldest_seconds,"
-           "        coalesce((SELECT id FROM oldest),"
-           "                 (SELECT max(id) + 1 FROM outbox.events WHERE id >= $1::bigint),"
-           "                 $1::bigint) AS next_floor,"
-           "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin";
+    return "WITH" LOG_NEWEST ","
+           " above AS ("
+           "   SELECT id, created_at FROM outbox.events e"
+           "   WHERE sent_at IS NULL AND id >= $1::bigint" NOT_COVERED(
+               "e") " ORDER BY id),"
+                    " below AS ("
+                    "   SELECT id, created_at FROM outbox.events e"
+                    "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
+                    "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT
+                    ") AND id < $1::bigint" NOT_COVERED(
+                        "e") "   ORDER BY xid, id),"
+                             " oldest AS ("
+                             "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"
+                             "                               (SELECT * FROM above LIMIT 1)) o"
+                             "   ORDER BY id LIMIT 1)"
+                             " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) "
+                             "AS rows,"
+                             "        coalesce((SELECT extract(epoch FROM now() - "
+                             "created_at)::float8 FROM oldest),"
+                             "                 0) AS oldest_seconds,"
+                             "        coalesce((SELECT id FROM oldest),"
+                             "                 (SELECT max(id) + 1 FROM outbox.events WHERE id >= "
+                             "$1::bigint),"
+                             "                 $1::bigint) AS next_floor,"
+                             "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin";
 }
 
 const char *obx_store_sql_waiting(void)
