@@ -513,21 +513,30 @@ static void on_dr(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaque)
     atomic_fetch_add(&delivered, 1);
 }
 
+/* A bare idempotent producer's settings as outboxd's (murmur2_random,
+ * linger.ms 1), with one more setting. */
+static rd_kafka_conf_t *producer_conf(const struct opts *o, const char *key, const char *value)
+{
+    char err[512];
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    const char *settings[][2] = {{"bootstrap.servers", o->bootstrap},
+                                 {"enable.idempotence", "true"},
+                                 {"partitioner", "murmur2_random"},
+                                 {"linger.ms", "1"},
+                                 {key, value}};
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err)))
+            die("producer conf", err);
+    return conf;
+}
+
 /* The bare producer's rate; *machine_us (if given): the whole machine's
  * CPU per record, the mock broker's included. */
 static double kafka_limit(const struct opts *o, size_t payload_len, double *machine_us)
 {
     static char payload[4096];
     char err[512], key[32], id[24], trace[64];
-    rd_kafka_conf_t *conf = rd_kafka_conf_new();
-    const char *settings[][2] = {{"bootstrap.servers", o->bootstrap},
-                                 {"enable.idempotence", "true"},
-                                 {"message.timeout.ms", "0"},
-                                 {"partitioner", "murmur2_random"},
-                                 {"linger.ms", "1"}};
-    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
-        if (rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err)))
-            die("producer conf", err);
+    rd_kafka_conf_t *conf = producer_conf(o, "message.timeout.ms", "0");
     rd_kafka_conf_set_dr_msg_cb(conf, on_dr);
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
     if (!rk)
@@ -1285,15 +1294,7 @@ static void latency(const struct opts *o, int rate, struct lat_result *res)
 static void kafka_floor(const struct opts *o, int rate, struct lat_result *res)
 {
     char err[512];
-    rd_kafka_conf_t *conf = rd_kafka_conf_new();
-    const char *settings[][2] = {{"bootstrap.servers", o->bootstrap},
-                                 {"enable.idempotence", "true"},
-                                 {"max.in.flight.requests.per.connection", "1"},
-                                 {"partitioner", "murmur2_random"},
-                                 {"linger.ms", "1"}};
-    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
-        if (rd_kafka_conf_set(conf, settings[i][0], settings[i][1], err, sizeof(err)))
-            die("producer conf", err);
+    rd_kafka_conf_t *conf = producer_conf(o, "max.in.flight.requests.per.connection", "1");
     direct_producer = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
     if (!direct_producer)
         die("producer", err);

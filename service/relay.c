@@ -734,13 +734,14 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
     return n_take;
 }
 
-/* Log mode: the fetch's record, with its claim if the cursor holds. 0 with
- * no memory for it (the fetch is then set aside), 1 outside log mode. */
-static uint64_t record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
+/* Log mode: the fetch's record (*seq), with its claim if the cursor holds;
+ * *seq 0 outside log mode. False with no memory for it: the fetch is then
+ * set aside. */
+static bool record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
 {
     *seq = 0;
     if (!r->set.log_mode)
-        return 1;
+        return true;
     *seq = relay_rec_push(r);
     if (*seq == 0) { /* no record, no rows: they are fetched again */
         obx_error("relay: out of memory recording a fetch");
@@ -748,11 +749,11 @@ static uint64_t record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
         r->want_fetch = true;
         r->not_before = now + r->set.retry_backoff_ms;
         relay_kick(r, now);
-        return 0;
+        return false;
     }
     if (r->cursor_ok)
         relay_rec_claim(r, *seq, r->hwm, r->snap);
-    return 1;
+    return true;
 }
 
 /* Takes a slot for each of the first n_take rows (r->batch[i], NULL for a
@@ -924,7 +925,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     size_t n_take = rows_to_take(r, rows, n);
     cursor_advance(r, rows, n, n_take, snapshot);
     uint64_t seq;
-    if (record_fetch(r, &seq, now) == 0)
+    if (!record_fetch(r, &seq, now))
         return;
     uint64_t gen_at_claim = r->cursor_gen;
     r->caught_up = n < (size_t)r->fetch_limit;

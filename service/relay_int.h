@@ -29,7 +29,7 @@
  * pause at each empty look left a row waiting 4 to 8 ms behind a gap of a
  * few ms, which set the p99 at 1,000 rows/s), and an idle relay is at
  * relay.poll_interval within 8 x that of the last row. */
-#define POLL_MIN_MS 1
+#define POLL_MIN_MS        1
 #define POLL_QUIET_DIVISOR 8
 /* How often the marks store the partitions' offsets (outbox.kafka_offsets).
  * A stored offset only says where the recovery pass starts reading, so it

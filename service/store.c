@@ -226,15 +226,17 @@ const char *obx_store_sql_fetch_keyset(void)
 
 /* ---- log mode ---- */
 
-/* A row the stored cursor leaves out although it is at or below its hwm
- * and visible in its snapshot: a row of a held key ($8 topics, $9 keys,
- * $10 from ids; a NULL key holds that one row) not listed in $11 (rows of
+/* A row a cursor leaves out although it is at or below its hwm and
+ * visible in its snapshot: a row of a held key (arrays `topics`, `keys`,
+ * `from` ids; a NULL key holds that one row) not listed in `also` (rows of
  * such a key published since it was held). */
-#define LOG_HELD(t)                                                                                \
-    " EXISTS (SELECT FROM unnest($8::text[], $9::text[], $10::bigint[]) AS h(topic, key, from_id)" \
+#define HELD_ROW(t, topics, keys, from, also)                                                      \
+    " EXISTS (SELECT FROM unnest(" topics ", " keys ", " from ") AS h(topic, key, from_id)"        \
     "         WHERE h.topic = " t ".topic AND " t ".id >= h.from_id"                               \
     "           AND (h.key = " t ".key OR (h.key IS NULL AND " t ".id = h.from_id)))"              \
-    " AND " t ".id <> ALL ($11::bigint[])"
+    " AND " t ".id <> ALL (" also ")"
+/* The stored cursor's held rows, as the relay passes them ($8..$11). */
+#define LOG_HELD(t) HELD_ROW(t, "$8::text[]", "$9::text[]", "$10::bigint[]", "$11::bigint[]")
 
 /* clang-format off */
 /* The full fetch of log mode: every row the stored cursor ($1 hwm, $7
@@ -500,6 +502,17 @@ const char *obx_store_sql_backlog(void)
            " FROM outbox.unpublished";
 }
 
+/* Not covered by the newest cursor row of log mode (none: every row is
+ * uncovered): at or below its hwm, seen committed by its snapshot, and not
+ * a row of a key it holds (unless listed as published since). Mark and
+ * delete mode after log mode leave such rows unsent in outbox.events until
+ * their partition is reclaimed: they are published all the same. */
+#define NOT_COVERED(t)                                                                             \
+    " AND NOT EXISTS (SELECT FROM c WHERE " t ".id <= c.hwm"                                       \
+    "     AND pg_visible_in_snapshot(" t ".xid, c.snap)"                                           \
+    "     AND NOT (" HELD_ROW(t, "c.held_topics", "c.held_keys", "c.held_from",                    \
+                              "c.also_sent") "))"
+
 /* The backlog gauges again, from where the last count left off: $1 the
  * lowest unsent id it saw (its "floor"), $2 the xmin of its snapshot. A row
  * below the floor is unsent now only if it was not visible then (its
@@ -511,21 +524,9 @@ const char *obx_store_sql_backlog(void)
  * them all every few seconds (300 ms after five minutes at 1,000 rows/s)
  * was what slowed the relay, on a small machine, under such a horizon.
  * Each part asks for the order of the index it must read (the session
- * plans with enable_sort off). Columns: unsent rows, age in seconds of the
- * lowest-id one, the next floor, the next xmin (text). */
-/* Not covered by the newest cursor row of log mode (none: every row is
- * uncovered): at or below its hwm, seen committed by its snapshot, and not
- * a row of a key it holds (unless listed as published since). Mark and
- * delete mode after log mode leave such rows unsent in outbox.events until
- * their partition is reclaimed: they are published all the same. */
-#define NOT_COVERED(t)                                                                             \
-    " AND NOT EXISTS (SELECT FROM c WHERE " t ".id <= c.hwm"                                       \
-    "     AND pg_visible_in_snapshot(" t ".xid, c.snap)"                                           \
-    "     AND NOT (" t ".id <> ALL (c.also_sent) AND EXISTS ("                                     \
-    "          SELECT FROM unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, f)"    \
-    "          WHERE h.topic = " t ".topic AND " t ".id >= h.f"                                    \
-    "            AND (h.key = " t ".key OR (h.key IS NULL AND " t ".id = h.f)))))"
-
+ * plans with enable_sort off). Rows the newest cursor row covers are not
+ * counted (NOT_COVERED). Columns: rows (unpublished), oldest_seconds (age of
+ * the lowest-id one), next_floor, next_xmin (text). */
 const char *obx_store_sql_backlog_since(void)
 {
     return "WITH" LOG_NEWEST ","

@@ -58,10 +58,9 @@ bool obx_store_col_true(const PGresult *res, int row, const char *name);
 #define OBX_STORE_SQL_ID_CACHE                                                                     \
     "(SELECT coalesce((SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid ="               \
     " pg_get_serial_sequence('outbox.events', 'id')::regclass), 1))"
-/* The relay session's first statement. One row: the schema's version,
- * whether the server is in recovery (a hot standby: the relay publishes
- * only from a primary, whose snapshots list every running writer), and the
- * id cache. */
+/* The relay session's first statement. One row: version (the schema's),
+ * in_recovery (a hot standby: the relay publishes only from a primary,
+ * whose snapshots list every running writer), id_cache. */
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
     "SELECT coalesce(max(version), 0) AS version, pg_is_in_recovery() AS "                         \
     "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache FROM outbox.schema_migrations"
@@ -115,7 +114,8 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight);
  * partitions / offsets, restart) and the dead letters it covers ($12
  * bigint[] ids, $13 text[] reasons). One row: 1, dead letters stored. */
 const char *obx_store_sql_log_write(void);
-/* What the stored cursor says, a kind per row (see store.c). */
+/* What the stored cursor says, a kind per row (see store.c). Columns: kind,
+ * a, b, c. */
 const char *obx_store_sql_log_state(void);
 /* The recovery match of log mode: as obx_store_sql_recover, for the rows
  * the stored cursor does not cover; writes nothing and returns the matched
@@ -149,11 +149,13 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len);
  * id_hi. */
 const char *obx_store_sql_recovery_plan(void);
 
-/* The backlog gauges: unsent rows, age in seconds of the oldest. */
+/* The backlog gauges (any mode, outbox.unpublished). Columns: rows,
+ * oldest_seconds (age of the oldest). */
 const char *obx_store_sql_backlog(void);
 /* The same, read from the floor and xmin the last one returned (see
- * store.c); parameters floor, xmin; columns: unsent, age, next floor, next
- * xmin. The first count passes the lowest bigint and xmin 0. */
+ * store.c); parameters floor, xmin; columns: rows, oldest_seconds,
+ * next_floor, next_xmin. The first count passes the lowest bigint and xmin
+ * 0. Rows log mode's newest cursor row covers are not counted. */
 const char *obx_store_sql_backlog_since(void);
 
 /* Partitions of outbox.events ahead of the ids: $1 ids per partition, $2
@@ -166,32 +168,34 @@ const char *obx_store_sql_backlog_since(void);
 /* How many partitions the upkeep keeps ahead of the last id drawn. */
 #define OBX_STORE_PARTITIONS_AHEAD 2
 
-/* Unsent rows per topic (for --check): topic, count. */
+/* Unpublished rows per topic (--check, status). Columns: topic, rows. */
 const char *obx_store_sql_waiting(void);
 
 /* Retention: $1 cursor (last id looked at), $2 batch size, $3 period in ms.
- * Returns the highest id looked at, rows deleted, rows created within the
- * period. */
+ * Columns: last_id (the highest id looked at), deleted, recent (rows
+ * created within the period). */
 const char *obx_store_sql_purge(void);
 
 /* ---- the operator's tools (tools.c) ---- */
 
 /* Relay sessions: the holder of the relay lock and the standbys trying it.
- * Columns: pid, application_name, client, session start (UTC), active (t/f),
- * seconds since the session started. */
+ * Columns: pid, application_name, client, started (UTC), active (t/f),
+ * session_seconds. */
 const char *obx_store_sql_relay_sessions(void);
-/* Dead letters: count, seconds since the newest. */
+/* Dead letters. Columns: rows, newest_seconds (since the newest). */
 const char *obx_store_sql_dead_summary(void);
-/* The session holding back the xmin horizon the most. Columns: pid, xmin
- * age, application_name, state, seconds in its transaction, query (60
+/* The session holding back the xmin horizon the most. Columns: pid,
+ * xmin_age, application_name, state, transaction_seconds, query (60
  * characters). */
 const char *obx_store_sql_oldest_xmin(void);
-/* The replication slot holding back the horizon the most: name, age. */
+/* The replication slot holding back the horizon the most. Columns:
+ * slot_name, xmin_age. */
 const char *obx_store_sql_oldest_slot(void);
-/* outbox.events' tuples: live, dead, last vacuum (UTC or "never"). */
+/* outbox.events' tuples. Columns: live, dead, last_vacuum (UTC or
+ * "never"). */
 const char *obx_store_sql_events_tuples(void);
-/* Up to $1 dead letters: id, topic, key, key is null, reason, age in
- * seconds, payload bytes. */
+/* Up to $1 dead letters. Columns: id, topic, key, no_key (t/f), reason,
+ * age_seconds, bytes. */
 const char *obx_store_sql_dead_list(void);
 /* Which of the ids $1 are dead letters. */
 const char *obx_store_sql_dead_existing(void);
@@ -200,8 +204,8 @@ const char *obx_store_sql_dead_existing(void);
 const char *obx_store_sql_dead_retry(void);
 /* Deletes the dead letters $1; returns their ids. */
 const char *obx_store_sql_dead_drop(void);
-/* Sent rows of topic $1 with id in [$2, $3] created at or after $4:
- * count, lowest and highest id, first and last created_at (UTC). */
+/* Sent rows of topic $1 with id in [$2, $3] created at or after $4.
+ * Columns: rows, first_id, last_id, first_created, last_created (UTC). */
 const char *obx_store_sql_replay_plan(void);
 /* Marks those rows unsent again (the relay publishes them again, ids
  * kept); returns how many. */
