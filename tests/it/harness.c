@@ -44,6 +44,14 @@ void h_sleep_ms(int ms)
     }
 }
 
+/* Says which waits of a test took long: where a slow test spends its time. */
+static void note_long_wait(int64_t since_ms, const char *what, const char *detail)
+{
+    int64_t took = h_now_ms() - since_ms;
+    if (took >= (getenv("OBX_IT_TIMES") ? 200 : 1500))
+        print_message("[wait %lld ms] %s %s\n", (long long)took, what, detail ? detail : "");
+}
+
 /* Postgres refuses to run as root: as root, servers run as "postgres". */
 static struct passwd *server_user(void)
 {
@@ -181,6 +189,13 @@ void h_standby_start(struct h_env *e)
 }
 
 static void h_pg_restart_stop(struct h_env *e, int sig);
+
+/* Copies directory `from` to `to` with owners and modes (cp -a). */
+static int copy_tree(const char *from, const char *to, const char *log)
+{
+    char *const cp[] = {"/bin/cp", "-a", (char *)from, (char *)to, NULL};
+    return wait_exit(spawn(cp, NULL, NULL, SIGKILL, log), 60000);
+}
 
 void h_pg_start(struct h_env *e)
 {
@@ -387,6 +402,87 @@ void h_broker_seq_stats(struct h_env *e, struct h_seq_stats *out)
         fail_msg("broker stats: no ok");
 }
 
+/* Every test starts from a cluster with the migrations applied; initdb and
+ * psql cost over a second of CPU a test, so the first test keeps a stopped
+ * copy in the build directory (copied as ourselves: the server user may not
+ * read a checkout in a 0700 home) and the others copy that. The copy's name
+ * carries a hash of sql/ and of the server's path, so an edited migration
+ * or another server is never served from an old copy; it appears by rename,
+ * whole or not at all, so tests racing to make it are harmless. */
+static void migrated_path(char *buf, size_t len)
+{
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    const char *bindir = PG_BINDIR;
+    for (const char *p = bindir; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    struct dirent **list;
+    int n = scandir(OBX_SOURCE_DIR "/sql", &list, is_sql_file, name_cmp);
+    for (int i = 0; i < n; i++) {
+        char file[600];
+        snprintf(file, sizeof(file), OBX_SOURCE_DIR "/sql/%s", list[i]->d_name);
+        FILE *f = fopen(file, "rb");
+        for (int c; f && (c = fgetc(f)) != EOF;)
+            h = (h ^ (unsigned char)c) * 1099511628211ULL;
+        if (f)
+            fclose(f);
+        free(list[i]);
+    }
+    if (n >= 0)
+        free(list);
+    snprintf(buf, len, "%s/it-pgdata-%016llx", OBX_BINARY_DIR, (unsigned long long)h);
+}
+
+static bool copy_migrated(struct h_env *e)
+{
+    char from[600], to[300], log[300];
+    migrated_path(from, sizeof(from));
+    snprintf(to, sizeof(to), "%s/pgdata", e->dir);
+    snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
+    return access(from, F_OK) == 0 && copy_tree(from, to, log) == 0;
+}
+
+static int is_migrated_copy(const struct dirent *d)
+{
+    return strncmp(d->d_name, "it-pgdata-", 10) == 0;
+}
+
+/* Removes the copies made for other migrations or servers. */
+static void drop_old_migrated(const char *kept, const char *log)
+{
+    struct dirent **list;
+    const char *name = strrchr(kept, '/') + 1;
+    int n = scandir(OBX_BINARY_DIR, &list, is_migrated_copy, name_cmp);
+    for (int i = 0; i < n; i++) {
+        if (strncmp(list[i]->d_name, name, strlen(name)) != 0) {
+            char old[600];
+            snprintf(old, sizeof(old), "%s/%s", OBX_BINARY_DIR, list[i]->d_name);
+            char *const rm[] = {"/bin/rm", "-rf", old, NULL};
+            wait_exit(spawn(rm, NULL, NULL, SIGKILL, log), 60000);
+        }
+        free(list[i]);
+    }
+    if (n >= 0)
+        free(list);
+}
+
+static void keep_migrated(struct h_env *e)
+{
+    char kept[600], partial[700], data[300], log[300];
+    migrated_path(kept, sizeof(kept));
+    if (access(kept, F_OK) == 0)
+        return;
+    snprintf(partial, sizeof(partial), "%s.%ld", kept, (long)getpid());
+    snprintf(data, sizeof(data), "%s/pgdata", e->dir);
+    snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
+    drop_old_migrated(kept, log);
+    h_pg_stop(e); /* a clean shutdown: the copy starts without recovery */
+    if (copy_tree(data, partial, log) != 0 || rename(partial, kept) != 0) {
+        char *const rm[] = {"/bin/rm", "-rf", partial, NULL};
+        wait_exit(spawn(rm, NULL, NULL, SIGKILL, log), 60000);
+    }
+    h_pg_start(e);
+}
+
 void h_env_start(struct h_env *e, const char *const *topics)
 {
     h_env_start_with(e, topics, 0);
@@ -406,20 +502,31 @@ void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags
     if (pw && chown(e->dir, pw->pw_uid, pw->pw_gid) != 0)
         fail_msg("chown %s: %s", e->dir, strerror(errno));
     chmod(e->dir, 0755);
-    h_pg_start(e);
-    apply_migrations(e);
-    keep_committed(e);
+    int64_t t0 = h_now_ms();
+    if (!copy_migrated(e)) {
+        h_pg_start(e);
+        apply_migrations(e);
+        keep_committed(e);
+        keep_migrated(e);
+    } else {
+        h_pg_start(e);
+    }
+    note_long_wait(t0, "postgres", NULL);
+    t0 = h_now_ms();
     broker_start(e, topics);
+    note_long_wait(t0, "broker", NULL);
     e->http_port = h_free_port();
 }
 
 void h_wait_log(struct h_env *e, const char *needle, int timeout_ms)
 {
-    int64_t deadline = h_now_ms() + timeout_ms;
+    int64_t t0 = h_now_ms();
+    int64_t deadline = t0 + timeout_ms;
     while (!h_relay_log_contains(e, needle) && h_now_ms() < deadline)
         h_sleep_ms(50);
     if (!h_relay_log_contains(e, needle))
         fail_msg("no '%s' in the relay log within %d ms", needle, timeout_ms);
+    note_long_wait(t0, "log", needle);
 }
 
 int h_notify_socket(struct h_env *e, const char *name, char *var, size_t var_len)
@@ -512,12 +619,15 @@ int h_http_get(struct h_env *e, const char *path, char *body, size_t body_len)
 void h_wait_http(struct h_env *e, const char *path, int status, const char *needle, int timeout_ms,
                  char *body, size_t body_len)
 {
-    int64_t deadline = h_now_ms() + timeout_ms;
+    int64_t t0 = h_now_ms();
+    int64_t deadline = t0 + timeout_ms;
     int got;
     do {
         got = h_http_get(e, path, body, body_len);
-        if (got == status && (!needle || strstr(body, needle)))
+        if (got == status && (!needle || strstr(body, needle))) {
+            note_long_wait(t0, path, needle);
             return;
+        }
         h_sleep_ms(100);
     } while (h_now_ms() < deadline);
     fail_msg("GET %s: wanted %d with '%s', last answer %d: %.300s", path, status,
@@ -580,6 +690,7 @@ void h_env_stop(struct h_env *e)
 {
     char bug[4700];
     bool buggy = false;
+    int64_t t0 = h_now_ms();
     if (e->relay_pid > 0) {
         kill(e->relay_pid, SIGKILL);
         wait_exit(e->relay_pid, 10000);
@@ -607,6 +718,7 @@ void h_env_stop(struct h_env *e)
         e->standby_pid = 0;
     }
     h_pg_stop(e);
+    note_long_wait(t0, "env_stop", NULL);
     if (e->dir[0])
         buggy = find_bug_line(e->dir, bug, sizeof(bug));
     if (e->dir[0]) {
@@ -696,8 +808,11 @@ int h_relay_stop(struct h_env *e, int sig, int timeout_ms)
 {
     if (e->relay_pid <= 0)
         return -2;
+    int64_t t0 = h_now_ms();
     kill(e->relay_pid, sig);
-    return h_relay_wait(e, timeout_ms);
+    int rc = h_relay_wait(e, timeout_ms);
+    note_long_wait(t0, "relay_stop", NULL);
+    return rc;
 }
 
 const char *h_relay_log_path(const struct h_env *e, char *buf, size_t len)
@@ -834,7 +949,8 @@ int64_t h_enqueue(PGconn *c, const char *topic, const char *key, const void *pay
 bool h_wait_drained(struct h_env *e, int timeout_ms)
 {
     PGconn *c = h_connect(e);
-    int64_t deadline = h_now_ms() + timeout_ms;
+    int64_t t0 = h_now_ms();
+    int64_t deadline = t0 + timeout_ms;
     bool drained = false;
     while (!drained && h_now_ms() < deadline) {
         drained = h_sql_int(c, "SELECT count(*) FROM outbox.unpublished") == 0; /* any mode */
@@ -842,6 +958,7 @@ bool h_wait_drained(struct h_env *e, int timeout_ms)
             h_sleep_ms(100);
     }
     PQfinish(c);
+    note_long_wait(t0, "drained", NULL);
     return drained;
 }
 
@@ -897,11 +1014,13 @@ static void records_add(struct h_records *out, const rd_kafka_message_t *m)
 void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out)
 {
     char err[512];
+    int64_t t0 = h_now_ms();
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
     rd_kafka_conf_set(conf, "bootstrap.servers", e->bootstrap, err, sizeof(err));
     rd_kafka_conf_set(conf, "group.id", "obx-it-reader", err, sizeof(err));
     rd_kafka_conf_set(conf, "enable.partition.eof", "true", err, sizeof(err));
     rd_kafka_conf_set(conf, "enable.auto.commit", "false", err, sizeof(err));
+    rd_kafka_conf_set(conf, "fetch.wait.max.ms", "10", err, sizeof(err)); /* the end comes sooner */
     rd_kafka_conf_set(conf, "log_level", "3", err, sizeof(err));
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof(err));
     if (!rk)
@@ -975,6 +1094,7 @@ void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_recor
     free(at_eof);
     rd_kafka_consumer_close(rk);
     rd_kafka_destroy(rk);
+    note_long_wait(t0, "kafka_read_all", NULL);
 }
 
 void h_records_free(struct h_records *r)
