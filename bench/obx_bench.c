@@ -429,9 +429,17 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     int64_t hwm = 0;
     for (;;) {
         snprintf(after, sizeof(after), "%lld", (long long)hwm);
-        const char *fv[7] = {hwm > 0 ? after : "{}", limit, "{}", "{}", "{}", row_cap, snap};
-        PGresult *r = hwm > 0 ? PQexecPrepared(c, "k", 7, fv, NULL, NULL, 1)
-                              : PQexecParams(c, full_sql, 5, NULL, fv + 1, NULL, NULL, 1);
+        const char *fv[OBX_FETCH_NPARAMS] = {
+            [OBX_FETCH_AFTER] = hwm > 0 ? after : "{}", /* the full fetch: ids in flight */
+            [OBX_FETCH_LIMIT] = limit,
+            [OBX_FETCH_HELD_TOPICS] = "{}",
+            [OBX_FETCH_HELD_KEYS] = "{}",
+            [OBX_FETCH_HELD_IDS] = "{}",
+            [OBX_FETCH_MAX_BYTES] = row_cap,
+            [OBX_FETCH_SNAPSHOT] = snap};
+        PGresult *r = hwm > 0 ? PQexecPrepared(c, "k", OBX_FETCH_NPARAMS, fv, NULL, NULL, 1)
+                              : PQexecParams(c, full_sql, OBX_FETCH_FULL_NPARAMS, NULL,
+                                             fv + OBX_FETCH_FULL_FIRST, NULL, NULL, 1);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("fetch", PQresultErrorMessage(r));
         int64_t list[BATCH];
@@ -443,20 +451,32 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
         if (n == 0)
             break;
         /* One offset per partition, as outboxd stores them. */
-        const char *mv[6] = {obx_pg_array_finish(&ids),
-                             "{bench,bench,bench,bench,bench,bench,bench,bench,bench,bench,bench,"
-                             "bench}",
-                             "{0,1,2,3,4,5,6,7,8,9,10,11}",
-                             "{1,1,1,1,1,1,1,1,1,1,1,1}",
-                             "{}",
-                             "{}"};
+        static const char topics[] = "{bench,bench,bench,bench,bench,bench,bench,bench,bench,"
+                                     "bench,bench,bench}";
+        const char *mv[OBX_MARK_PLAIN_NPARAMS] = {
+            [OBX_MARK_RANGES] = obx_pg_array_finish(&ids),
+            [OBX_MARK_OFFSETS + OBX_OFFSETS_TOPICS] = topics,
+            [OBX_MARK_OFFSETS + OBX_OFFSETS_PARTITIONS] = "{0,1,2,3,4,5,6,7,8,9,10,11}",
+            [OBX_MARK_OFFSETS + OBX_OFFSETS_OFFSETS] = "{1,1,1,1,1,1,1,1,1,1,1,1}"};
         char batch_no[24], hwm_text[24];
         snprintf(batch_no, sizeof(batch_no), "%ld", done / BATCH + 1);
         snprintf(hwm_text, sizeof(hwm_text), "%lld", (long long)hwm);
-        const char *lv[13] = {batch_no,  hwm_text, snap,  "{}",    "{}", "{}", "{}",
-                              "{bench}", "{0}",    "{1}", "false", "{}", "{}"};
-        r = log ? PQexecPrepared(c, "m", 13, lv, NULL, NULL, 0)
-                : PQexecPrepared(c, "m", 4, mv, NULL, NULL, 0); /* one statement: one transaction */
+        const char *lv[OBX_CURSOR_NPARAMS] = {[OBX_CURSOR_BATCH] = batch_no,
+                                              [OBX_CURSOR_HWM] = hwm_text,
+                                              [OBX_CURSOR_SNAPSHOT] = snap,
+                                              [OBX_CURSOR_HELD + OBX_HELD_TOPICS] = "{}",
+                                              [OBX_CURSOR_HELD + OBX_HELD_KEYS] = "{}",
+                                              [OBX_CURSOR_HELD + OBX_HELD_FROM] = "{}",
+                                              [OBX_CURSOR_HELD + OBX_HELD_ALSO_SENT] = "{}",
+                                              [OBX_CURSOR_OFFSETS + OBX_OFFSETS_TOPICS] = "{bench}",
+                                              [OBX_CURSOR_OFFSETS + OBX_OFFSETS_PARTITIONS] = "{0}",
+                                              [OBX_CURSOR_OFFSETS + OBX_OFFSETS_OFFSETS] = "{1}",
+                                              [OBX_CURSOR_RESTART] = "false",
+                                              [OBX_CURSOR_DEAD + OBX_DEAD_IDS] = "{}",
+                                              [OBX_CURSOR_DEAD + OBX_DEAD_REASONS] = "{}"};
+        /* One statement: one transaction. */
+        r = log ? PQexecPrepared(c, "m", OBX_CURSOR_NPARAMS, lv, NULL, NULL, 0)
+                : PQexecPrepared(c, "m", OBX_MARK_PLAIN_NPARAMS, mv, NULL, NULL, 0);
         if (PQresultStatus(r) != (log ? PGRES_TUPLES_OK : PGRES_COMMAND_OK))
             die("mark", PQresultErrorMessage(r));
         PQclear(r);
@@ -481,14 +501,16 @@ static double purge_rate(const struct opts *o, int batch)
     long deleted = 0;
     double t0 = now_s();
     for (;;) {
-        const char *v[3] = {cursor, limit, period};
-        PGresult *r = PQexecParams(c, obx_store_sql_purge(), 3, NULL, v, NULL, NULL, 0);
+        const char *v[OBX_PURGE_NPARAMS] = {
+            [OBX_PURGE_AFTER] = cursor, [OBX_PURGE_BATCH] = limit, [OBX_PURGE_PERIOD_MS] = period};
+        PGresult *r =
+            PQexecParams(c, obx_store_sql_purge(), OBX_PURGE_NPARAMS, NULL, v, NULL, NULL, 0);
         if (PQresultStatus(r) != PGRES_TUPLES_OK)
             die("purge", PQresultErrorMessage(r));
-        bool done = PQgetisnull(r, 0, 0) || atol(PQgetvalue(r, 0, 2)) > 0;
-        if (!PQgetisnull(r, 0, 0))
-            snprintf(cursor, sizeof(cursor), "%s", PQgetvalue(r, 0, 0));
-        deleted += atol(PQgetvalue(r, 0, 1));
+        bool done = obx_store_col_null(r, 0, "last_id") || atol(obx_store_col(r, 0, "recent")) > 0;
+        if (!obx_store_col_null(r, 0, "last_id"))
+            snprintf(cursor, sizeof(cursor), "%s", obx_store_col(r, 0, "last_id"));
+        deleted += atol(obx_store_col(r, 0, "deleted"));
         PQclear(r);
         if (done)
             break;

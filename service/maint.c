@@ -186,9 +186,10 @@ static void run_stats(struct obx_maint *m)
     }
     char floor[24];
     snprintf(floor, sizeof(floor), "%lld", (long long)m->count_floor);
-    const char *params[] = {floor, m->count_xmin};
-    PGresult *res =
-        PQexecParams(m->conn, obx_store_sql_backlog_since(), 2, NULL, params, NULL, NULL, 0);
+    const char *params[OBX_BACKLOG_NPARAMS] = {
+        [OBX_BACKLOG_FLOOR] = floor, [OBX_BACKLOG_XMIN] = m->count_xmin};
+    PGresult *res = PQexecParams(m->conn, obx_store_sql_backlog_since(), OBX_BACKLOG_NPARAMS, NULL,
+                                 params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1 ||
         strlen(obx_store_col(res, 0, "next_xmin")) >= sizeof(m->count_xmin)) {
         set_error(m, "backlog query failed");
@@ -210,9 +211,10 @@ static void run_purge(struct obx_maint *m)
     snprintf(period, sizeof(period), "%lld", (long long)m->retention_ms);
     for (int i = 0; i < OBX_MAINT_BATCHES_PER_JOB && !atomic_load(&m->stop); i++) {
         snprintf(cursor, sizeof(cursor), "%lld", (long long)m->cursor);
-        const char *params[] = {cursor, batch, period};
-        PGresult *res =
-            PQexecParams(m->conn, obx_store_sql_purge(), 3, NULL, params, NULL, NULL, 0);
+        const char *params[OBX_PURGE_NPARAMS] = {
+            [OBX_PURGE_AFTER] = cursor, [OBX_PURGE_BATCH] = batch, [OBX_PURGE_PERIOD_MS] = period};
+        PGresult *res = PQexecParams(m->conn, obx_store_sql_purge(), OBX_PURGE_NPARAMS, NULL,
+                                     params, NULL, NULL, 0);
         if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
             set_error(m, "retention purge failed");
             PQclear(res);
@@ -252,9 +254,9 @@ static void run_partitions(struct obx_maint *m)
     char rows[24], ahead[8];
     snprintf(rows, sizeof(rows), "%d", m->partition_rows);
     snprintf(ahead, sizeof(ahead), "%d", OBX_STORE_PARTITIONS_AHEAD);
-    const char *params[] = {rows, ahead};
-    run_count(m, OBX_STORE_SQL_UPKEEP_PARTITIONS, 2, params, "partition upkeep failed",
-              &m->parts_made);
+    const char *params[OBX_UPKEEP_NPARAMS] = {[OBX_UPKEEP_ROWS] = rows, [OBX_UPKEEP_AHEAD] = ahead};
+    run_count(m, OBX_STORE_SQL_UPKEEP_PARTITIONS, OBX_UPKEEP_NPARAMS, params,
+              "partition upkeep failed", &m->parts_made);
 }
 
 /* Whole partitions the stored cursor of log mode covers, past retention. */
@@ -262,9 +264,9 @@ static void run_reclaim(struct obx_maint *m)
 {
     char keep[32];
     snprintf(keep, sizeof(keep), "%lld", (long long)m->reclaim_ms);
-    const char *params[] = {keep};
-    run_count(m, OBX_STORE_SQL_RECLAIM_PARTITIONS, 1, params, "partition reclaim failed",
-              &m->parts_reclaimed);
+    const char *params[OBX_RECLAIM_NPARAMS] = {[OBX_RECLAIM_KEEP_MS] = keep};
+    run_count(m, OBX_STORE_SQL_RECLAIM_PARTITIONS, OBX_RECLAIM_NPARAMS, params,
+              "partition reclaim failed", &m->parts_reclaimed);
 }
 
 /* Worker thread: only the job's fields and m->conn are touched here. */

@@ -43,6 +43,13 @@ struct pg_request {
     char error[512];  /* why the transaction failed (reported after ROLLBACK) */
 };
 
+/* The most parameters a statement of the cycle takes. */
+#define PG_MAX_PARAMS ((int)OBX_CURSOR_NPARAMS)
+_Static_assert((int)OBX_MARK_FETCH_NPARAMS <= PG_MAX_PARAMS &&
+                   (int)OBX_FETCH_LOG_NPARAMS <= PG_MAX_PARAMS &&
+                   (int)OBX_MARK_NPARAMS <= PG_MAX_PARAMS,
+               "a statement of the cycle has more parameters than pg keeps room for");
+
 struct obx_pg {
     uv_loop_t *loop;
     uint64_t reconnects;             /* connection attempts after the first */
@@ -70,8 +77,11 @@ struct obx_pg {
 
     struct obx_row *rows; /* batch_size rows, decoded from each fetch */
     int max_rows;
-    struct obx_pg_array params[10];    /* reused parameter buffers */
-    const char *param_values[13];      /* must outlive a wrapped transaction's BEGIN */
+    /* A statement's values by their index (store.h's enums), and the array
+     * parameters' buffers at the same index; reused, and the values must
+     * outlive a wrapped transaction's BEGIN. */
+    struct obx_pg_array params[PG_MAX_PARAMS];
+    const char *param_values[PG_MAX_PARAMS];
     char batch_text[24], hwm_text[24]; /* log mode's cursor row */
     char limit_text[16];
     char max_bytes_text[24], after_text[24];
@@ -1023,120 +1033,147 @@ int obx_pg_send_tx(struct obx_pg *pg, const char *sql, int nparams, const char *
     return start_request(pg, &req, "BEGIN", 0, NULL, 0);
 }
 
-/* The fetch's parameters into values[0..6] (arrays params[0..3]); for a
- * keyset fetch all seven, else the first six. Returns -1 out of memory. */
+/* Finishes the array parameters from index `from` up to `to` (exclusive)
+ * into their values. Returns -1 out of memory (logged, naming `what`). */
+static int finish_arrays(struct obx_pg *pg, int from, int to, const char **values, const char *what)
+{
+    for (int k = from; k < to; k++) {
+        if (!(values[k] = obx_pg_array_finish(&pg->params[k]))) {
+            obx_error("postgres: out of memory building the %s", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void reset_arrays(struct obx_pg *pg, int from, int to)
+{
+    for (int k = from; k < to; k++)
+        obx_pg_array_reset(&pg->params[k]);
+}
+
+/* The fetch's parameters (enum obx_fetch_param); a full fetch finds the
+ * ids in flight, as array text, at OBX_FETCH_AFTER. */
 static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyset,
                         const char **values)
 {
     struct obx_pg_array *a = pg->params;
-    obx_pg_array_reset(&a[0]);
+    obx_pg_array_reset(&a[OBX_FETCH_AFTER]);
+    reset_arrays(pg, OBX_FETCH_HELD_TOPICS, OBX_FETCH_HELD_IDS + 1);
     for (size_t i = 0; i < f->n_exclude && !keyset; i++)
-        obx_pg_array_add_int(&a[0], f->exclude[i]);
-    for (int k = 1; k <= 3; k++)
-        obx_pg_array_reset(&a[k]);
+        obx_pg_array_add_int(&a[OBX_FETCH_AFTER], f->exclude[i]);
     for (size_t i = 0; i < f->n_blocked; i++) {
-        obx_pg_array_add_text(&a[1], f->blocked[i].topic, strlen(f->blocked[i].topic));
-        obx_pg_array_add_text(&a[2], f->blocked[i].key, f->blocked[i].key_len);
-        obx_pg_array_add_int(&a[3], f->blocked_ids[i]);
+        obx_pg_array_add_text(&a[OBX_FETCH_HELD_TOPICS], f->blocked[i].topic,
+                              strlen(f->blocked[i].topic));
+        obx_pg_array_add_text(&a[OBX_FETCH_HELD_KEYS], f->blocked[i].key, f->blocked[i].key_len);
+        obx_pg_array_add_int(&a[OBX_FETCH_HELD_IDS], f->blocked_ids[i]);
     }
     snprintf(pg->limit_text, sizeof(pg->limit_text), "%d", f->limit);
     snprintf(pg->max_bytes_text, sizeof(pg->max_bytes_text), "%lld", (long long)f->max_row_bytes);
     snprintf(pg->after_text, sizeof(pg->after_text), "%lld", (long long)f->after_id);
-    values[0] = keyset ? pg->after_text : obx_pg_array_finish(&a[0]);
-    values[1] = pg->limit_text;
-    values[2] = obx_pg_array_finish(&a[1]);
-    values[3] = obx_pg_array_finish(&a[2]);
-    values[4] = obx_pg_array_finish(&a[3]);
-    values[5] = pg->max_bytes_text;
-    values[6] = f->snapshot;
-    if (!values[0] || !values[2] || !values[3] || !values[4]) {
-        obx_error("postgres: out of memory building the fetch");
+    if (finish_arrays(pg, OBX_FETCH_AFTER, OBX_FETCH_AFTER + 1, values, "fetch") != 0 ||
+        finish_arrays(pg, OBX_FETCH_HELD_TOPICS, OBX_FETCH_HELD_IDS + 1, values, "fetch") != 0)
         return -1;
-    }
+    if (keyset)
+        values[OBX_FETCH_AFTER] = pg->after_text;
+    values[OBX_FETCH_LIMIT] = pg->limit_text;
+    values[OBX_FETCH_MAX_BYTES] = pg->max_bytes_text;
+    values[OBX_FETCH_SNAPSHOT] = f->snapshot;
     return 0;
 }
 
-/* Log mode's held keys into values[0..3] (arrays params[first ..]). */
+/* Log mode's held keys (enum obx_held_param) at index `at`. */
 static int held_params(struct obx_pg *pg, const struct obx_log_held *held, size_t n_held,
-                       const int64_t *also, size_t n_also, int first, const char **values)
+                       const int64_t *also, size_t n_also, int at, const char **values)
 {
-    struct obx_pg_array *a = pg->params + first;
-    for (int k = 0; k < 4; k++)
-        obx_pg_array_reset(&a[k]);
+    struct obx_pg_array *a = pg->params + at;
+    reset_arrays(pg, at, at + OBX_HELD_NPARAMS);
     for (size_t i = 0; i < n_held; i++) {
-        obx_pg_array_add_text(&a[0], held[i].topic, strlen(held[i].topic));
-        obx_pg_array_add_text(&a[1], held[i].key, held[i].key_len); /* NULL: the row alone */
-        obx_pg_array_add_int(&a[2], held[i].from_id);
+        obx_pg_array_add_text(&a[OBX_HELD_TOPICS], held[i].topic, strlen(held[i].topic));
+        /* NULL: the row alone */
+        obx_pg_array_add_text(&a[OBX_HELD_KEYS], held[i].key, held[i].key_len);
+        obx_pg_array_add_int(&a[OBX_HELD_FROM], held[i].from_id);
     }
     for (size_t i = 0; i < n_also; i++)
-        obx_pg_array_add_int(&a[3], also[i]);
-    for (int k = 0; k < 4; k++)
-        if (!(values[k] = obx_pg_array_finish(&a[k])))
-            return -1;
-    return 0;
+        obx_pg_array_add_int(&a[OBX_HELD_ALSO_SENT], also[i]);
+    return finish_arrays(pg, at, at + OBX_HELD_NPARAMS, values, "held keys");
 }
 
 int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_fn done, void *arg)
 {
-    const char *values[11];
+    const char *values[OBX_FETCH_LOG_NPARAMS];
     bool keyset = f->keyset && f->snapshot;
     if (fetch_params(pg, f, keyset, values) != 0)
         return -1;
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
     if (keyset)
-        return start_prepared(pg, &req, STMT_FETCH_KEYSET, 7, values, 1);
+        return start_prepared(pg, &req, STMT_FETCH_KEYSET, OBX_FETCH_NPARAMS, values, 1);
+    const char *in_flight = values[OBX_FETCH_AFTER];
     if (f->log) {
-        /* From the stored cursor: its hwm (fetch_params wrote after_text)
-         * and snapshot as the keyset's. */
-        const char *in_flight = values[0];
-        values[0] = pg->after_text;
-        values[6] = f->snapshot;
-        const char *sql =
-            held_params(pg, f->held, f->n_held, f->also_sent, f->n_also, 4, values + 7) == 0
-                ? obx_store_sql_fetch_log(&pg->fetch_sql, in_flight)
-                : NULL;
+        /* From the stored cursor: its hwm (after_id) and snapshot as the
+         * keyset fetch's. */
+        values[OBX_FETCH_AFTER] = pg->after_text;
+        const char *sql = held_params(pg, f->held, f->n_held, f->also_sent, f->n_also,
+                                      OBX_FETCH_LOG_HELD, values) == 0
+                              ? obx_store_sql_fetch_log(&pg->fetch_sql, in_flight)
+                              : NULL;
         if (!sql) {
             obx_error("postgres: out of memory building the fetch");
             return -1;
         }
-        return start_statement(pg, &req, false, sql, 11, values, 1);
+        return start_statement(pg, &req, false, sql, OBX_FETCH_LOG_NPARAMS, values, 1);
     }
-    const char *sql = obx_store_sql_fetch(&pg->fetch_sql, values[0]);
+    const char *sql = obx_store_sql_fetch(&pg->fetch_sql, in_flight);
     if (!sql) {
         obx_error("postgres: out of memory building the fetch");
         return -1;
     }
-    return start_statement(pg, &req, false, sql, 5, values + 1, 1);
+    return start_statement(pg, &req, false, sql, OBX_FETCH_FULL_NPARAMS,
+                           values + OBX_FETCH_FULL_FIRST, 1);
 }
 
-/* The mark's ids and offsets into values[0..3] (arrays params[first ..
- * first + 3]). Returns -1 out of memory. */
-static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int first, const char **values)
+/* The stored offsets (enum obx_offsets_param) at index `at`. */
+static int offsets_params(struct obx_pg *pg, const struct obx_mark *m, int at, const char **values)
 {
-    struct obx_pg_array *a = pg->params + first;
-    for (int k = 0; k < 4; k++)
-        obx_pg_array_reset(&a[k]);
+    struct obx_pg_array *a = pg->params + at;
+    reset_arrays(pg, at, at + OBX_OFFSETS_NPARAMS);
+    for (size_t i = 0; i < m->n_offsets; i++) {
+        obx_pg_array_add_text(&a[OBX_OFFSETS_TOPICS], m->topics[i], strlen(m->topics[i]));
+        obx_pg_array_add_int(&a[OBX_OFFSETS_PARTITIONS], m->partitions[i]);
+        obx_pg_array_add_int(&a[OBX_OFFSETS_OFFSETS], m->offsets[i]);
+    }
+    return finish_arrays(pg, at, at + OBX_OFFSETS_NPARAMS, values, "offsets");
+}
+
+/* The dead letters (enum obx_dead_param) at index `at`. */
+static int dead_params(struct obx_pg *pg, const struct obx_mark *m, int at, const char **values)
+{
+    struct obx_pg_array *a = pg->params + at;
+    reset_arrays(pg, at, at + OBX_DEAD_NPARAMS);
+    for (size_t i = 0; i < m->n_dead; i++) {
+        obx_pg_array_add_int(&a[OBX_DEAD_IDS], m->dead_ids[i]);
+        obx_pg_array_add_text(&a[OBX_DEAD_REASONS], m->dead_reasons[i], strlen(m->dead_reasons[i]));
+    }
+    return finish_arrays(pg, at, at + OBX_DEAD_NPARAMS, values, "dead letters");
+}
+
+/* The plain mark's parameters (enum obx_mark_param up to
+ * OBX_MARK_PLAIN_NPARAMS) at index `at`. Returns -1 out of memory. */
+static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int at, const char **values)
+{
+    struct obx_pg_array *ranges = &pg->params[at + OBX_MARK_RANGES];
+    obx_pg_array_reset(ranges);
     if (m->n_ids > pg->max_ids) { /* cannot happen: one id per slot of the relay */
         obx_error("postgres: a mark of %zu ids, more than relay.max_in_flight", m->n_ids);
         return -1;
     }
     if (m->n_ids > 0) {
         memcpy(pg->sorted_ids, m->ids, m->n_ids * sizeof(*m->ids));
-        obx_pg_array_add_ranges(&a[0], pg->sorted_ids, m->n_ids);
+        obx_pg_array_add_ranges(ranges, pg->sorted_ids, m->n_ids);
     }
-    for (size_t i = 0; i < m->n_offsets; i++) {
-        obx_pg_array_add_text(&a[1], m->topics[i], strlen(m->topics[i]));
-        obx_pg_array_add_int(&a[2], m->partitions[i]);
-        obx_pg_array_add_int(&a[3], m->offsets[i]);
-    }
-    for (int k = 0; k < 4; k++) {
-        values[k] = obx_pg_array_finish(&a[k]);
-        if (!values[k]) {
-            obx_error("postgres: out of memory building the mark");
-            return -1;
-        }
-    }
-    return 0;
+    if (finish_arrays(pg, at + OBX_MARK_RANGES, at + OBX_MARK_RANGES + 1, values, "mark") != 0)
+        return -1;
+    return offsets_params(pg, m, at + OBX_MARK_OFFSETS, values);
 }
 
 /* The mark's statements run as in production whatever is armed; only with
@@ -1164,80 +1201,46 @@ int obx_pg_send_mark_fetch(struct obx_pg *pg, const struct obx_mark *m, const st
     if (m->n_dead > 0 || !f->keyset || !f->snapshot)
         return 1;
     const char **values = pg->param_values;
-    if (fetch_params(pg, f, true, values) != 0 || mark_params(pg, m, 6, values + 7) != 0)
+    if (fetch_params(pg, f, true, values) != 0 ||
+        mark_params(pg, m, OBX_MARK_FETCH_MARK, values) != 0)
         return -1;
     struct pg_request req = {.rows_done = done, .arg = arg, .tx = TX_NONE};
-    return start_mark_statement(pg, req, STMT_MARK_FETCH, 11, values, 1);
+    return start_mark_statement(pg, req, STMT_MARK_FETCH, OBX_MARK_FETCH_NPARAMS, values, 1);
 }
 
-/* Log mode's cursor row (obx_store_sql_log_write's parameters). */
+/* Log mode's cursor row (enum obx_cursor_param). */
 static int send_log_write(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done,
                           void *arg)
 {
     const char **values = pg->param_values;
-    struct obx_pg_array *a = pg->params;
     snprintf(pg->batch_text, sizeof(pg->batch_text), "%lld", (long long)m->batch);
     snprintf(pg->hwm_text, sizeof(pg->hwm_text), "%lld", (long long)m->hwm);
-    values[0] = pg->batch_text;
-    values[1] = pg->hwm_text;
-    values[2] = m->snapshot;
-    if (held_params(pg, m->held, m->n_held, m->also_sent, m->n_also, 0, values + 3) != 0) {
-        obx_error("postgres: out of memory building the cursor row");
+    values[OBX_CURSOR_BATCH] = pg->batch_text;
+    values[OBX_CURSOR_HWM] = pg->hwm_text;
+    values[OBX_CURSOR_SNAPSHOT] = m->snapshot;
+    values[OBX_CURSOR_RESTART] = m->restart ? "true" : "false";
+    if (held_params(pg, m->held, m->n_held, m->also_sent, m->n_also, OBX_CURSOR_HELD, values) !=
+            0 ||
+        offsets_params(pg, m, OBX_CURSOR_OFFSETS, values) != 0 ||
+        dead_params(pg, m, OBX_CURSOR_DEAD, values) != 0)
         return -1;
-    }
-    for (int k = 4; k < 9; k++)
-        obx_pg_array_reset(&a[k]);
-    for (size_t i = 0; i < m->n_offsets; i++) {
-        obx_pg_array_add_text(&a[4], m->topics[i], strlen(m->topics[i]));
-        obx_pg_array_add_int(&a[5], m->partitions[i]);
-        obx_pg_array_add_int(&a[6], m->offsets[i]);
-    }
-    for (size_t i = 0; i < m->n_dead; i++) {
-        obx_pg_array_add_int(&a[7], m->dead_ids[i]);
-        obx_pg_array_add_text(&a[8], m->dead_reasons[i], strlen(m->dead_reasons[i]));
-    }
-    values[7] = obx_pg_array_finish(&a[4]);
-    values[8] = obx_pg_array_finish(&a[5]);
-    values[9] = obx_pg_array_finish(&a[6]);
-    values[10] = m->restart ? "true" : "false";
-    values[11] = obx_pg_array_finish(&a[7]);
-    values[12] = obx_pg_array_finish(&a[8]);
-    for (int k = 7; k < 13; k++) {
-        if (!values[k]) {
-            obx_error("postgres: out of memory building the cursor row");
-            return -1;
-        }
-    }
     struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
-    return start_mark_statement(pg, req, STMT_MARK, 13, values, 0);
+    return start_mark_statement(pg, req, STMT_MARK, OBX_CURSOR_NPARAMS, values, 0);
 }
 
 int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn done, void *arg)
 {
     const char **values = pg->param_values;
-    struct obx_pg_array *a = pg->params;
     if (m->log)
         return send_log_write(pg, m, done, arg);
-    if (mark_params(pg, m, 0, values) != 0)
+    if (mark_params(pg, m, 0, values) != 0 || dead_params(pg, m, OBX_MARK_DEAD, values) != 0)
         return -1;
-    for (int k = 4; k < 6; k++)
-        obx_pg_array_reset(&a[k]);
-    for (size_t i = 0; i < m->n_dead; i++) {
-        obx_pg_array_add_int(&a[4], m->dead_ids[i]);
-        obx_pg_array_add_text(&a[5], m->dead_reasons[i], strlen(m->dead_reasons[i]));
-    }
-    for (int k = 4; k < 6; k++) {
-        values[k] = obx_pg_array_finish(&a[k]);
-        if (!values[k]) {
-            obx_error("postgres: out of memory building the mark");
-            return -1;
-        }
-    }
     /* The mark is one statement, so on its own it is one transaction: one
      * round trip instead of three. */
     struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
-    return start_mark_statement(pg, req, m->n_dead == 0 ? STMT_MARK_PLAIN : STMT_MARK,
-                                m->n_dead == 0 ? 4 : 6, values, 0);
+    if (m->n_dead == 0)
+        return start_mark_statement(pg, req, STMT_MARK_PLAIN, OBX_MARK_PLAIN_NPARAMS, values, 0);
+    return start_mark_statement(pg, req, STMT_MARK, OBX_MARK_NPARAMS, values, 0);
 }
 
 uint64_t obx_pg_reconnects(const struct obx_pg *pg)

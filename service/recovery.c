@@ -26,7 +26,7 @@
 #define NO_PROGRESS_MS     30000
 #define REQUEST_TIMEOUT_MS 10000
 
-#define NPARAMS 7
+#define NPARAMS OBX_RECOVER_NPARAMS
 
 enum step {
     STEP_IDLE = 0,
@@ -605,8 +605,8 @@ static void scan_work(uv_work_t *w)
 
 /* ---- back on the loop ---- */
 
-/* The chunk's records into params[0..3] (ids, topics, keys, digests); the
- * first `n` arrays are reset. */
+/* The chunk's records into the match's parameters (enum obx_recover_param
+ * up to OBX_RECOVER_MATCH_NPARAMS); the first `n` arrays are reset. */
 static void found_params(struct obx_recovery *rec, int n)
 {
     struct obx_pg_array *a = rec->params;
@@ -615,10 +615,10 @@ static void found_params(struct obx_recovery *rec, int n)
     for (size_t i = 0; i < rec->n_found; i++) {
         const struct found *f = &rec->found[i];
         const char *topic = rec->topics[f->topic];
-        obx_pg_array_add_int(&a[0], f->id);
-        obx_pg_array_add_text(&a[1], topic, strlen(topic));
-        obx_pg_array_add_text(&a[2], f->key, f->key_len);
-        obx_pg_array_add_text(&a[3], f->tombstone ? NULL : f->digest, 64);
+        obx_pg_array_add_int(&a[OBX_RECOVER_IDS], f->id);
+        obx_pg_array_add_text(&a[OBX_RECOVER_TOPICS], topic, strlen(topic));
+        obx_pg_array_add_text(&a[OBX_RECOVER_KEYS], f->key, f->key_len);
+        obx_pg_array_add_text(&a[OBX_RECOVER_DIGESTS], f->tombstone ? NULL : f->digest, 64);
     }
 }
 
@@ -638,7 +638,7 @@ static bool finish_params(struct obx_recovery *rec, int n)
 
 static void send_mark(struct obx_recovery *rec)
 {
-    struct obx_pg_array *a = rec->params;
+    struct obx_pg_array *a = rec->params + OBX_RECOVER_OFFSETS;
     found_params(rec, NPARAMS);
     for (size_t i = 0; i < rec->n_parts; i++) {
         struct part *p = &rec->parts[i];
@@ -647,9 +647,9 @@ static void send_mark(struct obx_recovery *rec)
         if (p->gone || upto < 0 || upto <= p->stored)
             continue; /* nothing new there */
         const char *topic = rec->topics[p->topic];
-        obx_pg_array_add_text(&a[4], topic, strlen(topic));
-        obx_pg_array_add_int(&a[5], p->partition);
-        obx_pg_array_add_int(&a[6], upto);
+        obx_pg_array_add_text(&a[OBX_OFFSETS_TOPICS], topic, strlen(topic));
+        obx_pg_array_add_int(&a[OBX_OFFSETS_PARTITIONS], p->partition);
+        obx_pg_array_add_int(&a[OBX_OFFSETS_OFFSETS], upto);
         p->stored = upto;
     }
     if (!finish_params(rec, NPARAMS))
@@ -666,17 +666,17 @@ static void send_mark(struct obx_recovery *rec)
  * not cover (nothing is written). */
 static void send_match(struct obx_recovery *rec)
 {
-    found_params(rec, 4);
+    found_params(rec, OBX_RECOVER_MATCH_NPARAMS);
     for (size_t i = 0; i < rec->n_parts; i++) { /* read up to here */
         struct part *p = &rec->parts[i];
         int64_t upto = p->done ? p->end - 1 : p->next - 1;
         if (upto > p->stored)
             p->stored = upto;
     }
-    if (!finish_params(rec, 4))
+    if (!finish_params(rec, OBX_RECOVER_MATCH_NPARAMS))
         return;
-    if (obx_pg_send(rec->pg, obx_store_sql_log_recover(), 4, rec->values, 0, on_match_result,
-                    rec) != 0) {
+    if (obx_pg_send(rec->pg, obx_store_sql_log_recover(), OBX_RECOVER_MATCH_NPARAMS, rec->values, 0,
+                    on_match_result, rec) != 0) {
         finish(rec, false);
         return;
     }

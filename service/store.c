@@ -350,8 +350,7 @@ const char *obx_store_sql_log_recover(void)
 }
 
 /* Each partition's highest acknowledged offset, for crash recovery; never
- * moves back. %d: the first of its three parameters (topic, partition,
- * offset arrays). */
+ * moves back. %d: the $N of its three parameters (enum obx_offsets_param). */
 #define OFFSETS_UPSERT_FMT                                                                         \
     " offsets AS ("                                                                                \
     "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"               \
@@ -396,6 +395,17 @@ __attribute__((format(printf, 4, 5))) static void append(char *buf, size_t len, 
         *o += (size_t)n;
 }
 
+/* The offsets' upsert between `before` and `after`, its parameters the
+ * enum obx_offsets_param group at index `first`. */
+static void append_offsets(char *buf, size_t len, size_t *o, const char *before, int first,
+                           const char *after)
+{
+    append(buf, len, o, "%s", before);
+    append(buf, len, o, OFFSETS_UPSERT_FMT, first + OBX_OFFSETS_TOPICS + 1,
+           first + OBX_OFFSETS_PARTITIONS + 1, first + OBX_OFFSETS_OFFSETS + 1);
+    append(buf, len, o, "%s", after);
+}
+
 /* `from`: NULL or what the condition `which` joins; `returning`: with
  * RETURNING id, for a CTE that is counted. */
 static void append_confirm(char *buf, size_t len, size_t *o, int on_sent, const char *from,
@@ -408,12 +418,13 @@ static void append_confirm(char *buf, size_t len, size_t *o, int on_sent, const 
         append(buf, len, o, " RETURNING e.id");
 }
 
-/* The confirmation of the acknowledged ranges in parameter $`param`. */
+/* The confirmation of the acknowledged ranges in the parameter at index
+ * `param` (its $N is one more). */
 static void append_confirm_acked(char *buf, size_t len, size_t *o, int on_sent, int param,
                                  bool returning)
 {
     char from[256];
-    snprintf(from, sizeof(from), ACKED_RANGES_FMT, param, param, param);
+    snprintf(from, sizeof(from), ACKED_RANGES_FMT, param + 1, param + 1, param + 1);
     append_confirm(buf, len, o, on_sent, from, ACKED_RANGES_COND, returning);
 }
 
@@ -422,8 +433,8 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
     /* Acknowledged rows confirmed, offsets stored, refused rows moved to
      * dead_letters: one statement, run inside BEGIN ... COMMIT. */
     size_t o = 0;
-    append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT ", confirmed AS (", 2, 3, 4);
-    append_confirm_acked(buf, len, &o, on_sent, 1, true);
+    append_offsets(buf, len, &o, "WITH", OBX_MARK_OFFSETS, ", confirmed AS (");
+    append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_RANGES, true);
     append(buf, len, &o,
            "),"
            " dead AS ("
@@ -445,8 +456,8 @@ const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len)
     /* No RETURNING and no counts: nothing reads them, and Postgres would
      * keep and count every id. */
     size_t o = 0;
-    append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT " ", 2, 3, 4);
-    append_confirm_acked(buf, len, &o, on_sent, 1, false);
+    append_offsets(buf, len, &o, "WITH", OBX_MARK_OFFSETS, " ");
+    append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_RANGES, false);
     return buf;
 }
 
@@ -455,8 +466,9 @@ const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len)
     /* The keyset fetch's snapshot is taken before the mark's changes, and
      * the rows it reads lie above hwm or were not in it: none is marked. */
     size_t o = 0;
-    append(buf, len, &o, "WITH" OFFSETS_UPSERT_FMT ", confirmed AS (", 9, 10, 11);
-    append_confirm_acked(buf, len, &o, on_sent, 8, false);
+    append_offsets(buf, len, &o, "WITH", OBX_MARK_FETCH_MARK + OBX_MARK_OFFSETS,
+                   ", confirmed AS (");
+    append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_FETCH_MARK + OBX_MARK_RANGES, false);
     append(buf, len, &o, ") %s", SQL_FETCH_KEYSET);
     return buf;
 }
@@ -474,7 +486,7 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
            "     AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest),"
            " confirmed AS (");
     append_confirm(buf, len, &o, on_sent, NULL, "e.id IN (SELECT id FROM matched)", true);
-    append(buf, len, &o, ")," OFFSETS_UPSERT_FMT, 5, 6, 7);
+    append_offsets(buf, len, &o, "),", OBX_RECOVER_OFFSETS, "");
     append(
         buf, len, &o,
         " SELECT (SELECT count(*) FROM confirmed) AS confirmed,"
@@ -527,34 +539,32 @@ const char *obx_store_sql_backlog(void)
  * plans with enable_sort off). Rows the newest cursor row covers are not
  * counted (NOT_COVERED). Columns: rows (unpublished), oldest_seconds (age of
  * the lowest-id one), next_floor, next_xmin (text). */
+/* clang-format off */
 const char *obx_store_sql_backlog_since(void)
 {
     return "WITH" LOG_NEWEST ","
            " above AS ("
            "   SELECT id, created_at FROM outbox.events e"
-           "   WHERE sent_at IS NULL AND id >= $1::bigint" NOT_COVERED(
-               "e") " ORDER BY id),"
-                    " below AS ("
-                    "   SELECT id, created_at FROM outbox.events e"
-                    "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
-                    "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT
-                    ") AND id < $1::bigint" NOT_COVERED(
-                        "e") "   ORDER BY xid, id),"
-                             " oldest AS ("
-                             "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"
-                             "                               (SELECT * FROM above LIMIT 1)) o"
-                             "   ORDER BY id LIMIT 1)"
-                             " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) "
-                             "AS rows,"
-                             "        coalesce((SELECT extract(epoch FROM now() - "
-                             "created_at)::float8 FROM oldest),"
-                             "                 0) AS oldest_seconds,"
-                             "        coalesce((SELECT id FROM oldest),"
-                             "                 (SELECT max(id) + 1 FROM outbox.events WHERE id >= "
-                             "$1::bigint),"
-                             "                 $1::bigint) AS next_floor,"
-                             "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin";
+           "   WHERE sent_at IS NULL AND id >= $1::bigint" NOT_COVERED("e")
+           "   ORDER BY id),"
+           " below AS ("
+           "   SELECT id, created_at FROM outbox.events e"
+           "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
+           "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT ") AND id < $1::bigint" NOT_COVERED("e")
+           "   ORDER BY xid, id),"
+           " oldest AS ("
+           "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"
+           "                               (SELECT * FROM above LIMIT 1)) o"
+           "   ORDER BY id LIMIT 1)"
+           " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) AS rows,"
+           "        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM oldest),"
+           "                 0) AS oldest_seconds,"
+           "        coalesce((SELECT id FROM oldest),"
+           "                 (SELECT max(id) + 1 FROM outbox.events WHERE id >= $1::bigint),"
+           "                 $1::bigint) AS next_floor,"
+           "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin";
 }
+/* clang-format on */
 
 const char *obx_store_sql_waiting(void)
 {
@@ -571,8 +581,8 @@ const char *obx_store_sql_purge(void)
            "   DELETE FROM outbox.events e USING batch b"
            "   WHERE e.id = b.id AND e.sent_at < now() - $3::bigint * interval '1 millisecond'"
            "   RETURNING e.id)"
-           " SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM doomed) AS "
-           "deleted,"
+           " SELECT (SELECT max(id) FROM batch) AS last_id,"
+           "        (SELECT count(*) FROM doomed) AS deleted,"
            "        (SELECT count(*) FROM batch"
            "         WHERE created_at >= now() - $3::bigint * interval '1 millisecond') AS recent";
 }
@@ -682,24 +692,126 @@ const char *obx_store_sql_dead_drop(void)
 
 /* Published rows (any mode: marked, or covered by log mode's cursor). */
 #define REPLAY_WHERE                                                                               \
-    " WHERE topic = $1 AND id BETWEEN $2::bigint AND $3::bigint"                                   \
+    " WHERE topic = $1::text AND id BETWEEN $2::bigint AND $3::bigint"                             \
     "   AND created_at >= $4::timestamptz"                                                         \
     "   AND id NOT IN (SELECT id FROM outbox.unpublished"                                          \
-    "                  WHERE topic = $1 AND id BETWEEN $2::bigint AND $3::bigint)"
+    "                  WHERE topic = $1::text AND id BETWEEN $2::bigint AND $3::bigint)"
 
+/* clang-format off */
 const char *obx_store_sql_replay_plan(void)
 {
     return "SELECT count(*) AS rows, min(id) AS first_id, max(id) AS last_id,"
-           "       " UTC(
-               "min(created_at)") " AS first_created,"
-                                  "       " UTC(
-                                      "max(created_at)") " AS last_created"
-                                                         " FROM outbox.events" REPLAY_WHERE;
+           "       " UTC("min(created_at)") " AS first_created,"
+           "       " UTC("max(created_at)") " AS last_created"
+           " FROM outbox.events" REPLAY_WHERE;
 }
+/* clang-format on */
 
 const char *obx_store_sql_replay(void)
 {
     /* A new xid: log mode's cursor does not cover the row any more (in
      * mark mode the trigger of sql/004 does the same). */
     return "UPDATE outbox.events SET sent_at = NULL, xid = pg_current_xact_id()" REPLAY_WHERE;
+}
+
+/* ---- the statements' parameter types (checked by test_store) ---- */
+
+#define OFFSETS_TYPES(at)                                                                          \
+    [(at) + OBX_OFFSETS_TOPICS] = {"offset topics", "text[]"},                                     \
+            [(at) + OBX_OFFSETS_PARTITIONS] = {"offset partitions", "int[]"},                      \
+            [(at) + OBX_OFFSETS_OFFSETS] = {"offsets", "bigint[]"}
+#define DEAD_TYPES(at)                                                                             \
+    [(at) + OBX_DEAD_IDS] = {"dead ids", "bigint[]"},                                              \
+            [(at) + OBX_DEAD_REASONS] = {"dead reasons", "text[]"}
+#define HELD_TYPES(at)                                                                             \
+    [(at) + OBX_HELD_TOPICS] = {"held topics", "text[]"},                                          \
+            [(at) + OBX_HELD_KEYS] = {"held keys", "text[]"},                                      \
+            [(at) + OBX_HELD_FROM] = {"held from ids", "bigint[]"},                                \
+            [(at) + OBX_HELD_ALSO_SENT] = {"also sent", "bigint[]"}
+#define FETCH_TYPES                                                                                \
+    [OBX_FETCH_AFTER] = {"after id", "bigint"}, [OBX_FETCH_LIMIT] = {"limit", "int"},              \
+    [OBX_FETCH_HELD_TOPICS] = {"held-back topics", "text[]"},                                      \
+    [OBX_FETCH_HELD_KEYS] = {"held-back keys", "text[]"},                                          \
+    [OBX_FETCH_HELD_IDS] = {"held-back ids", "bigint[]"},                                          \
+    [OBX_FETCH_MAX_BYTES] = {"max payload bytes", "int"},                                          \
+    [OBX_FETCH_SNAPSHOT] = {"snapshot", "pg_snapshot"}
+#define RECOVER_MATCH_TYPES                                                                        \
+    [OBX_RECOVER_IDS] = {"found ids", "bigint[]"},                                                 \
+    [OBX_RECOVER_TOPICS] = {"found topics", "text[]"},                                             \
+    [OBX_RECOVER_KEYS] = {"found keys", "text[]"},                                                 \
+    [OBX_RECOVER_DIGESTS] = {"found digests", "text[]"}
+
+static const struct obx_store_param fetch_types[OBX_FETCH_LOG_NPARAMS] = {
+    FETCH_TYPES, HELD_TYPES(OBX_FETCH_LOG_HELD)};
+static const struct obx_store_param mark_types[OBX_MARK_NPARAMS] = {
+    [OBX_MARK_RANGES] = {"acknowledged ranges", "bigint[]"},
+    OFFSETS_TYPES(OBX_MARK_OFFSETS),
+    DEAD_TYPES(OBX_MARK_DEAD)};
+static const struct obx_store_param mark_fetch_types[OBX_MARK_FETCH_NPARAMS] = {
+    FETCH_TYPES, [OBX_MARK_FETCH_MARK + OBX_MARK_RANGES] = {"acknowledged ranges", "bigint[]"},
+    OFFSETS_TYPES(OBX_MARK_FETCH_MARK + OBX_MARK_OFFSETS)};
+static const struct obx_store_param cursor_types[OBX_CURSOR_NPARAMS] = {
+    [OBX_CURSOR_BATCH] = {"batch", "bigint"},
+    [OBX_CURSOR_HWM] = {"hwm", "bigint"},
+    [OBX_CURSOR_SNAPSHOT] = {"snapshot", "pg_snapshot"},
+    HELD_TYPES(OBX_CURSOR_HELD),
+    OFFSETS_TYPES(OBX_CURSOR_OFFSETS),
+    [OBX_CURSOR_RESTART] = {"restart", "boolean"},
+    DEAD_TYPES(OBX_CURSOR_DEAD)};
+static const struct obx_store_param recover_types[OBX_RECOVER_NPARAMS] = {
+    RECOVER_MATCH_TYPES, OFFSETS_TYPES(OBX_RECOVER_OFFSETS)};
+static const struct obx_store_param backlog_types[OBX_BACKLOG_NPARAMS] = {
+    [OBX_BACKLOG_FLOOR] = {"floor", "bigint"}, [OBX_BACKLOG_XMIN] = {"xmin", "xid8"}};
+static const struct obx_store_param purge_types[OBX_PURGE_NPARAMS] = {
+    [OBX_PURGE_AFTER] = {"after id", "bigint"},
+    [OBX_PURGE_BATCH] = {"batch size", "int"},
+    [OBX_PURGE_PERIOD_MS] = {"period ms", "bigint"}};
+static const struct obx_store_param upkeep_types[OBX_UPKEEP_NPARAMS] = {
+    [OBX_UPKEEP_ROWS] = {"ids per partition", "bigint"},
+    [OBX_UPKEEP_AHEAD] = {"partitions ahead", "int"}};
+static const struct obx_store_param reclaim_types[OBX_RECLAIM_NPARAMS] = {
+    [OBX_RECLAIM_KEEP_MS] = {"retention ms", "bigint"}};
+static const struct obx_store_param dead_list_types[OBX_DEAD_TOOL_NPARAMS] = {
+    [OBX_DEAD_TOOL_ARG] = {"limit", "int"}};
+static const struct obx_store_param dead_ids_types[OBX_DEAD_TOOL_NPARAMS] = {
+    [OBX_DEAD_TOOL_ARG] = {"ids", "bigint[]"}};
+static const struct obx_store_param replay_types[OBX_REPLAY_NPARAMS] = {
+    [OBX_REPLAY_TOPIC] = {"topic", "text"},
+    [OBX_REPLAY_FROM] = {"from id", "bigint"},
+    [OBX_REPLAY_TO] = {"to id", "bigint"},
+    [OBX_REPLAY_SINCE] = {"since", "timestamptz"}};
+
+int obx_store_statements(int on_sent, struct obx_store_statement *out)
+{
+    static char mark[8192], mark_plain[4096], mark_fetch[16384], recover[8192];
+    static struct obx_buf full, log;
+    int n = 0;
+#define ADD(label, text, types, count)                                                             \
+    out[n++] = (struct obx_store_statement){label, text, types, count}
+    ADD("keyset fetch", obx_store_sql_fetch_keyset(), fetch_types, OBX_FETCH_NPARAMS);
+    ADD("full fetch", obx_store_sql_fetch(&full, "{1,2}"), fetch_types + OBX_FETCH_FULL_FIRST,
+        OBX_FETCH_FULL_NPARAMS);
+    ADD("log fetch", obx_store_sql_fetch_log(&log, "{1,2}"), fetch_types, OBX_FETCH_LOG_NPARAMS);
+    ADD("cursor row", obx_store_sql_log_write(), cursor_types, OBX_CURSOR_NPARAMS);
+    ADD("mark", obx_store_sql_mark(on_sent, mark, sizeof(mark)), mark_types, OBX_MARK_NPARAMS);
+    ADD("plain mark", obx_store_sql_mark_plain(on_sent, mark_plain, sizeof(mark_plain)), mark_types,
+        OBX_MARK_PLAIN_NPARAMS);
+    ADD("mark with fetch", obx_store_sql_mark_fetch(on_sent, mark_fetch, sizeof(mark_fetch)),
+        mark_fetch_types, OBX_MARK_FETCH_NPARAMS);
+    ADD("recovery match", obx_store_sql_recover(on_sent, recover, sizeof(recover)), recover_types,
+        OBX_RECOVER_NPARAMS);
+    ADD("log recovery match", obx_store_sql_log_recover(), recover_types,
+        OBX_RECOVER_MATCH_NPARAMS);
+    ADD("backlog since", obx_store_sql_backlog_since(), backlog_types, OBX_BACKLOG_NPARAMS);
+    ADD("purge", obx_store_sql_purge(), purge_types, OBX_PURGE_NPARAMS);
+    ADD("upkeep", OBX_STORE_SQL_UPKEEP_PARTITIONS, upkeep_types, OBX_UPKEEP_NPARAMS);
+    ADD("reclaim", OBX_STORE_SQL_RECLAIM_PARTITIONS, reclaim_types, OBX_RECLAIM_NPARAMS);
+    ADD("dead list", obx_store_sql_dead_list(), dead_list_types, OBX_DEAD_TOOL_NPARAMS);
+    ADD("dead existing", obx_store_sql_dead_existing(), dead_ids_types, OBX_DEAD_TOOL_NPARAMS);
+    ADD("dead retry", obx_store_sql_dead_retry(), dead_ids_types, OBX_DEAD_TOOL_NPARAMS);
+    ADD("dead drop", obx_store_sql_dead_drop(), dead_ids_types, OBX_DEAD_TOOL_NPARAMS);
+    ADD("replay plan", obx_store_sql_replay_plan(), replay_types, OBX_REPLAY_NPARAMS);
+    ADD("replay", obx_store_sql_replay(), replay_types, OBX_REPLAY_NPARAMS);
+#undef ADD
+    return n;
 }

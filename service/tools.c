@@ -533,8 +533,9 @@ static int status(const struct obx_tool_args *t, const struct obx_config *cfg)
 
 static int dead_list(PGconn *c, const struct obx_tool_args *t)
 {
-    const char *const limit[] = {"1000"};
-    PGresult *r = run(c, t->tool, obx_store_sql_dead_list(), 1, limit, PGRES_TUPLES_OK);
+    const char *const limit[OBX_DEAD_TOOL_NPARAMS] = {[OBX_DEAD_TOOL_ARG] = "1000"};
+    PGresult *r =
+        run(c, t->tool, obx_store_sql_dead_list(), OBX_DEAD_TOOL_NPARAMS, limit, PGRES_TUPLES_OK);
     if (!r)
         return 1;
     if (t->json)
@@ -579,14 +580,14 @@ static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
         fprintf(stderr, "outboxd dead: out of memory\n");
         return 1;
     }
-    const char *const v[] = {ids};
+    const char *const v[OBX_DEAD_TOOL_NPARAMS] = {[OBX_DEAD_TOOL_ARG] = ids};
     int rc = 1;
     PGresult *r = NULL;
     PGresult *begun = run(c, t->tool, "BEGIN", 0, NULL, PGRES_COMMAND_OK);
     if (!begun)
         goto out;
     PQclear(begun);
-    r = run(c, t->tool, obx_store_sql_dead_existing(), 1, v, PGRES_TUPLES_OK);
+    r = run(c, t->tool, obx_store_sql_dead_existing(), OBX_DEAD_TOOL_NPARAMS, v, PGRES_TUPLES_OK);
     if (!r)
         goto rollback;
     for (int i = 1; i < t->n_words; i++) {
@@ -600,8 +601,8 @@ static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
         }
     }
     PQclear(r);
-    r = run(c, t->tool, retry ? obx_store_sql_dead_retry() : obx_store_sql_dead_drop(), 1, v,
-            PGRES_TUPLES_OK);
+    r = run(c, t->tool, retry ? obx_store_sql_dead_retry() : obx_store_sql_dead_drop(),
+            OBX_DEAD_TOOL_NPARAMS, v, PGRES_TUPLES_OK);
     if (!r)
         goto rollback;
     PGresult *done = run(c, t->tool, "COMMIT", 0, NULL, PGRES_COMMAND_OK);
@@ -641,12 +642,17 @@ static int replay(const struct obx_tool_args *t, const struct obx_config *cfg)
     char from[24], to[24];
     snprintf(from, sizeof(from), "%lld", (long long)(t->from_id ? t->from_id : 1));
     snprintf(to, sizeof(to), "%lld", (long long)(t->to_id ? t->to_id : INT64_MAX));
-    const char *const v[] = {t->topic, from, to, t->since ? t->since : "-infinity"};
+    const char *const v[OBX_REPLAY_NPARAMS] = {[OBX_REPLAY_TOPIC] = t->topic,
+                                               [OBX_REPLAY_FROM] = from,
+                                               [OBX_REPLAY_TO] = to,
+                                               [OBX_REPLAY_SINCE] =
+                                                   t->since ? t->since : "-infinity"};
     PGconn *c = tool_connect(cfg, "replay");
     if (!c)
         return 1;
     int rc = 1;
-    PGresult *plan = run(c, t->tool, obx_store_sql_replay_plan(), 4, v, PGRES_TUPLES_OK);
+    PGresult *plan =
+        run(c, t->tool, obx_store_sql_replay_plan(), OBX_REPLAY_NPARAMS, v, PGRES_TUPLES_OK);
     if (!plan)
         goto out;
     long long n = strtoll(obx_store_col(plan, 0, "rows"), NULL, 10);
@@ -675,7 +681,7 @@ static int replay(const struct obx_tool_args *t, const struct obx_config *cfg)
             goto out;
         }
     }
-    PGresult *r = run(c, t->tool, obx_store_sql_replay(), 4, v, PGRES_COMMAND_OK);
+    PGresult *r = run(c, t->tool, obx_store_sql_replay(), OBX_REPLAY_NPARAMS, v, PGRES_COMMAND_OK);
     if (!r)
         goto out;
     obx_info("replay: %s rows of topic %s marked unsent for publishing again", PQcmdTuples(r),

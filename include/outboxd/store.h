@@ -3,9 +3,12 @@
  * place, each shared fragment written once. The modules that run them (pg,
  * recovery, maint, check, bench/) own connections and results, not SQL.
  *
- * Parameters and result columns are documented with each statement. The
- * fetch's columns are enum obx_fetch_col (record.h); every other statement
- * names its columns, and the modules read them by those names
+ * Each statement's parameters are named by an enum below: a module puts a
+ * value at its name's index of the array it hands libpq, never at a "$N"
+ * counted by hand, and store.c keeps each statement's parameter types in
+ * a table that a unit test checks against every "$N::type" in its SQL.
+ * The fetch's columns are enum obx_fetch_col (record.h); every other
+ * statement names its columns, and the modules read them by those names
  * (obx_store_col), never by position.
  */
 #ifndef OUTBOXD_STORE_H
@@ -22,6 +25,146 @@ const char *obx_store_col(const PGresult *res, int row, const char *name);
 bool obx_store_col_null(const PGresult *res, int row, const char *name);
 /* The same column is boolean true ("t"). */
 bool obx_store_col_true(const PGresult *res, int row, const char *name);
+
+/* ---- parameters ---- */
+
+/* One parameter: its name (for messages) and its SQL type. */
+struct obx_store_param {
+    const char *name;
+    const char *type;
+};
+
+/* Groups of parameters that several statements take, each at an index of
+ * its own in them. The stored Kafka offsets: one element per partition. */
+enum obx_offsets_param {
+    OBX_OFFSETS_TOPICS,     /* text[] */
+    OBX_OFFSETS_PARTITIONS, /* int[] */
+    OBX_OFFSETS_OFFSETS,    /* bigint[]: the highest acknowledged offset */
+    OBX_OFFSETS_NPARAMS
+};
+/* Rows moved to the dead letters. */
+enum obx_dead_param {
+    OBX_DEAD_IDS,     /* bigint[] */
+    OBX_DEAD_REASONS, /* text[] */
+    OBX_DEAD_NPARAMS
+};
+/* Log mode's held keys: one element per key held back behind a refused
+ * row (key NULL: that row alone), and the rows of those keys published
+ * since. */
+enum obx_held_param {
+    OBX_HELD_TOPICS,    /* text[] */
+    OBX_HELD_KEYS,      /* text[] */
+    OBX_HELD_FROM,      /* bigint[]: the refused row's id */
+    OBX_HELD_ALSO_SENT, /* bigint[] */
+    OBX_HELD_NPARAMS
+};
+
+/* The keyset fetch, and (from OBX_FETCH_LOG_HELD) log mode's full fetch. */
+enum obx_fetch_param {
+    OBX_FETCH_AFTER,       /* bigint: the highest id handed out */
+    OBX_FETCH_LIMIT,       /* int: most rows */
+    OBX_FETCH_HELD_TOPICS, /* text[]: keys held back behind a refused row, */
+    OBX_FETCH_HELD_KEYS,   /* text[] */
+    OBX_FETCH_HELD_IDS,    /* bigint[]: and that row's id */
+    OBX_FETCH_MAX_BYTES,   /* int: most payload bytes per row */
+    OBX_FETCH_SNAPSHOT,    /* pg_snapshot: of the fetch that handed AFTER out */
+    OBX_FETCH_NPARAMS,
+    OBX_FETCH_LOG_HELD = OBX_FETCH_NPARAMS, /* the stored cursor's: enum obx_held_param */
+    OBX_FETCH_LOG_NPARAMS = OBX_FETCH_LOG_HELD + OBX_HELD_NPARAMS
+};
+/* The full fetch of mark and delete mode takes the keyset fetch's LIMIT ..
+ * MAX_BYTES: a module passes values + OBX_FETCH_FULL_FIRST. */
+#define OBX_FETCH_FULL_FIRST   OBX_FETCH_LIMIT
+#define OBX_FETCH_FULL_NPARAMS (OBX_FETCH_SNAPSHOT - OBX_FETCH_LIMIT)
+
+/* The mark; the plain mark takes the first OBX_MARK_PLAIN_NPARAMS. */
+enum obx_mark_param {
+    OBX_MARK_RANGES,  /* bigint[][]: the acknowledged ids as {first, last} ranges */
+    OBX_MARK_OFFSETS, /* enum obx_offsets_param */
+    OBX_MARK_PLAIN_NPARAMS = OBX_MARK_OFFSETS + OBX_OFFSETS_NPARAMS,
+    OBX_MARK_DEAD = OBX_MARK_PLAIN_NPARAMS, /* enum obx_dead_param */
+    OBX_MARK_NPARAMS = OBX_MARK_DEAD + OBX_DEAD_NPARAMS
+};
+/* The plain mark and the keyset fetch in one: the fetch's, then the plain
+ * mark's from OBX_MARK_FETCH_MARK. */
+#define OBX_MARK_FETCH_MARK    OBX_FETCH_NPARAMS
+#define OBX_MARK_FETCH_NPARAMS (OBX_FETCH_NPARAMS + OBX_MARK_PLAIN_NPARAMS)
+
+/* Log mode's cursor row. */
+enum obx_cursor_param {
+    OBX_CURSOR_BATCH,    /* bigint: the batch number */
+    OBX_CURSOR_HWM,      /* bigint: the highest id handed out */
+    OBX_CURSOR_SNAPSHOT, /* pg_snapshot: of the fetch that handed HWM out */
+    OBX_CURSOR_HELD,     /* enum obx_held_param */
+    OBX_CURSOR_OFFSETS = OBX_CURSOR_HELD + OBX_HELD_NPARAMS,       /* enum obx_offsets_param */
+    OBX_CURSOR_RESTART = OBX_CURSOR_OFFSETS + OBX_OFFSETS_NPARAMS, /* boolean: first of a run */
+    OBX_CURSOR_DEAD,                                               /* enum obx_dead_param */
+    OBX_CURSOR_NPARAMS = OBX_CURSOR_DEAD + OBX_DEAD_NPARAMS
+};
+
+/* The recovery pass's match (log mode's takes the first
+ * OBX_RECOVER_MATCH_NPARAMS): the records found in Kafka. */
+enum obx_recover_param {
+    OBX_RECOVER_IDS,     /* bigint[]: their outbox-id */
+    OBX_RECOVER_TOPICS,  /* text[] */
+    OBX_RECOVER_KEYS,    /* text[] */
+    OBX_RECOVER_DIGESTS, /* text[]: sha256 of the value, hex */
+    OBX_RECOVER_MATCH_NPARAMS,
+    OBX_RECOVER_OFFSETS = OBX_RECOVER_MATCH_NPARAMS, /* enum obx_offsets_param */
+    OBX_RECOVER_NPARAMS = OBX_RECOVER_OFFSETS + OBX_OFFSETS_NPARAMS
+};
+
+/* The backlog count from where the last one left off. */
+enum obx_backlog_param {
+    OBX_BACKLOG_FLOOR, /* bigint */
+    OBX_BACKLOG_XMIN,  /* xid8 */
+    OBX_BACKLOG_NPARAMS
+};
+/* Retention's round. */
+enum obx_purge_param {
+    OBX_PURGE_AFTER,     /* bigint: the last id looked at */
+    OBX_PURGE_BATCH,     /* int: rows a round */
+    OBX_PURGE_PERIOD_MS, /* bigint: retention.period */
+    OBX_PURGE_NPARAMS
+};
+/* The partitions' upkeep. */
+enum obx_upkeep_param {
+    OBX_UPKEEP_ROWS,  /* bigint: ids per partition */
+    OBX_UPKEEP_AHEAD, /* int: partitions ahead of the last id drawn */
+    OBX_UPKEEP_NPARAMS
+};
+/* Log mode's reclaim. */
+enum obx_reclaim_param {
+    OBX_RECLAIM_KEEP_MS, /* bigint: retention.period */
+    OBX_RECLAIM_NPARAMS
+};
+/* `outboxd dead`: a list (its LIMIT), or ids to retry, drop or check. */
+enum obx_dead_tool_param {
+    OBX_DEAD_TOOL_ARG, /* int for the list, bigint[] ids for the others */
+    OBX_DEAD_TOOL_NPARAMS
+};
+/* `outboxd replay`. */
+enum obx_replay_param {
+    OBX_REPLAY_TOPIC, /* text */
+    OBX_REPLAY_FROM,  /* bigint: lowest id */
+    OBX_REPLAY_TO,    /* bigint: highest id */
+    OBX_REPLAY_SINCE, /* timestamptz: created at or after */
+    OBX_REPLAY_NPARAMS
+};
+
+/* A statement with parameters, for the test that checks each "$N::type" of
+ * its SQL against its table. */
+struct obx_store_statement {
+    const char *name;
+    const char *sql;
+    const struct obx_store_param *params;
+    int nparams;
+};
+#define OBX_STORE_MAX_STATEMENTS 24
+/* Every statement that takes parameters, built for mode `on_sent`
+ * (OBX_ON_SENT_*), into out (OBX_STORE_MAX_STATEMENTS of room). Returns how
+ * many. The SQL lives in static storage the next call reuses: for tests. */
+int obx_store_statements(int on_sent, struct obx_store_statement *out);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
 #define OBX_SCHEMA_VERSION 7

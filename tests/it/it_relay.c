@@ -340,8 +340,13 @@ static void test_fetch_statements(void **state)
     struct obx_buf sql = {0};
     const char *full = obx_store_sql_fetch(&sql, obx_pg_array_finish(&ids));
     assert_non_null(full);
-    const char *v[5] = {"1000", "{}", "{}", "{}", "1000"};
-    PGresult *r = PQexecParams(c, full, 5, NULL, v, NULL, NULL, 0);
+    const char *v[OBX_FETCH_NPARAMS] = {[OBX_FETCH_LIMIT] = "1000",
+                                        [OBX_FETCH_HELD_TOPICS] = "{}",
+                                        [OBX_FETCH_HELD_KEYS] = "{}",
+                                        [OBX_FETCH_HELD_IDS] = "{}",
+                                        [OBX_FETCH_MAX_BYTES] = "1000"};
+    PGresult *r = PQexecParams(c, full, OBX_FETCH_FULL_NPARAMS, NULL, v + OBX_FETCH_FULL_FIRST,
+                               NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK)
         fail_msg("full fetch: %s", PQresultErrorMessage(r));
     assert_int_equal(PQntuples(r), BATCH + 1); /* and the snapshot row, first */
@@ -416,8 +421,10 @@ static void backlog_since(PGconn *c, struct since *s)
 {
     char floor[24];
     snprintf(floor, sizeof(floor), "%lld", (long long)s->floor);
-    const char *v[2] = {floor, s->xmin};
-    PGresult *r = PQexecParams(c, obx_store_sql_backlog_since(), 2, NULL, v, NULL, NULL, 0);
+    const char *v[OBX_BACKLOG_NPARAMS] = {
+        [OBX_BACKLOG_FLOOR] = floor, [OBX_BACKLOG_XMIN] = s->xmin};
+    PGresult *r =
+        PQexecParams(c, obx_store_sql_backlog_since(), OBX_BACKLOG_NPARAMS, NULL, v, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
         fail_msg("backlog_since: %s", PQresultErrorMessage(r));
     s->n = strtoll(obx_store_col(r, 0, "rows"), NULL, 10);
