@@ -89,7 +89,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     for (int32_t i = 0; i < s->max_in_flight; i++)
         r->slots[i].next_free = i + 1 < s->max_in_flight ? i + 1 : -1;
     r->free_head = 0;
-    r->want_fetch = true;
+    relay_want_fetch(r, "start");
     r->poll_delay = POLL_MIN_MS;
     r->bytes_limit = s->batch_size;
     r->top_id = r->hwm = r->probe_id = r->fetch_probe = NO_ID;
@@ -200,10 +200,20 @@ void relay_slot_release(struct obx_relay *r, struct slot *s)
  * key no longer held back, a new session): the next fetch is a full one.
  * A fetch already in flight was sent before it and cannot set the cursor
  * again when it answers. */
-void relay_cursor_clear(struct obx_relay *r)
+void relay_cursor_clear(struct obx_relay *r, const char *why)
 {
-    r->cursor_ok = false;
+    if (r->cursor == CURSOR_HELD)
+        obx_debug("relay: cursor dropped (%s): the next fetch is a full one", why);
+    r->cursor = CURSOR_NONE;
     r->cursor_gen++;
+}
+
+/* A fetch may find rows now (`why`); it goes once one is allowed. */
+void relay_want_fetch(struct obx_relay *r, const char *why)
+{
+    if (r->fetch_due == FETCH_NOT_DUE)
+        obx_debug("relay: fetch due (%s)", why);
+    r->fetch_due = FETCH_DUE;
 }
 
 /* Failpoint `id`, through the ops (the relay reads no global). */
@@ -279,7 +289,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
      * starts from hwm, where a full fetch walks the unsent-row index from
      * its lowest entry, past every row marked or deleted since the last
      * vacuum (and a held xmin horizon keeps them all). */
-    bool keyset = r->cursor_ok;
+    bool keyset = r->cursor == CURSOR_HELD;
     for (size_t i = 0; i < r->n_blocked && keyset; i++)
         keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
@@ -340,7 +350,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     }
     const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? relay_due_probe(r, now) : NULL;
     r->fetch_probe = probe ? probe->id : NO_ID;
-    r->want_fetch = false;
+    r->fetch_due = FETCH_NOT_DUE;
     r->log.fetch_send_no = ++r->log.sends;
 }
 
@@ -350,8 +360,8 @@ static void fetch_gone(struct obx_relay *r)
 {
     r->fetch_riding = false;
     r->discard_fetch = false;
-    r->want_fetch = true;
-    relay_cursor_clear(r);
+    relay_want_fetch(r, "the fetch in flight will not answer");
+    relay_cursor_clear(r, "the fetch in flight will not answer");
 }
 
 /* Whether a fetch may go now. */
@@ -368,7 +378,7 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
 /* Whether a fetch should go now (beside a mark, or alone). */
 static bool fetch_wanted(struct obx_relay *r, int64_t now)
 {
-    return r->want_fetch && fetch_allowed(r, now);
+    return r->fetch_due == FETCH_DUE && fetch_allowed(r, now);
 }
 
 /* A fetch answered with `n` rows: when to look for new rows next. Rows
@@ -511,10 +521,10 @@ void relay_kick(struct obx_relay *r, int64_t now)
  * fetch is a full one, and one already sent is ignored. */
 void relay_after_release(struct obx_relay *r)
 {
-    relay_cursor_clear(r);
+    relay_cursor_clear(r, "rows released");
     if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
         r->discard_fetch = true;
-    r->want_fetch = true;
+    relay_want_fetch(r, "rows released");
 }
 
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
@@ -524,8 +534,8 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
         return;
     relay_set_state(r, OBX_RELAY_IDLE, "postgres ready");
     relay_progress(r, now); /* the lock was just acquired: the clock starts now */
-    r->want_fetch = true;
-    relay_cursor_clear(r); /* another relay may have sent or left rows meanwhile */
+    relay_want_fetch(r, "postgres ready");
+    relay_cursor_clear(r, "new session"); /* another relay may have sent or left rows meanwhile */
     r->not_before = 0;
     r->rows_found_at = now; /* rows may be waiting: look often at first */
     relay_kick(r, now);
@@ -573,8 +583,8 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
          * a record the pass read past before it landed: one more pass. */
         r->recovered = r->unknowns == r->pass_unknowns;
         r->settled = r->pass_unknowns;
-        r->want_fetch = true;
-        relay_cursor_clear(r); /* it may have marked rows, or left some */
+        relay_want_fetch(r, "recovery pass done");
+        relay_cursor_clear(r, "recovery pass"); /* it may have marked rows, or left some */
         relay_progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -591,7 +601,7 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
             relay_slot_release(r, r->batch[j]);
     if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
         r->discard_fetch = true;
-    relay_cursor_clear(r); /* they are below hwm now */
+    relay_cursor_clear(r, "rows released"); /* they are below hwm now */
 }
 
 /* Keeps a copy of the fetch's snapshot for the next keyset fetch. */
@@ -655,7 +665,13 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * below hwm now (a row that was in flight then, a row its key's hold
      * kept out). */
     ok = ok && r->fetch_gen == r->cursor_gen;
-    r->cursor_ok = ok && snapshot && keep_snapshot(r, snapshot);
+    enum cursor_state next =
+        ok && snapshot && keep_snapshot(r, snapshot) ? CURSOR_HELD : CURSOR_NONE;
+    if (next != r->cursor)
+        obx_debug("relay: cursor %s", next == CURSOR_HELD
+                                          ? "taken: keyset fetches from here"
+                                          : "not taken: the next fetch is a full one");
+    r->cursor = next;
 }
 
 /* A row whose payload the fetch left out for the byte budget: it and the
@@ -674,15 +690,15 @@ static bool fetch_set_aside(struct obx_relay *r, int64_t now)
         /* Sent while the batch before it was produced, and that batch did not
          * all go out: these rows would overtake the ones it left behind. */
         r->discard_fetch = false;
-        r->want_fetch = true;
-        relay_cursor_clear(r);
+        relay_want_fetch(r, "fetch overtook rows left behind");
+        relay_cursor_clear(r, "fetch overtook rows left behind");
     } else if (r->draining) { /* fetched before the shutdown began: leave them */
     } else if (!r->recovered) {
         /* A possibly-persisted report came while this fetch was out: the
          * recovery pass goes first, and these rows may be of the uncertain
          * row's key. They are fetched again after it. */
-        relay_cursor_clear(r);
-        r->want_fetch = true;
+        relay_cursor_clear(r, "recovery pass due");
+        relay_want_fetch(r, "recovery pass due");
     } else {
         return false;
     }
@@ -709,7 +725,7 @@ static int64_t probe_of_fetch(struct obx_relay *r, const struct obx_row *rows, s
     obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
              (long long)probe_id);
     relay_drop_block(r, probe_id);
-    r->want_fetch = true;
+    relay_want_fetch(r, "key no longer held back");
     return NO_ID;
 }
 
@@ -745,13 +761,13 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
     *seq = relay_rec_push(r);
     if (*seq == 0) { /* no record, no rows: they are fetched again */
         obx_error("relay: out of memory recording a fetch");
-        relay_cursor_clear(r);
-        r->want_fetch = true;
+        relay_cursor_clear(r, "out of memory");
+        relay_want_fetch(r, "out of memory");
         r->not_before = now + r->set.retry_backoff_ms;
         relay_kick(r, now);
         return false;
     }
-    if (r->cursor_ok)
+    if (r->cursor == CURSOR_HELD)
         relay_rec_claim(r, *seq, r->hwm, r->snap);
     return true;
 }
@@ -771,17 +787,17 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
         r->batch[i] = NULL;
         if (topic < 0) {
             obx_error("relay: out of memory for topic names");
-            relay_cursor_clear(r); /* the rest was not taken */
+            relay_cursor_clear(r, "out of memory"); /* the rest was not taken */
             break;
         }
         if (r->n_blocked > 0 && relay_held_back(r, row, (uint32_t)topic)) {
-            relay_cursor_clear(r); /* fetched, not taken: below hwm */
-            continue;              /* a refused row of its key comes first */
+            relay_cursor_clear(r, "row held back"); /* fetched, not taken: below hwm */
+            continue;                               /* a refused row of its key comes first */
         }
         struct slot *s = slot_alloc(r, row->id, (uint32_t)topic);
         if (!s) { /* cannot happen: the fetch limit was the free slot count */
             obx_error("relay: no free slot for row %lld", (long long)row->id);
-            relay_cursor_clear(r);
+            relay_cursor_clear(r, "no free slot");
             break;
         }
         s->created_us = row->created_us;
@@ -842,7 +858,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         /* Rows before it are still out: it and the rest wait for the
          * next fetch, which relay_kick() sends once their reports are in. */
         release_rest(r, i, taken);
-        r->want_fetch = true;
+        relay_want_fetch(r, "rows given back");
         return false;
     }
     const char *reason = NULL;
@@ -853,7 +869,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         obx_warn("relay: Kafka queue full at row %lld; retrying shortly", (long long)row->id);
         release_rest(r, i, taken);
         r->not_before = now + 100;
-        r->want_fetch = true;
+        relay_want_fetch(r, "Kafka queue full");
         return false;
     }
     if (pr != OBX_PRODUCE_OK) {
@@ -873,7 +889,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     obx_info("relay: trying row %lld alone", (long long)row->id);
     r->probe_id = row->id;
     release_rest(r, i + 1, taken);
-    r->want_fetch = true;
+    relay_want_fetch(r, "rows given back");
     return false;
 }
 
@@ -889,7 +905,7 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
             continue;
         if (r->n_blocked > 0 && relay_held_back(r, row, s->topic)) {
             relay_slot_release(r, s); /* its key was refused earlier in this batch */
-            relay_cursor_clear(r);
+            relay_cursor_clear(r, "row held back");
             continue;
         }
         s->key_hash = 0;
@@ -916,7 +932,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         relay_progress(r, now); /* caught up: nothing waits */
     if (relay_failpoint(r, OBX_FP_FETCH_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
-        r->want_fetch = true;
+        relay_want_fetch(r, "fetch.after failpoint");
         return;
     }
     int64_t probe_id = probe_of_fetch(r, rows, n);
@@ -937,7 +953,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     /* A full batch means more rows are likely waiting (a batch of
      * relay.batch_size, or of what the byte budget allows, is one). */
     if (n_take < n || (!r->caught_up && r->fetch_limit >= r->bytes_limit))
-        r->want_fetch = true;
+        relay_want_fetch(r, "full batch");
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, probe_id, now);
     if (r->set.log_mode)
@@ -975,7 +991,7 @@ static void mark_done(struct obx_relay *r, int64_t now)
     obx_debug("relay: marked %zu rows, dead-lettered %zu", marked, dead);
     relay_set_state(r, OBX_RELAY_IDLE, "mark done");
     if (dead > 0)
-        r->want_fetch = true; /* the rows behind them may go now */
+        relay_want_fetch(r, "rows dead-lettered"); /* the rows behind them may go now */
 }
 
 void obx_relay_on_marked(struct obx_relay *r, int64_t now)
@@ -1062,8 +1078,8 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
                  reason ? reason : "unknown error");
     }
     relay_slot_release(r, s);
-    relay_cursor_clear(r); /* unsent below hwm: a full fetch finds it */
-    r->want_fetch = true;
+    relay_cursor_clear(r, "row not delivered"); /* unsent below hwm: a full fetch finds it */
+    relay_want_fetch(r, "row not delivered");
     r->not_before = now + r->set.retry_backoff_ms;
 }
 
@@ -1097,7 +1113,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     bool key_free = key_hash && obx_keycount_remove(&r->busy_keys, key_hash) == 0;
     if (key_free && r->key_waits) {
         r->key_waits = false; /* rows left behind for their key: fetch them now */
-        r->want_fetch = true;
+        relay_want_fetch(r, "key free");
     }
     r->n_outstanding--;
     bool was_probe = s->id == r->probe_id;
@@ -1143,10 +1159,10 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
     if (r->state == OBX_RELAY_STOPPED)
         return;
     if (now >= r->next_look_at)
-        r->want_fetch = true;
+        relay_want_fetch(r, "look due");
     for (size_t i = 0; i < r->n_blocked; i++)
         if (r->blocked[i].retry_at <= now)
-            r->want_fetch = true; /* a refused row is due for another try */
+            relay_want_fetch(r, "refused row due"); /* a refused row is due for another try */
     relay_kick(r, now);
 }
 

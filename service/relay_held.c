@@ -37,7 +37,8 @@ void relay_unblock(struct obx_relay *r, int64_t id)
     struct blocked *b = relay_find_block_by_id(r, id);
     if (!b)
         return;
-    relay_cursor_clear(r); /* its key's later rows may be waiting below hwm */
+    relay_cursor_clear(
+        r, "key no longer held back"); /* its key's later rows may be waiting below hwm */
     obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
              b->attempts);
     if (r->set.log_mode)
@@ -52,7 +53,7 @@ void relay_drop_block(struct obx_relay *r, int64_t id)
     struct blocked *b = relay_find_block_by_id(r, id);
     if (!b)
         return;
-    relay_cursor_clear(r);
+    relay_cursor_clear(r, "key no longer held back");
     if (r->set.log_mode)
         relay_lift(r, id);
     obx_free(b->key);
@@ -108,7 +109,7 @@ void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t 
         obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
                  (long long)b->id);
         relay_drop_block(r, b->id); /* moves the last entry here */
-        r->want_fetch = true;
+        relay_want_fetch(r, "key no longer held back");
     }
 }
 
@@ -141,7 +142,7 @@ int relay_grow_blocked(struct obx_relay *r)
 void relay_block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
                  int64_t now)
 {
-    relay_cursor_clear(r); /* it is below hwm, and comes back by a full fetch */
+    relay_cursor_clear(r, "row refused"); /* it is below hwm, and comes back by a full fetch */
     struct blocked *b = relay_find_block_by_id(r, id);
     if (!b) {
         if (r->n_blocked == r->cap_blocked && relay_grow_blocked(r) != 0) {
@@ -199,7 +200,7 @@ void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t
     if (b)
         b->probe = false; /* refused alone: a retry with back-off from here */
     relay_slot_release(r, s);
-    r->want_fetch = true;
+    relay_want_fetch(r, "probe refused");
 }
 
 /* The batch row `s` went in was refused for good, perhaps for another
@@ -218,7 +219,7 @@ void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, s
         b->retry_at = now;
     }
     relay_slot_release(r, s);
-    r->want_fetch = true;
+    relay_want_fetch(r, "batch refused");
 }
 
 /* A copy of `row` in one allocation, or NULL. */

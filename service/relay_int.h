@@ -185,6 +185,20 @@ struct blocked {
     size_t key_len;
 };
 
+/* What the next fetch may be (see the cursor in struct obx_relay). Moves
+ * are logged at debug level with their reason. */
+enum cursor_state {
+    CURSOR_NONE, /* a full fetch, which excludes what is in flight and takes a cursor */
+    CURSOR_HELD, /* a keyset fetch from hwm and snap */
+};
+/* Whether the relay has a reason to fetch now (rows may be waiting: a look
+ * is due, a batch came back full, rows were given back, a key is free) or
+ * waits for one. Moves are logged at debug level with their reason. */
+enum fetch_due {
+    FETCH_NOT_DUE,
+    FETCH_DUE,
+};
+
 struct obx_relay {
     struct obx_relay_settings set;
     const struct obx_relay_ops *ops;
@@ -228,9 +242,9 @@ struct obx_relay {
      * keyset fetch then asks only for ids above `hwm` and for the rows below
      * it that `snap` did not see yet (late commits), and nothing in flight
      * can be among them. Whatever may break that (a row back unsent, a
-     * fetch ignored, a new session) clears `cursor_ok`; the next fetch is
+     * fetch ignored, a new session) drops it (relay_cursor_clear); the next fetch is
      * then a full one, which excludes what is in flight and sets it again. */
-    bool cursor_ok;
+    enum cursor_state cursor;
     uint64_t cursor_gen; /* counts relay_cursor_clear() calls */
     uint64_t fetch_gen;  /* cursor_gen when the fetch in flight was sent */
     int64_t hwm;
@@ -258,15 +272,15 @@ struct obx_relay {
     int64_t probe_id;     /* a probe handed to Kafka alone, report pending (NO_ID: none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
 
-    bool recovered;         /* the start-up recovery pass has succeeded */
-    uint64_t unknowns;      /* possibly-persisted reports so far */
-    uint64_t pass_unknowns; /* ... when the recovery pass in flight started */
-    uint64_t settled;       /* ... when the last successful pass started */
-    bool want_fetch;        /* rows may be waiting: a look is due, a full batch, ... */
-    int64_t not_before;     /* back-off: no statement before this time */
-    int64_t poll_delay;     /* the pause before the next look for new rows */
-    int64_t rows_found_at;  /* when a fetch last found rows */
-    int64_t next_look_at;   /* when that look is due */
+    bool recovered;           /* the start-up recovery pass has succeeded */
+    uint64_t unknowns;        /* possibly-persisted reports so far */
+    uint64_t pass_unknowns;   /* ... when the recovery pass in flight started */
+    uint64_t settled;         /* ... when the last successful pass started */
+    enum fetch_due fetch_due; /* see relay_want_fetch */
+    int64_t not_before;       /* back-off: no statement before this time */
+    int64_t poll_delay;       /* the pause before the next look for new rows */
+    int64_t rows_found_at;    /* when a fetch last found rows */
+    int64_t next_look_at;     /* when that look is due */
 
     int64_t now; /* time of the event being handled */
     bool draining;
@@ -290,7 +304,8 @@ struct obx_relay {
 void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
 int64_t relay_topic_index(struct obx_relay *r, const char *name);
 void relay_slot_release(struct obx_relay *r, struct slot *s);
-void relay_cursor_clear(struct obx_relay *r);
+void relay_cursor_clear(struct obx_relay *r, const char *why);
+void relay_want_fetch(struct obx_relay *r, const char *why);
 int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
 void relay_stop(struct obx_relay *r, const char *why);
 int relay_grow_offsets(struct obx_relay *r);
