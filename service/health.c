@@ -175,7 +175,7 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
         .libuv_version = uv_version_string(),
         .in_flight = obx_relay_in_flight(p->relay),
         .in_flight_limit = (size_t)p->cfg->max_in_flight,
-        .keys_held_back = obx_relay_blocked_keys(p->relay),
+        .keys_held_back = obx_relay_held_back_keys(p->relay),
         .rows_marked = obx_relay_marked_total(p->relay),
         .fetches_keyset = obx_relay_fetches(p->relay, true),
         .fetches_full = obx_relay_fetches(p->relay, false),

@@ -89,7 +89,7 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
             outcome = OBX_DELIVERY_BATCH_REFUSED;
         else
             outcome =
-                obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REJECTED : OBX_DELIVERY_RETRY;
+                obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REFUSED : OBX_DELIVERY_RETRY;
         obx_labelled_inc(&k->publish_errors, rd_kafka_err2name(m->err));
     } else {
         obx_labelled_inc(&k->published, rd_kafka_topic_name(m->rkt));
@@ -512,13 +512,13 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
                  row->payload_len, (long long)k->max_message_bytes);
         obx_labelled_inc(&k->publish_errors, "MSG_SIZE_TOO_LARGE");
         *reason = k->reason;
-        return OBX_PRODUCE_REJECTED;
+        return OBX_PRODUCE_REFUSED;
     }
     if (obx_record_headers(row, &k->record, &k->headers, &hdrs, err, sizeof(err)) != 0) {
         obx_error("kafka: %s", err);
         obx_labelled_inc(&k->publish_errors, "HEADERS_INVALID");
         *reason = "headers could not be encoded";
-        return OBX_PRODUCE_REJECTED;
+        return OBX_PRODUCE_REFUSED;
     }
     e = rd_kafka_producev(
         k->rk, RD_KAFKA_V_TOPIC(row->topic), RD_KAFKA_V_KEY(row->key, row->key ? row->key_len : 0),
@@ -534,7 +534,7 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
         return OBX_PRODUCE_BUSY;
     obx_labelled_inc(&k->publish_errors, rd_kafka_err2name(e));
     *reason = rd_kafka_err2str(e);
-    return OBX_PRODUCE_REJECTED;
+    return OBX_PRODUCE_REFUSED;
 }
 
 static void unref(struct obx_kafka *k)

@@ -1062,11 +1062,12 @@ static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyse
     reset_arrays(pg, OBX_FETCH_HELD_TOPICS, OBX_FETCH_HELD_IDS + 1);
     for (size_t i = 0; i < f->n_exclude && !keyset; i++)
         obx_pg_array_add_int(&a[OBX_FETCH_AFTER], f->exclude[i]);
-    for (size_t i = 0; i < f->n_blocked; i++) {
-        obx_pg_array_add_text(&a[OBX_FETCH_HELD_TOPICS], f->blocked[i].topic,
-                              strlen(f->blocked[i].topic));
-        obx_pg_array_add_text(&a[OBX_FETCH_HELD_KEYS], f->blocked[i].key, f->blocked[i].key_len);
-        obx_pg_array_add_int(&a[OBX_FETCH_HELD_IDS], f->blocked_ids[i]);
+    for (size_t i = 0; i < f->n_held_back; i++) {
+        obx_pg_array_add_text(&a[OBX_FETCH_HELD_TOPICS], f->held_back[i].topic,
+                              strlen(f->held_back[i].topic));
+        obx_pg_array_add_text(&a[OBX_FETCH_HELD_KEYS], f->held_back[i].key,
+                              f->held_back[i].key_len);
+        obx_pg_array_add_int(&a[OBX_FETCH_HELD_IDS], f->held_back_ids[i]);
     }
     snprintf(pg->limit_text, sizeof(pg->limit_text), "%d", f->limit);
     snprintf(pg->max_bytes_text, sizeof(pg->max_bytes_text), "%lld", (long long)f->max_row_bytes);

@@ -72,7 +72,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->io = io;
     r->state = OBX_RELAY_WAIT_PG;
     r->slots = obx_calloc(n, sizeof(*r->slots));
-    r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_blocked: see relay_grow_blocked() */
+    r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_held_back: see relay_grow_held_back() */
     r->dead_ids = obx_calloc(n, sizeof(*r->dead_ids));
     r->dead_reasons = obx_calloc(n, sizeof(*r->dead_reasons));
     r->off_topics = obx_calloc(n, sizeof(*r->off_topics));
@@ -92,7 +92,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     relay_want_fetch(r, "start");
     r->poll_delay = POLL_MIN_MS;
     r->bytes_limit = s->batch_size;
-    r->top_id = r->hwm = r->probe_id = r->fetch_probe = NO_ID;
+    r->top_id = r->hwm = r->alone_id = r->fetch_alone = NO_ID;
     *out = r;
     return 0;
 }
@@ -104,15 +104,15 @@ void obx_relay_free(struct obx_relay *r)
     if (r->slots)
         for (int i = 0; i < r->set.max_in_flight; i++)
             obx_free(r->slots[i].reason);
-    for (size_t i = 0; i < r->n_blocked; i++)
-        obx_free(r->blocked[i].key);
+    for (size_t i = 0; i < r->n_held_back; i++)
+        obx_free(r->held_back[i].key);
     for (size_t i = 0; i < r->n_topics; i++)
         obx_free(r->topics[i]);
     obx_free(r->topics);
     obx_free(r->snap);
     obx_free(r->slots);
     obx_free(r->ids);
-    obx_free(r->blocked);
+    obx_free(r->held_back);
     obx_free(r->keys);
     obx_free(r->key_ids);
     obx_free(r->dead_ids);
@@ -273,7 +273,7 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
  * `keyset_only` and it would be a full one). Arrays are the relay's. */
 static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
 {
-    *f = (struct obx_fetch){.exclude = r->ids, .blocked = r->keys, .blocked_ids = r->key_ids};
+    *f = (struct obx_fetch){.exclude = r->ids, .held_back = r->keys, .held_back_ids = r->key_ids};
     int free_slots = r->set.max_in_flight - (int)r->in_use;
     f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
     if (f->limit > r->bytes_limit)
@@ -290,8 +290,8 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
      * its lowest entry, past every row marked or deleted since the last
      * vacuum (and a held xmin horizon keeps them all). */
     bool keyset = r->cursor == CURSOR_HELD;
-    for (size_t i = 0; i < r->n_blocked && keyset; i++)
-        keyset = r->blocked[i].retry_at > now; /* a due one lies below hwm */
+    for (size_t i = 0; i < r->n_held_back && keyset; i++)
+        keyset = r->held_back[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
         return false;
     if (keyset) {
@@ -315,14 +315,14 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
             if (r->slots[i].state != SLOT_FREE)
                 r->ids[f->n_exclude++] = r->slots[i].id;
     }
-    for (size_t i = 0; i < r->n_blocked; i++) {
-        const struct blocked *b = &r->blocked[i];
+    for (size_t i = 0; i < r->n_held_back; i++) {
+        const struct held_back *b = &r->held_back[i];
         if (b->retry_at > now && !keyset)
             r->ids[f->n_exclude++] = b->id; /* not due yet (a keyset fetch is above it) */
         if (b->key) {
-            r->keys[f->n_blocked] =
-                (struct obx_blocked_key){r->topics[b->topic], b->key, b->key_len};
-            r->key_ids[f->n_blocked++] = b->id;
+            r->keys[f->n_held_back] =
+                (struct obx_held_back_key){r->topics[b->topic], b->key, b->key_len};
+            r->key_ids[f->n_held_back++] = b->id;
         }
     }
     return true;
@@ -344,12 +344,13 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->fetch_sent_at = now;
     /* As the full fetch's held-back keys say, for the entries drop_settled
      * looks at (a keyset fetch settles none). */
-    for (size_t i = 0; i < r->n_blocked && !f->keyset; i++) {
-        struct blocked *e = &r->blocked[i];
-        e->behind_at_fetch = !e->probe && e->retry_at <= now && relay_behind_another(r, e);
+    for (size_t i = 0; i < r->n_held_back && !f->keyset; i++) {
+        struct held_back *e = &r->held_back[i];
+        e->behind_at_fetch = !e->alone && e->retry_at <= now && relay_behind_another(r, e);
     }
-    const struct blocked *probe = r->n_blocked > 0 && !f->keyset ? relay_due_probe(r, now) : NULL;
-    r->fetch_probe = probe ? probe->id : NO_ID;
+    const struct held_back *alone =
+        r->n_held_back > 0 && !f->keyset ? relay_due_alone(r, now) : NULL;
+    r->fetch_alone = alone ? alone->id : NO_ID;
     r->fetch_due = FETCH_NOT_DUE;
     r->log.fetch_send_no = ++r->log.sends;
 }
@@ -369,10 +370,10 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
 {
     if (r->draining || !r->recovered)
         return false;
-    /* A probe goes to Kafka alone: nothing else is fetched while it is out,
+    /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending. */
-    return !(r->probe_id != NO_ID ||
-             (r->n_outstanding > 0 && r->n_blocked > 0 && relay_due_probe(r, now)));
+    return !(r->alone_id != NO_ID ||
+             (r->n_outstanding > 0 && r->n_held_back > 0 && relay_due_alone(r, now)));
 }
 
 /* Whether a fetch should go now (beside a mark, or alone). */
@@ -706,25 +707,24 @@ static bool fetch_set_aside(struct obx_relay *r, int64_t now)
     return true;
 }
 
-/* A probe that was due when the fetch was sent: rows before it go as usual;
+/* A row to try alone that was due when the fetch was sent: rows before it go as usual;
  * it goes alone. If the fetch passed its place without it, it is no longer
  * unsent (marked by the recovery pass, or deleted) and its key goes on. Only
  * a full fetch sent once it was due can tell: one sent a moment before its
  * refusal (even within the same millisecond) excluded it. Returns the id of
- * the probe to send alone, or NO_ID. */
-static int64_t probe_of_fetch(struct obx_relay *r, const struct obx_row *rows, size_t n)
+ * the row to send alone, or NO_ID. */
+static int64_t alone_of_fetch(struct obx_relay *r, const struct obx_row *rows, size_t n)
 {
-    int64_t probe_id = r->fetch_probe != NO_ID && relay_find_block_by_id(r, r->fetch_probe)
-                           ? r->fetch_probe
-                           : NO_ID;
-    if (probe_id == NO_ID || (n > 0 && rows[n - 1].id <= probe_id))
-        return probe_id;
+    int64_t alone_id =
+        r->fetch_alone != NO_ID && relay_find_held_back(r, r->fetch_alone) ? r->fetch_alone : NO_ID;
+    if (alone_id == NO_ID || (n > 0 && rows[n - 1].id <= alone_id))
+        return alone_id;
     for (size_t i = 0; i < n; i++)
-        if (rows[i].id == probe_id)
-            return probe_id;
+        if (rows[i].id == alone_id)
+            return alone_id;
     obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
-             (long long)probe_id);
-    relay_drop_block(r, probe_id);
+             (long long)alone_id);
+    relay_drop_held_back(r, alone_id);
     relay_want_fetch(r, "key no longer held back");
     return NO_ID;
 }
@@ -790,7 +790,7 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
             relay_cursor_clear(r, "out of memory"); /* the rest was not taken */
             break;
         }
-        if (r->n_blocked > 0 && relay_held_back(r, row, (uint32_t)topic)) {
+        if (r->n_held_back > 0 && relay_held_back(r, row, (uint32_t)topic)) {
             relay_cursor_clear(r, "row held back"); /* fetched, not taken: below hwm */
             continue;                               /* a refused row of its key comes first */
         }
@@ -823,8 +823,8 @@ static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
     s->partition = fr.partition;
     s->offset = fr.offset;
     r->to_mark++;
-    if (r->n_blocked > 0)
-        relay_unblock(r, s->id); /* it was held: its key goes on */
+    if (r->n_held_back > 0)
+        relay_release_held_back(r, s->id); /* it was held: its key goes on */
     return true;
 }
 
@@ -850,10 +850,10 @@ static bool waits_for_its_key(struct obx_relay *r, struct slot *s, const struct 
 /* Hands batch entry i (of `taken`) to Kafka. False when the rest of the
  * batch waits for the next fetch. */
 static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t i, size_t taken,
-                          int64_t probe_id, size_t *produced, int64_t now)
+                          int64_t alone_id, size_t *produced, int64_t now)
 {
     struct slot *s = r->batch[i];
-    bool alone = row->id == probe_id;
+    bool alone = row->id == alone_id;
     if (alone && r->n_outstanding > 0) {
         /* Rows before it are still out: it and the rest wait for the
          * next fetch, which relay_kick() sends once their reports are in. */
@@ -873,13 +873,13 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         return false;
     }
     if (pr != OBX_PRODUCE_OK) {
-        relay_rejected(r, s, row->key, row->key_len, reason, now);
+        relay_refused(r, s, row->key, row->key_len, reason, now);
         return true;
     }
     if (s->key_hash && obx_keycount_add(&r->busy_keys, s->key_hash) != 0)
         obx_error("relay: more keys with Kafka than rows in flight (row %lld)",
                   (long long)row->id); /* cannot happen: sized for max_in_flight */
-    struct blocked *b = r->n_blocked > 0 ? relay_find_block_by_id(r, row->id) : NULL;
+    struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, row->id) : NULL;
     if (b)
         b->retry_at = INT64_MAX; /* being retried: not due again until refused */
     r->n_outstanding++;
@@ -887,7 +887,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     if (!alone)
         return true;
     obx_info("relay: trying row %lld alone", (long long)row->id);
-    r->probe_id = row->id;
+    r->alone_id = row->id;
     release_rest(r, i + 1, taken);
     relay_want_fetch(r, "rows given back");
     return false;
@@ -895,7 +895,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
 
 /* Hands the taken rows to Kafka in id order. Returns how many went. */
 static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, size_t taken,
-                            int64_t probe_id, int64_t now)
+                            int64_t alone_id, int64_t now)
 {
     size_t produced = 0;
     for (size_t i = 0; i < taken; i++) {
@@ -903,7 +903,7 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
         struct slot *s = r->batch[i];
         if (!s)
             continue;
-        if (r->n_blocked > 0 && relay_held_back(r, row, s->topic)) {
+        if (r->n_held_back > 0 && relay_held_back(r, row, s->topic)) {
             relay_slot_release(r, s); /* its key was refused earlier in this batch */
             relay_cursor_clear(r, "row held back");
             continue;
@@ -913,7 +913,7 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
             s->log_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
         if (found_published(r, s, row->id) || waits_for_its_key(r, s, row))
             continue;
-        if (!produce_entry(r, row, i, taken, probe_id, &produced, now))
+        if (!produce_entry(r, row, i, taken, alone_id, &produced, now))
             break;
     }
     return produced;
@@ -935,8 +935,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         relay_want_fetch(r, "fetch.after failpoint");
         return;
     }
-    int64_t probe_id = probe_of_fetch(r, rows, n);
-    if (r->n_blocked > 0 && !r->fetch_keyset)
+    int64_t alone_id = alone_of_fetch(r, rows, n);
+    if (r->n_held_back > 0 && !r->fetch_keyset)
         relay_drop_settled(r, rows, n, n >= (size_t)r->fetch_limit);
     size_t n_take = rows_to_take(r, rows, n);
     cursor_advance(r, rows, n, n_take, snapshot);
@@ -955,7 +955,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     if (n_take < n || (!r->caught_up && r->fetch_limit >= r->bytes_limit))
         relay_want_fetch(r, "full batch");
     relay_kick(r, now);
-    size_t produced = produce_taken(r, rows, taken, probe_id, now);
+    size_t produced = produce_taken(r, rows, taken, alone_id, now);
     if (r->set.log_mode)
         relay_recs_settle(r); /* a fetch that handed nothing out settles at once */
     if (produced > 0 && relay_failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
@@ -1052,10 +1052,10 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
 static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery outcome,
                           const char *key, size_t key_len, const char *reason, int64_t now)
 {
-    struct blocked *b = r->n_blocked > 0 ? relay_find_block_by_id(r, s->id) : NULL;
+    struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, s->id) : NULL;
     if (!b && (key || r->set.log_mode)) { /* log mode: a held row, key or none */
-        relay_block(r, s->id, s->topic, key, key_len, now);
-        b = relay_find_block_by_id(r, s->id);
+        relay_hold_back(r, s->id, s->topic, key, key_len, now);
+        b = relay_find_held_back(r, s->id);
     } else if (b)
         b->attempts++;
     if (b)
@@ -1116,11 +1116,11 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         relay_want_fetch(r, "key free");
     }
     r->n_outstanding--;
-    bool was_probe = s->id == r->probe_id;
-    if (was_probe)
-        r->probe_id = NO_ID;
-    if (outcome == OBX_DELIVERY_BATCH_REFUSED && was_probe)
-        outcome = OBX_DELIVERY_REJECTED; /* refused alone: it is the row itself */
+    bool was_alone = s->id == r->alone_id;
+    if (was_alone)
+        r->alone_id = NO_ID;
+    if (outcome == OBX_DELIVERY_BATCH_REFUSED && was_alone)
+        outcome = OBX_DELIVERY_REFUSED; /* refused alone: it is the row itself */
     switch (outcome) {
     case OBX_DELIVERED:
         relay_log_settle(r, s, true);
@@ -1130,15 +1130,15 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         r->to_mark++;
         if (s->created_us > 0 && r->ops->acked)
             r->ops->acked(r->io, s->created_us);
-        if (r->n_blocked > 0)
-            relay_unblock(r, s->id);
+        if (r->n_held_back > 0)
+            relay_release_held_back(r, s->id);
         break;
     case OBX_DELIVERY_RETRY:
     case OBX_DELIVERY_UNKNOWN:
         not_delivered(r, s, outcome, key, key_len, reason, now);
         break;
-    case OBX_DELIVERY_REJECTED:
-        relay_rejected(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+    case OBX_DELIVERY_REFUSED:
+        relay_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     case OBX_DELIVERY_BATCH_REFUSED:
         relay_batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
@@ -1160,8 +1160,8 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
         return;
     if (now >= r->next_look_at)
         relay_want_fetch(r, "look due");
-    for (size_t i = 0; i < r->n_blocked; i++)
-        if (r->blocked[i].retry_at <= now)
+    for (size_t i = 0; i < r->n_held_back; i++)
+        if (r->held_back[i].retry_at <= now)
             relay_want_fetch(r, "refused row due"); /* a refused row is due for another try */
     relay_kick(r, now);
 }

@@ -10,11 +10,11 @@
 
 #include <string.h>
 
-struct blocked *relay_find_block_by_id(struct obx_relay *r, int64_t id)
+struct held_back *relay_find_held_back(struct obx_relay *r, int64_t id)
 {
-    for (size_t i = 0; i < r->n_blocked; i++)
-        if (r->blocked[i].id == id)
-            return &r->blocked[i];
+    for (size_t i = 0; i < r->n_held_back; i++)
+        if (r->held_back[i].id == id)
+            return &r->held_back[i];
     return NULL;
 }
 
@@ -23,8 +23,8 @@ bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t to
 {
     if (!row->key)
         return false;
-    for (size_t i = 0; i < r->n_blocked; i++) {
-        const struct blocked *b = &r->blocked[i];
+    for (size_t i = 0; i < r->n_held_back; i++) {
+        const struct held_back *b = &r->held_back[i];
         if (b->key && b->topic == topic && row->id > b->id && b->key_len == row->key_len &&
             memcmp(b->key, row->key, row->key_len) == 0)
             return true;
@@ -32,39 +32,39 @@ bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t to
     return false;
 }
 
-void relay_unblock(struct obx_relay *r, int64_t id)
+void relay_release_held_back(struct obx_relay *r, int64_t id)
 {
-    struct blocked *b = relay_find_block_by_id(r, id);
+    struct held_back *b = relay_find_held_back(r, id);
     if (!b)
         return;
-    relay_cursor_clear(
-        r, "key no longer held back"); /* its key's later rows may be waiting below hwm */
+    /* its key's later rows may be waiting below hwm */
+    relay_cursor_clear(r, "key no longer held back");
     obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
              b->attempts);
     if (r->set.log_mode)
         relay_lift(r, id);
     obx_free(b->key);
-    *b = r->blocked[--r->n_blocked];
+    *b = r->held_back[--r->n_held_back];
 }
 
 /* Forgets the entry of row `id` without a word (dead-lettered, or gone). */
-void relay_drop_block(struct obx_relay *r, int64_t id)
+void relay_drop_held_back(struct obx_relay *r, int64_t id)
 {
-    struct blocked *b = relay_find_block_by_id(r, id);
+    struct held_back *b = relay_find_held_back(r, id);
     if (!b)
         return;
     relay_cursor_clear(r, "key no longer held back");
     if (r->set.log_mode)
         relay_lift(r, id);
     obx_free(b->key);
-    *b = r->blocked[--r->n_blocked];
+    *b = r->held_back[--r->n_held_back];
 }
 
 /* True if an earlier held row of its key holds `b` back too. */
-bool relay_behind_another(const struct obx_relay *r, const struct blocked *b)
+bool relay_behind_another(const struct obx_relay *r, const struct held_back *b)
 {
-    for (size_t j = 0; j < r->n_blocked && b->key; j++) {
-        const struct blocked *o = &r->blocked[j];
+    for (size_t j = 0; j < r->n_held_back && b->key; j++) {
+        const struct held_back *o = &r->held_back[j];
         if (o->key && o->id < b->id && o->topic == b->topic && o->key_len == b->key_len &&
             memcmp(o->key, b->key, b->key_len) == 0)
             return true;
@@ -72,14 +72,14 @@ bool relay_behind_another(const struct obx_relay *r, const struct blocked *b)
     return false;
 }
 
-/* The probe to try next: the lowest-id due one that no earlier refused row
+/* The row to try alone next: the lowest-id due one that no earlier refused row
  * of its key holds back. NULL if none. */
-struct blocked *relay_due_probe(struct obx_relay *r, int64_t now)
+struct held_back *relay_due_alone(struct obx_relay *r, int64_t now)
 {
-    struct blocked *best = NULL;
-    for (size_t i = 0; i < r->n_blocked; i++) {
-        struct blocked *b = &r->blocked[i];
-        if (!b->probe || b->retry_at > now || (best && best->id < b->id))
+    struct held_back *best = NULL;
+    for (size_t i = 0; i < r->n_held_back; i++) {
+        struct held_back *b = &r->held_back[i];
+        if (!b->alone || b->retry_at > now || (best && best->id < b->id))
             continue;
         if (!relay_behind_another(r, b))
             best = b;
@@ -95,10 +95,10 @@ struct blocked *relay_due_probe(struct obx_relay *r, int64_t now)
  * many as it asked for. */
 void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full)
 {
-    for (size_t i = 0; i < r->n_blocked;) {
-        const struct blocked *b = &r->blocked[i];
+    for (size_t i = 0; i < r->n_held_back;) {
+        const struct held_back *b = &r->held_back[i];
         bool passed = !full || (n > 0 && rows[n - 1].id > b->id);
-        bool due = !b->probe && b->retry_at <= r->fetch_sent_at;
+        bool due = !b->alone && b->retry_at <= r->fetch_sent_at;
         bool fetched = false;
         for (size_t j = 0; j < n && passed && due && !fetched; j++)
             fetched = rows[j].id == b->id;
@@ -108,21 +108,21 @@ void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t 
         }
         obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
                  (long long)b->id);
-        relay_drop_block(r, b->id); /* moves the last entry here */
+        relay_drop_held_back(r, b->id); /* moves the last entry here */
         relay_want_fetch(r, "key no longer held back");
     }
 }
 
 /* Room for twice as many refused rows: their entries, their keys for the
  * fetch, and their ids among the fetch's exclusions. */
-int relay_grow_blocked(struct obx_relay *r)
+int relay_grow_held_back(struct obx_relay *r)
 {
-    size_t cap = r->cap_blocked ? r->cap_blocked * 2 : 64;
-    struct blocked *b = obx_realloc(r->blocked, cap * sizeof(*b));
+    size_t cap = r->cap_held_back ? r->cap_held_back * 2 : 64;
+    struct held_back *b = obx_realloc(r->held_back, cap * sizeof(*b));
     if (!b)
         return -1;
-    r->blocked = b;
-    struct obx_blocked_key *k = obx_realloc(r->keys, cap * sizeof(*k));
+    r->held_back = b;
+    struct obx_held_back_key *k = obx_realloc(r->keys, cap * sizeof(*k));
     if (!k)
         return -1;
     r->keys = k;
@@ -134,21 +134,21 @@ int relay_grow_blocked(struct obx_relay *r)
     if (!ids)
         return -1;
     r->ids = ids;
-    r->cap_blocked = cap;
+    r->cap_held_back = cap;
     return 0;
 }
 
 /* Row `id` was refused: retry it later, holding back its key meanwhile. */
-void relay_block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
-                 int64_t now)
+void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                     size_t key_len, int64_t now)
 {
     relay_cursor_clear(r, "row refused"); /* it is below hwm, and comes back by a full fetch */
-    struct blocked *b = relay_find_block_by_id(r, id);
+    struct held_back *b = relay_find_held_back(r, id);
     if (!b) {
-        if (r->n_blocked == r->cap_blocked && relay_grow_blocked(r) != 0) {
+        if (r->n_held_back == r->cap_held_back && relay_grow_held_back(r) != 0) {
             /* Retried at once, and its key goes on: a fault we say out loud. */
             obx_error("relay: out of memory holding back the key of row %lld (%zu held back)",
-                      (long long)id, r->n_blocked);
+                      (long long)id, r->n_held_back);
             return;
         }
         char *copy = NULL;
@@ -158,23 +158,23 @@ void relay_block(struct obx_relay *r, int64_t id, uint32_t topic, const char *ke
         }
         if (key)
             memcpy(copy, key, key_len);
-        b = &r->blocked[r->n_blocked++];
-        *b = (struct blocked){.id = id, .topic = topic, .key = copy, .key_len = key_len};
+        b = &r->held_back[r->n_held_back++];
+        *b = (struct held_back){.id = id, .topic = topic, .key = copy, .key_len = key_len};
         if (r->set.log_mode)
             relay_hold(r, id, topic, key, key_len);
     }
     int64_t delay = r->set.retry_backoff_ms;
-    for (int i = 0; i < b->attempts && delay < MAX_REJECT_BACKOFF_MS; i++)
+    for (int i = 0; i < b->attempts && delay < MAX_REFUSED_BACKOFF_MS; i++)
         delay *= 2;
-    if (delay > MAX_REJECT_BACKOFF_MS)
-        delay = MAX_REJECT_BACKOFF_MS;
+    if (delay > MAX_REFUSED_BACKOFF_MS)
+        delay = MAX_REFUSED_BACKOFF_MS;
     b->attempts++;
     b->retry_at = now + delay;
 }
 
 /* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
-void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                    const char *reason, int64_t now)
+void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                   const char *reason, int64_t now)
 {
     if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
         obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
@@ -186,7 +186,7 @@ void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t
                 relay_log_settle(r, s, true);
             s->state = SLOT_DEAD;
             r->to_mark++;
-            relay_drop_block(r, s->id); /* refused alone too: its key goes on */
+            relay_drop_held_back(r, s->id); /* refused alone too: its key goes on */
             return;
         }
         obx_error("relay: out of memory dead-lettering row %lld; retrying it", (long long)s->id);
@@ -195,12 +195,12 @@ void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t
                   "its key wait (relay.on_reject = retry)",
                   (long long)s->id, r->topics[s->topic], reason);
     }
-    relay_block(r, s->id, s->topic, key, key_len, now);
-    struct blocked *b = relay_find_block_by_id(r, s->id);
+    relay_hold_back(r, s->id, s->topic, key, key_len, now);
+    struct held_back *b = relay_find_held_back(r, s->id);
     if (b)
-        b->probe = false; /* refused alone: a retry with back-off from here */
+        b->alone = false; /* refused alone: a retry with back-off from here */
     relay_slot_release(r, s);
-    relay_want_fetch(r, "probe refused");
+    relay_want_fetch(r, "alone refused");
 }
 
 /* The batch row `s` went in was refused for good, perhaps for another
@@ -212,10 +212,10 @@ void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, s
     obx_warn("relay: the batch of row %lld (topic %s) was refused by Kafka: %s; trying the row "
              "alone before relay.on_reject applies, later rows of its key wait",
              (long long)s->id, r->topics[s->topic], reason);
-    relay_block(r, s->id, s->topic, key, key_len, now);
-    struct blocked *b = relay_find_block_by_id(r, s->id);
+    relay_hold_back(r, s->id, s->topic, key, key_len, now);
+    struct held_back *b = relay_find_held_back(r, s->id);
     if (b) {
-        b->probe = true;
+        b->alone = true;
         b->retry_at = now;
     }
     relay_slot_release(r, s);
@@ -317,7 +317,7 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
         relay_slot_release(r, p);
         r->not_before = now + 100;
     } else {
-        relay_rejected(r, p, p->parked->key, p->parked->key_len, reason, now);
+        relay_refused(r, p, p->parked->key, p->parked->key_len, reason, now);
         obx_free(p->parked);
         p->parked = NULL;
     }
@@ -325,7 +325,7 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
     relay_after_release(r);
 }
 
-size_t obx_relay_blocked_keys(const struct obx_relay *r)
+size_t obx_relay_held_back_keys(const struct obx_relay *r)
 {
-    return r->n_blocked;
+    return r->n_held_back;
 }

@@ -21,7 +21,7 @@
  * restarted or set there by an operator). */
 #define NO_ID INT64_MIN
 /* Longest pause between retries of a refused row. */
-#define MAX_REJECT_BACKOFF_MS (60 * 1000)
+#define MAX_REFUSED_BACKOFF_MS (60 * 1000)
 /* The pause before the next look for new rows: POLL_MIN_MS after a fetch
  * that found some, and an eighth of the time since one last did after a
  * fetch that found none, up to relay.poll_interval. Rows that keep coming,
@@ -173,13 +173,13 @@ struct log_state {
 };
 
 /* A refused row under relay.on_reject = retry, or a row whose whole batch
- * was refused (a probe: it is tried again alone before on_reject applies). */
-struct blocked {
+ * was refused (it is tried again alone before on_reject applies). */
+struct held_back {
     int64_t id;
     int64_t retry_at;
     uint32_t topic;
     int attempts;
-    bool probe;
+    bool alone;           /* its batch was refused: tried alone at once, before on_reject */
     bool behind_at_fetch; /* an earlier one of its key held it back in the fetch in flight */
     char *key;            /* owned; NULL = no key (only the row itself waits) */
     size_t key_len;
@@ -216,8 +216,8 @@ struct obx_relay {
     uint32_t last_topic;
 
     /* Refused rows and the keys they hold back: grown as needed. */
-    struct blocked *blocked;
-    size_t n_blocked, cap_blocked;
+    struct held_back *held_back;
+    size_t n_held_back, cap_held_back;
 
     /* Scratch arrays for the fetch and mark arguments, sized once. */
     int64_t *ids;
@@ -228,10 +228,10 @@ struct obx_relay {
     int32_t *off_partitions;
     int64_t *off_offsets;
     size_t n_off, cap_off;
-    bool offsets_in_mark;         /* the mark in flight stores them */
-    int64_t offsets_due;          /* when the next mark stores them */
-    struct obx_blocked_key *keys; /* cap_blocked of them */
-    int64_t *key_ids;             /* cap_blocked of them */
+    bool offsets_in_mark;           /* the mark in flight stores them */
+    int64_t offsets_due;            /* when the next mark stores them */
+    struct obx_held_back_key *keys; /* cap_held_back of them */
+    int64_t *key_ids;               /* cap_held_back of them */
 
     struct slot **batch; /* slots of the rows of the fetch being produced */
 
@@ -250,16 +250,16 @@ struct obx_relay {
     int64_t hwm;
     char *snap;
     size_t snap_cap;
-    int64_t top_id;        /* highest id handed out in this session (NO_ID: none) */
-    bool fetch_keyset;     /* the fetch in flight is a keyset fetch ... */
-    int64_t fetch_after;   /* ... above this id */
-    int fetch_limit;       /* its row limit */
-    int64_t fetch_max_ex;  /* full fetch: the highest id it excluded */
-    int bytes_limit;       /* most rows relay.fetch_max_bytes allows for now */
-    bool fetch_riding;     /* the mark in flight carries the next fetch */
-    bool caught_up;        /* the last fetch found fewer rows than it asked for */
-    int64_t fetch_probe;   /* the fetch in flight is a full one sent when this probe was due
-                            * (NO_ID: none) */
+    int64_t top_id;       /* highest id handed out in this session (NO_ID: none) */
+    bool fetch_keyset;    /* the fetch in flight is a keyset fetch ... */
+    int64_t fetch_after;  /* ... above this id */
+    int fetch_limit;      /* its row limit */
+    int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
+    int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
+    bool fetch_riding;    /* the mark in flight carries the next fetch */
+    bool caught_up;       /* the last fetch found fewer rows than it asked for */
+    int64_t fetch_alone; /* the fetch in flight is a full one sent when this row was due to be tried
+                          * alone (NO_ID: none) */
     int64_t fetch_sent_at; /* when the fetch in flight was sent */
 
     /* set.one_per_key: the keys with a record at Kafka and the rows parked
@@ -269,7 +269,7 @@ struct obx_relay {
     bool key_waits;
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
-    int64_t probe_id;     /* a probe handed to Kafka alone, report pending (NO_ID: none) */
+    int64_t alone_id;     /* a row tried alone, handed to Kafka, report pending (NO_ID: none) */
     bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
 
     bool recovered;           /* the start-up recovery pass has succeeded */
@@ -328,18 +328,18 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now);
 void relay_log_write_done(struct obx_relay *r);
 
 /* relay_held.c (refused rows and held-back keys) */
-struct blocked *relay_find_block_by_id(struct obx_relay *r, int64_t id);
+struct held_back *relay_find_held_back(struct obx_relay *r, int64_t id);
 bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic);
-void relay_unblock(struct obx_relay *r, int64_t id);
-void relay_drop_block(struct obx_relay *r, int64_t id);
-bool relay_behind_another(const struct obx_relay *r, const struct blocked *b);
-struct blocked *relay_due_probe(struct obx_relay *r, int64_t now);
+void relay_release_held_back(struct obx_relay *r, int64_t id);
+void relay_drop_held_back(struct obx_relay *r, int64_t id);
+bool relay_behind_another(const struct obx_relay *r, const struct held_back *b);
+struct held_back *relay_due_alone(struct obx_relay *r, int64_t now);
 void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full);
-int relay_grow_blocked(struct obx_relay *r);
-void relay_block(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len,
-                 int64_t now);
-void relay_rejected(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                    const char *reason, int64_t now);
+int relay_grow_held_back(struct obx_relay *r);
+void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                     size_t key_len, int64_t now);
+void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                   const char *reason, int64_t now);
 void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
                          const char *reason, int64_t now);
 void relay_release_parked_of(struct obx_relay *r, uint64_t h);

@@ -607,8 +607,8 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     /* Rows refused or failed in an earlier session of this process are
      * still held back (their entries outlive a lost session): the cursor
      * rows of this one must leave them out too. */
-    for (size_t i = 0; i < r->n_blocked; i++) {
-        const struct blocked *b = &r->blocked[i];
+    for (size_t i = 0; i < r->n_held_back; i++) {
+        const struct held_back *b = &r->held_back[i];
         size_t before = l->n_held;
         relay_hold(r, b->id, b->topic, b->key, b->key_len);
         if (l->n_held == before && !held_now(r, b->id))

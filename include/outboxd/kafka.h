@@ -81,7 +81,7 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
                   char *err, size_t errlen) OBX_WARN_UNUSED;
 
 /* Hands one row to librdkafka (payload, key and headers are copied). On
- * OBX_PRODUCE_REJECTED, *reason says why (a static string). */
+ * OBX_PRODUCE_REFUSED, *reason says why (a static string). */
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
                                           void *opaque, const char **reason);
 

@@ -44,15 +44,15 @@ enum obx_relay_state {
 /* Result of ops->produce. */
 enum obx_produce_result {
     OBX_PRODUCE_OK = 0,
-    OBX_PRODUCE_BUSY = -1,     /* local queue full: try again later, stop this batch */
-    OBX_PRODUCE_REJECTED = -2, /* this row can never be produced as it is (e.g. too large) */
+    OBX_PRODUCE_BUSY = -1,    /* local queue full: try again later, stop this batch */
+    OBX_PRODUCE_REFUSED = -2, /* this row can never be produced as it is (e.g. too large) */
 };
 
 /* Outcome of one delivery report. */
 enum obx_delivery {
     OBX_DELIVERED = 0,          /* persisted by Kafka */
     OBX_DELIVERY_RETRY,         /* failed for a passing reason: publish again later */
-    OBX_DELIVERY_REJECTED,      /* refused for good: relay.on_reject applies */
+    OBX_DELIVERY_REFUSED,       /* refused for good: relay.on_reject applies */
     OBX_DELIVERY_UNKNOWN,       /* failed, but may be persisted (e.g. timed out in flight): the
                                  * recovery pass looks before the row is published again */
     OBX_DELIVERY_BATCH_REFUSED, /* its whole batch was refused for good (too large, corrupt):
@@ -61,7 +61,7 @@ enum obx_delivery {
 };
 
 /* A key whose later rows are held back behind a refused row. */
-struct obx_blocked_key {
+struct obx_held_back_key {
     const char *topic;
     const char *key;
     size_t key_len;
@@ -108,9 +108,9 @@ struct obx_log_state {
 struct obx_fetch {
     const int64_t *exclude; /* ids in flight, and refused rows not yet due for a retry */
     size_t n_exclude;
-    const struct obx_blocked_key *blocked; /* rows of these keys wait ... */
-    const int64_t *blocked_ids;            /* ... behind these ids (allowed themselves) */
-    size_t n_blocked;
+    const struct obx_held_back_key *held_back; /* rows of these keys wait ... */
+    const int64_t *held_back_ids;              /* ... behind these ids (allowed themselves) */
+    size_t n_held_back;
     int limit;             /* most rows */
     int64_t max_row_bytes; /* a larger payload is left out: the row comes as oversize */
     bool keyset;           /* ids above after_id and late commits, nothing excluded */
@@ -165,7 +165,7 @@ struct obx_relay_ops {
      * the relay sends the mark alone). May be NULL. */
     int (*mark_fetch)(void *io, const struct obx_mark *m, const struct obx_fetch *f);
     /* Hands one row to Kafka with `opaque` for its delivery report. On
-     * OBX_PRODUCE_REJECTED, *reason says why (static or valid until the
+     * OBX_PRODUCE_REFUSED, *reason says why (static or valid until the
      * next call). */
     enum obx_produce_result (*produce)(void *io, const struct obx_row *row, void *opaque,
                                        const char **reason);
@@ -276,6 +276,6 @@ uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset);
 /* Rows moved to outbox.dead_letters since start. */
 uint64_t obx_relay_dead_total(const struct obx_relay *r);
 /* Keys currently held back behind a refused row. */
-size_t obx_relay_blocked_keys(const struct obx_relay *r);
+size_t obx_relay_held_back_keys(const struct obx_relay *r);
 
 #endif

@@ -33,9 +33,9 @@ struct fake {
     bool combine;          /* mark_fetch takes both (else it answers 1: not together) */
     int mark_fetches;
     int fetch_rc;
-    size_t n_blocked;
-    char blocked_key[64];
-    int64_t blocked_id;
+    size_t n_held_back;
+    char held_back_key[64];
+    int64_t held_back_id;
 
     int marks;
     int64_t marked[MAX_CALLS];
@@ -51,8 +51,8 @@ struct fake {
     int produced;
     int64_t produced_ids[MAX_CALLS];
     void *opaques[MAX_CALLS];
-    int busy_at;       /* produce call index that returns BUSY; -1 = none */
-    int64_t reject_id; /* row id that produce rejects; 0 = none */
+    int busy_at;        /* produce call index that returns BUSY; -1 = none */
+    int64_t refused_id; /* row id that produce rejects; 0 = none */
 
     int recovers;
     int recover_rc;
@@ -91,11 +91,11 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     fk->fetch_log = f->log;
     fk->fetch_from = f->log ? f->after_id : 0;
     fk->fetch_n_held = f->n_held;
-    fk->n_blocked = f->n_blocked;
-    if (f->n_blocked > 0) {
-        snprintf(fk->blocked_key, sizeof(fk->blocked_key), "%s/%.*s", f->blocked[0].topic,
-                 (int)f->blocked[0].key_len, f->blocked[0].key);
-        fk->blocked_id = f->blocked_ids[0];
+    fk->n_held_back = f->n_held_back;
+    if (f->n_held_back > 0) {
+        snprintf(fk->held_back_key, sizeof(fk->held_back_key), "%s/%.*s", f->held_back[0].topic,
+                 (int)f->held_back[0].key_len, f->held_back[0].key);
+        fk->held_back_id = f->held_back_ids[0];
     }
     return 0;
 }
@@ -148,9 +148,9 @@ static enum obx_produce_result fake_produce(void *io, const struct obx_row *row,
         f->busy_at = -1;
         return OBX_PRODUCE_BUSY;
     }
-    if (row->id == f->reject_id) {
+    if (row->id == f->refused_id) {
         *reason = "Broker: Message size too large";
-        return OBX_PRODUCE_REJECTED;
+        return OBX_PRODUCE_REFUSED;
     }
     f->produced_ids[call] = row->id;
     f->opaques[call] = opaque;
@@ -604,13 +604,13 @@ static void test_many_keys_held_back(void **state)
         struct obx_row row = {.id = i + 1, .topic = "t", .key = key, .key_len = strlen(key)};
         assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
         obx_relay_on_fetched(c->r, &row, 1, NULL, 1);
-        obx_relay_on_delivery(c->r, c->f.opaques[c->f.produced - 1], OBX_DELIVERY_REJECTED, 0, -1,
+        obx_relay_on_delivery(c->r, c->f.opaques[c->f.produced - 1], OBX_DELIVERY_REFUSED, 0, -1,
                               key, strlen(key), "Broker: Message size too large", 1);
     }
-    assert_int_equal(obx_relay_blocked_keys(c->r), KEYS);
+    assert_int_equal(obx_relay_held_back_keys(c->r), KEYS);
     /* The fetch after the last refusal holds every key back and leaves
      * every refused row out until its back-off has passed. */
-    assert_int_equal(c->f.n_blocked, KEYS);
+    assert_int_equal(c->f.n_held_back, KEYS);
     assert_int_equal(c->f.n_exclude, KEYS);
 }
 
@@ -659,15 +659,15 @@ static void test_recovery_retried(void **state)
 static void test_reject_retry_holds_key(void **state)
 {
     struct ctx *c = *state;
-    c->f.reject_id = 3; /* key k0 */
+    c->f.refused_id = 3; /* key k0 */
     ready(c, 0);
     fetched(c, 1, 4, 0); /* ids 1 (k1), 2 (k2), 3 (k0, refused), 4 (k1) */
     assert_int_equal(c->f.produced, 3);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
     /* Full batch: the next fetch went out before the rows were produced, so
      * it knows nothing of the refusal yet ... */
     assert_int_equal(c->f.fetches, 2);
-    assert_int_equal(c->f.n_blocked, 0);
+    assert_int_equal(c->f.n_held_back, 0);
 
     /* ... and a later row of k0 in its answer is held back; k1 rows go. */
     fetched(c, 6, 2, 1); /* 6 (k0) held, 7 (k1) produced */
@@ -677,20 +677,20 @@ static void test_reject_retry_holds_key(void **state)
     /* The refusal asked for another fetch, sent now: it carries the block,
      * and row 3 is not due yet. */
     assert_int_equal(c->f.fetches, 3);
-    assert_int_equal(c->f.n_blocked, 1);
-    assert_string_equal(c->f.blocked_key, "t/k0");
-    assert_int_equal(c->f.blocked_id, 3);
+    assert_int_equal(c->f.n_held_back, 1);
+    assert_string_equal(c->f.held_back_key, "t/k0");
+    assert_int_equal(c->f.held_back_id, 3);
     assert_true(excluded(c, 3));
     fetched(c, 8, 0, 2);
 
     /* Due after retry_backoff: fetched again, and this time delivered. */
-    c->f.reject_id = 0;
+    c->f.refused_id = 0;
     obx_relay_tick(c->r, 600);
     assert_false(excluded(c, 3));
     fetched(c, 3, 1, 600);
     assert_int_equal(c->f.produced_ids[4], 3);
     obx_relay_on_delivery(c->r, c->f.opaques[4], OBX_DELIVERED, 0, 9, "k0", 2, NULL, 601);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 0);
 }
 
 /* Issue 10.4: a refused row being retried that then fails for a passing
@@ -699,11 +699,11 @@ static void test_reject_retry_holds_key(void **state)
 static void test_reject_then_transient_failure(void **state)
 {
     struct ctx *c = *state;
-    c->f.reject_id = 3;
+    c->f.refused_id = 3;
     ready(c, 0);
     fetched(c, 3, 1, 0); /* row 3 refused: held */
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
-    c->f.reject_id = 0;
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
+    c->f.refused_id = 0;
     obx_relay_tick(c->r, 600);
     fetched(c, 3, 1, 600); /* retried: produced */
     int k = c->f.produced - 1;
@@ -714,8 +714,8 @@ static void test_reject_then_transient_failure(void **state)
     int fetches = c->f.fetches;
     obx_relay_tick(c->r, 1300);
     assert_int_equal(c->f.fetches, fetches + 1);
-    assert_false(excluded(c, 3));                      /* due again: this fetch may bring it */
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1); /* its key still waits behind it */
+    assert_false(excluded(c, 3));                        /* due again: this fetch may bring it */
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1); /* its key still waits behind it */
 }
 
 /* Issue 10.5: a delivery that may have been persisted (a request timed out
@@ -773,11 +773,11 @@ static void test_reject_dead_letter(void **state)
     struct obx_relay_settings s = settings;
     s.on_reject = OBX_ON_REJECT_DEAD_LETTER;
     assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->r), 0);
-    c->f.reject_id = 2;
+    c->f.refused_id = 2;
     ready(c, 0);
     fetched(c, 1, 3, 0);
     assert_int_equal(c->f.produced, 2);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 0);
     assert_int_equal(c->f.marks, 1); /* the dead letter is marked at once */
     assert_int_equal(c->f.n_dead, 1);
     assert_int_equal(c->f.dead[0], 2);
@@ -790,7 +790,7 @@ static void test_reject_dead_letter(void **state)
     /* A delivery report that refuses a row: dead-lettered too, in the mark
      * after the fetch now in flight. */
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
-    ack_as(c, 0, OBX_DELIVERY_REJECTED, 2);
+    ack_as(c, 0, OBX_DELIVERY_REFUSED, 2);
     assert_int_equal(c->f.marks, 1);
     fetched(c, 10, 0, 3);
     assert_int_equal(c->f.marks, 2);
@@ -844,7 +844,7 @@ static void test_failed_row_holds_its_key(void **state)
     look(c, 1);
     assert_int_equal(c->f.fetches, 2);
     report(c, 0, OBX_DELIVERY_RETRY, 2); /* row 1 (k1) not delivered */
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
     fetched_snap(c, (const int64_t[]){4, 5}, 2, 0, 0, 3); /* 4:k1 5:k2, fetched before */
     assert_int_equal(c->f.produced, 3);
     assert_int_equal(c->f.produced_ids[2], 5); /* k2 goes on, k1's row 4 waits */
@@ -853,17 +853,17 @@ static void test_failed_row_holds_its_key(void **state)
     until_fetching(c, 600); /* after the back-off: a full fetch, with k1 held */
     assert_int_equal(c->f.after_id, 0);
     assert_false(excluded(c, 1));
-    assert_int_equal(c->f.n_blocked, 1);
-    assert_string_equal(c->f.blocked_key, "t/k1");
-    assert_int_equal(c->f.blocked_id, 1);
+    assert_int_equal(c->f.n_held_back, 1);
+    assert_string_equal(c->f.held_back_key, "t/k1");
+    assert_int_equal(c->f.held_back_id, 1);
     /* Had the SQL let row 4 through, the relay itself holds it back. */
     fetched_snap(c, (const int64_t[]){1, 4}, 2, 0, 0, 601);
     assert_int_equal(c->f.produced, 4);
     assert_int_equal(c->f.produced_ids[3], 1);
     report(c, 3, OBX_DELIVERED, 602);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 0);
     until_fetching(c, 603);
-    assert_int_equal(c->f.n_blocked, 0);
+    assert_int_equal(c->f.n_held_back, 0);
     fetched_snap(c, (const int64_t[]){4}, 1, 0, 0, 5000);
     assert_int_equal(c->f.produced, 5);
     assert_int_equal(c->f.produced_ids[4], 4);
@@ -879,7 +879,7 @@ static void test_uncertain_row_found_frees_its_key(void **state)
     fetched_ids(c, (const int64_t[]){1, 2}, 2, 0); /* 1:k1 2:k2 */
     report(c, 1, OBX_DELIVERED, 1);
     report(c, 0, OBX_DELIVERY_UNKNOWN, 2);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
     if (obx_relay_state(c->r) == OBX_RELAY_MARKING)
         obx_relay_on_marked(c->r, 3); /* row 2's, sent before the report */
     obx_relay_tick(c->r, 600);
@@ -890,7 +890,7 @@ static void test_uncertain_row_found_frees_its_key(void **state)
     assert_false(excluded(c, 1));
     int produced = c->f.produced;
     fetched_ids(c, (const int64_t[]){4}, 1, 5000); /* 4:k1, and no row 1 */
-    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 0);
     assert_int_equal(c->f.produced, produced + 1);
     assert_int_equal(c->f.produced_ids[produced], 4);
 }
@@ -905,16 +905,16 @@ static void test_held_row_behind_another_not_dropped(void **state)
     fetched_ids(c, (const int64_t[]){1, 4}, 2, 0); /* both k1 */
     report(c, 0, OBX_DELIVERY_RETRY, 1);
     report(c, 1, OBX_DELIVERY_RETRY, 2);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 2);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 2);
     until_fetching(c, 600);
     fetched_ids(c, (const int64_t[]){1}, 1, 601); /* 4 held back in the SQL by 1 */
     int k = c->f.produced - 1;
     assert_int_equal(c->f.produced_ids[k], 1);
     until_fetching(c, 602); /* 4 is due: another full fetch, 4 still behind 1 */
     report(c, k, OBX_DELIVERED, 603);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
     fetched_ids(c, NULL, 0, 604); /* its answer: without 4, which it held back */
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
 }
 
 /* A refused batch (MSG_SIZE_TOO_LARGE for all of it) dead-letters only the
@@ -933,7 +933,7 @@ static void test_batch_refused_rows_go_alone(void **state)
     report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 1);
     report(c, 1, OBX_DELIVERY_BATCH_REFUSED, 2);
     report(c, 3, OBX_DELIVERY_BATCH_REFUSED, 3);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 3);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 3);
     report(c, 2, OBX_DELIVERED, 4);                              /* row 3 shared another batch */
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING); /* sent after the full batch */
     fetched(c, 5, 0, 4);
@@ -942,7 +942,7 @@ static void test_batch_refused_rows_go_alone(void **state)
     int fetches = c->f.fetches;
     obx_relay_on_marked(c->r, 5);
     assert_int_equal(c->f.fetches, fetches + 1);
-    assert_true(c->f.n_blocked >= 1); /* their keys wait in the SQL too */
+    assert_true(c->f.n_held_back >= 1); /* their keys wait in the SQL too */
 
     /* Row 4 waits behind row 1 of its key (the SQL leaves it out). */
     fetched_ids(c, (const int64_t[]){1, 2, 5}, 3, 6);
@@ -969,7 +969,7 @@ static void test_batch_refused_rows_go_alone(void **state)
     assert_int_equal(c->f.produced_ids[6], 4);
     report(c, 6, OBX_DELIVERED, 2008);
     obx_relay_on_marked(c->r, 2009);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 0);
 
     fetched_ids(c, (const int64_t[]){5, 6}, 2, 2010); /* back to batches */
     assert_int_equal(c->f.produced, 9);
@@ -994,7 +994,7 @@ static void test_batch_refused_row_waits_and_may_be_gone(void **state)
     assert_int_equal(c->f.fetches, fetches + 1);
     /* Marked meanwhile (say, by a recovery pass): the fetch passes its place. */
     fetched_ids(c, (const int64_t[]){3, 4}, 2, 1503);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 0);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 0);
     assert_int_equal(c->f.produced, 4); /* rows 3 and 4 go together */
 }
 
@@ -1338,7 +1338,7 @@ static void test_byte_budget_withholds(void **state)
      * shrink the next fetch. (Refused, it is not produced.) */
     struct obx_row rows[2] = {{.id = 7, .topic = "t", .oversize = true, .payload_len = 500000},
                               {.id = 8, .topic = "t"}};
-    c->f.reject_id = 7; /* as kafka.c refuses an oversize row */
+    c->f.refused_id = 7; /* as kafka.c refuses an oversize row */
     obx_relay_on_fetched(c->r, rows, 2, c->snapshot, 4);
     assert_int_equal(c->f.produced, 5); /* row 8 */
     look(c, 5);
@@ -1410,10 +1410,10 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     ready(c, 0);
     fetched(c, 1, 4, 5); /* full batch: the next fetch goes at once, at 5 */
     assert_int_equal(c->f.fetches, 2);
-    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 5);       /* row 1, in the same millisecond */
-    fetched_ids(c, (const int64_t[]){5, 6}, 2, 6);     /* the answer: row 1 excluded */
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1); /* row 1 still waits to go alone */
-    for (int k = 1; k < 6; k++)                        /* rows 2 to 6 */
+    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 5);         /* row 1, in the same millisecond */
+    fetched_ids(c, (const int64_t[]){5, 6}, 2, 6);       /* the answer: row 1 excluded */
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1); /* row 1 still waits to go alone */
+    for (int k = 1; k < 6; k++)                          /* rows 2 to 6 */
         report(c, k, OBX_DELIVERED, 7);
     while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
         obx_relay_on_marked(c->r, 8);
@@ -1449,14 +1449,14 @@ static void test_one_record_per_key(void **state)
     assert_int_equal(c->f.produced_ids[3], 5);
     report(c, 2, OBX_DELIVERY_RETRY, 5); /* row 4 not delivered: 7 goes back unsent */
     assert_int_equal(c->f.produced, 4);
-    assert_int_equal(obx_relay_blocked_keys(c->r), 1);
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
     report(c, 3, OBX_DELIVERED, 6); /* row 5 */
     until_fetching(c, 600);         /* after the back-off: a full fetch */
     assert_int_equal(c->f.after_id, 0);
     assert_false(excluded(c, 4));
     assert_false(excluded(c, 7));
     fetched_ids(c, (const int64_t[]){4, 7}, 2, 601);
-    assert_int_equal(c->f.produced, 5); /* 4 again; 7 held back behind it (blocked) */
+    assert_int_equal(c->f.produced, 5); /* 4 again; 7 held back behind it (held_back) */
     assert_int_equal(c->f.produced_ids[4], 4);
     report(c, 4, OBX_DELIVERED, 602);
     until_fetching(c, 603);
@@ -1585,7 +1585,7 @@ static void test_log_restart_from_stored_cursor(void **state)
     assert_int_equal(c->f.produced, 2);               /* 2 and 5 */
     assert_int_equal(c->f.produced_ids[0], 2);
     assert_int_equal(c->f.produced_ids[1], 5);
-    report(c, 0, OBX_DELIVERY_REJECTED, 2); /* row 2 refused again: held, retried */
+    report(c, 0, OBX_DELIVERY_REFUSED, 2); /* row 2 refused again: held, retried */
     report(c, 1, OBX_DELIVERED, 2);
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING); /* a full one, after the hold */
     fetched_ids(c, NULL, 0, 3);
