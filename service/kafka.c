@@ -537,6 +537,12 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
     return OBX_PRODUCE_REFUSED;
 }
 
+enum obx_produce_result obx_kafka_relay_produce(void *kafka, const struct obx_row *row,
+                                                void *opaque, const char **reason)
+{
+    return obx_kafka_produce(kafka, row, opaque, reason);
+}
+
 static void unref(struct obx_kafka *k)
 {
     if (--k->refs > 0)

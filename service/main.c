@@ -78,25 +78,6 @@ struct app {
 
 /* ---- relay commands ---- */
 
-/* A statement that returns rows answered: `rows_event` takes them. */
-static void rows_to_relay(struct app *a, const struct obx_row *rows, size_t n, const char *snapshot,
-                          const char *error,
-                          void (*rows_event)(struct obx_relay *, const struct obx_row *, size_t,
-                                             const char *, int64_t))
-{
-    int64_t now = (int64_t)uv_now(&a->loop);
-    if (error)
-        obx_relay_on_query_failed(a->relay, error, now);
-    else
-        rows_event(a->relay, rows, n, snapshot, now);
-}
-
-static void fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
-                    const char *error)
-{
-    rows_to_relay(arg, rows, n, snapshot, error, obx_relay_on_fetched);
-}
-
 static void marked(void *arg, const PGresult *res, const char *error)
 {
     struct app *a = arg;
@@ -111,7 +92,7 @@ static void marked(void *arg, const PGresult *res, const char *error)
 static int op_fetch(void *io, const struct obx_fetch *f)
 {
     struct app *a = io;
-    return obx_pg_send_fetch(a->pg, f, fetched, a);
+    return obx_pg_send_fetch(a->pg, f, obx_relay_fetched, a->relay); /* rows: pg -> relay */
 }
 
 static int op_mark(void *io, const struct obx_mark *m)
@@ -120,23 +101,10 @@ static int op_mark(void *io, const struct obx_mark *m)
     return obx_pg_send_mark(a->pg, m, marked, a);
 }
 
-static void mark_fetched(void *arg, const struct obx_row *rows, size_t n, const char *snapshot,
-                         const char *error)
-{
-    rows_to_relay(arg, rows, n, snapshot, error, obx_relay_on_mark_fetched);
-}
-
 static int op_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fetch *f)
 {
     struct app *a = io;
-    return obx_pg_send_mark_fetch(a->pg, m, f, mark_fetched, a);
-}
-
-static enum obx_produce_result op_produce(void *io, const struct obx_row *row, void *opaque,
-                                          const char **reason)
-{
-    struct app *a = io;
-    return obx_kafka_produce(a->kafka, row, opaque, reason);
+    return obx_pg_send_mark_fetch(a->pg, m, f, obx_relay_mark_fetched, a->relay);
 }
 
 static int op_recover(void *io)
@@ -167,6 +135,12 @@ static void op_acked(void *io, int64_t created_us)
     obx_health_acked(&a->health, created_us);
 }
 
+static int64_t op_now(void *io)
+{
+    struct app *a = io;
+    return (int64_t)uv_now(&a->loop);
+}
+
 static void on_look(uv_timer_t *t)
 {
     struct app *a = t->data;
@@ -184,12 +158,13 @@ static const struct obx_relay_ops relay_ops = {
     .fetch = op_fetch,
     .mark_fetch = op_mark_fetch,
     .mark = op_mark,
-    .produce = op_produce,
+    .produce = obx_kafka_relay_produce, /* rows: relay -> kafka (obx_relay_set_producer) */
     .recover = op_recover,
     .stopped = op_stopped,
     .failpoint = op_failpoint,
     .acked = op_acked,
     .wake_at = op_wake_at,
+    .now = op_now,
 };
 
 /* ---- pg events ---- */
@@ -543,6 +518,7 @@ static int start(struct app *a)
         close_parts(a);
         return EXIT_RUNTIME;
     }
+    obx_relay_set_producer(a->relay, a->kafka);
     if (obx_pg_new(&a->loop, &a->cfg, &pg_cb, a, &a->pg, err, sizeof(err)) != 0) {
         obx_error("%s", err);
         close_parts(a);

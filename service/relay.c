@@ -70,6 +70,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->unknown_warned_at = INT64_MIN / 2; /* the first such report warns */
     r->ops = ops;
     r->io = io;
+    r->producer = io;
     r->state = OBX_RELAY_WAIT_PG;
     r->slots = obx_calloc(n, sizeof(*r->slots));
     r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_held_back: see relay_grow_held_back() */
@@ -95,6 +96,11 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->top_id = r->hwm = r->alone_id = r->fetch_alone = NO_ID;
     *out = r;
     return 0;
+}
+
+void obx_relay_set_producer(struct obx_relay *r, void *producer)
+{
+    r->producer = producer;
 }
 
 void obx_relay_free(struct obx_relay *r)
@@ -862,7 +868,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         return false;
     }
     const char *reason = NULL;
-    enum obx_produce_result pr = r->ops->produce(r->io, row, s, &reason);
+    enum obx_produce_result pr = r->ops->produce(r->producer, row, s, &reason);
     if (pr == OBX_PRODUCE_BUSY) {
         /* Keep id order: the rest of the batch waits for the next fetch,
          * and a fetch already sent must not run ahead of it. */
@@ -1022,6 +1028,28 @@ void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, 
     mark_done(r, now);
     relay_set_state(r, OBX_RELAY_FETCHING, "the fetch beside the mark");
     obx_relay_on_fetched(r, rows, n, snapshot, now);
+}
+
+void obx_relay_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
+                       const char *error)
+{
+    struct obx_relay *r = relay;
+    int64_t now = r->ops->now(r->io);
+    if (error)
+        obx_relay_on_query_failed(r, error, now);
+    else
+        obx_relay_on_fetched(r, rows, n, snapshot, now);
+}
+
+void obx_relay_mark_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
+                            const char *error)
+{
+    struct obx_relay *r = relay;
+    int64_t now = r->ops->now(r->io);
+    if (error)
+        obx_relay_on_query_failed(r, error, now);
+    else
+        obx_relay_on_mark_fetched(r, rows, n, snapshot, now);
 }
 
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now)

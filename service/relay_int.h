@@ -203,6 +203,7 @@ struct obx_relay {
     struct obx_relay_settings set;
     const struct obx_relay_ops *ops;
     void *io;
+    void *producer; /* ops->produce's first argument */
     enum obx_relay_state state;
 
     struct slot *slots;

@@ -84,6 +84,10 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
  * OBX_PRODUCE_REFUSED, *reason says why (a static string). */
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
                                           void *opaque, const char **reason);
+/* The same in the shape of the relay's ops->produce (`kafka` is the struct
+ * obx_kafka): the relay hands rows straight to the producer. */
+enum obx_produce_result obx_kafka_relay_produce(void *kafka, const struct obx_row *row,
+                                                void *opaque, const char **reason);
 
 /* Starts a metadata request in the thread pool unless one runs; its answer
  * sets obx_kafka_connected(). */

@@ -164,10 +164,12 @@ struct obx_relay_ops {
      * if it could not be sent, or 1 if they cannot go together now (then
      * the relay sends the mark alone). May be NULL. */
     int (*mark_fetch)(void *io, const struct obx_mark *m, const struct obx_fetch *f);
-    /* Hands one row to Kafka with `opaque` for its delivery report. On
+    /* Hands one row to Kafka with `opaque` for its delivery report, called
+     * with the producer given to obx_relay_set_producer (`io` until then):
+     * the row goes from the relay straight to the producer. On
      * OBX_PRODUCE_REFUSED, *reason says why (static or valid until the
      * next call). */
-    enum obx_produce_result (*produce)(void *io, const struct obx_row *row, void *opaque,
+    enum obx_produce_result (*produce)(void *producer, const struct obx_row *row, void *opaque,
                                        const char **reason);
     /* Starts the recovery pass; its end comes through obx_relay_on_recovered.
      * Returns 0, or -1 if it could not start. */
@@ -184,6 +186,10 @@ struct obx_relay_ops {
      * look for new rows); replaces any earlier request. May be NULL (then
      * only the caller's periodic tick drives it). */
     void (*wake_at)(void *io, int64_t when);
+    /* The loop's monotonic time in ms, for the answers that come straight
+     * from Postgres (obx_relay_fetched, obx_relay_mark_fetched). May be
+     * NULL if those are not used. */
+    int64_t (*now)(void *io);
 };
 
 enum obx_on_reject {
@@ -217,6 +223,8 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
                   struct obx_relay **out) OBX_WARN_UNUSED;
 void obx_relay_free(struct obx_relay *r);
+/* What ops->produce is called with (instead of `io`). */
+void obx_relay_set_producer(struct obx_relay *r, void *producer);
 
 /* Events. `now` is monotonic milliseconds. */
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now);
@@ -234,6 +242,13 @@ void obx_relay_on_marked(struct obx_relay *r, int64_t now);
 /* The answer of ops->mark_fetch: the mark committed and the fetch's rows. */
 void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
                                const char *snapshot, int64_t now);
+/* The same two answers in the shape of pg's obx_pg_rows_fn (`relay` is the
+ * struct obx_relay, the time is ops->now's): Postgres hands the fetched rows
+ * straight to the relay. `error` set: as obx_relay_on_query_failed. */
+void obx_relay_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
+                       const char *error);
+void obx_relay_mark_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
+                            const char *error);
 /* The fetch or mark failed but the connection is still usable. */
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now);
 /* One delivery report. key/key_len are the record's key (for blocking). */

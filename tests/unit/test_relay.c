@@ -22,6 +22,7 @@
 #define MAX_CALLS 2048
 
 struct fake {
+    int64_t clock; /* what ops->now says */
     int fetches;
     int64_t exclude[MAX_CALLS];
     size_t n_exclude;
@@ -181,6 +182,12 @@ static void fake_wake_at(void *io, int64_t when)
     f->wake_at = when;
 }
 
+static int64_t fake_now(void *io)
+{
+    struct fake *f = io;
+    return f->clock;
+}
+
 static const struct obx_relay_ops ops = {
     .fetch = fake_fetch,
     .mark = fake_mark,
@@ -189,6 +196,7 @@ static const struct obx_relay_ops ops = {
     .recover = fake_recover,
     .stopped = fake_stopped,
     .wake_at = fake_wake_at,
+    .now = fake_now,
 };
 
 struct ctx {
@@ -330,6 +338,41 @@ static void test_cycle(void **state)
     assert_int_equal(obx_relay_in_flight(c->r), 0);
     assert_int_equal(obx_relay_marked_total(c->r), 3);
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
+}
+
+/* The routes that skip main: Postgres's answer goes straight to the relay
+ * (its time from ops->now), and rows straight to the producer given by
+ * obx_relay_set_producer. */
+static void test_straight_routes(void **state)
+{
+    struct ctx *c = *state;
+    struct fake producer;
+    memset(&producer, 0, sizeof(producer));
+    producer.busy_at = -1;
+    producer.refused_id = -1;
+    obx_relay_set_producer(c->r, &producer);
+    ready(c, 0);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    /* An error answer: the fetch failed; a later tick fetches again. */
+    c->f.clock = 3;
+    obx_relay_fetched(c->r, NULL, 0, NULL, "injected");
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_IDLE);
+    assert_int_equal(c->f.fetches, 1);
+    obx_relay_tick(c->r, 10000);
+    assert_int_equal(c->f.fetches, 2);
+    /* Rows: handed to the producer, not to io. */
+    struct obx_row rows[2] = {{.id = 5, .topic = "t"}, {.id = 6, .topic = "t"}};
+    c->f.clock = 10001;
+    obx_relay_fetched(c->r, rows, 2, NULL, NULL);
+    assert_int_equal(producer.produced, 2);
+    assert_int_equal(producer.produced_ids[1], 6);
+    assert_int_equal(c->f.produced, 0);
+    for (int k = 0; k < 2; k++)
+        obx_relay_on_delivery(c->r, producer.opaques[k], OBX_DELIVERED, 0, 100 + k, NULL, 0, NULL,
+                              10002);
+    while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+        obx_relay_on_marked(c->r, 10003);
+    assert_int_equal(obx_relay_marked_total(c->r), 2);
 }
 
 static void test_exclusion_and_backpressure(void **state)
@@ -1635,53 +1678,38 @@ static void test_log_held_row_outlives_the_session(void **state)
     assert_int_equal(c->f.cursor_held, 1); /* row 2: still left out */
 }
 
-#define TESTS(X)                                                                                   \
-    X(test_cycle)                                                                                  \
-    X(test_exclusion_and_backpressure)                                                             \
-    X(test_adaptive_look)                                                                          \
-    X(test_pg_lost_remarks_first)                                                                  \
-    X(test_query_failed_backs_off)                                                                 \
-    X(test_delivery_failure_refetches)                                                             \
-    X(test_produce_busy_keeps_order)                                                               \
-    X(test_produce_busy_discards_early_fetch)                                                      \
-    X(test_mark_carries_offsets)                                                                   \
-    X(test_recovery_retried)                                                                       \
-    X(test_unknown_during_recovery_runs_it_again)                                                  \
-    X(test_many_keys_held_back)                                                                    \
-    X(test_failed_row_holds_its_key)                                                               \
-    X(test_uncertain_row_found_frees_its_key)                                                      \
-    X(test_held_row_behind_another_not_dropped)                                                    \
-    X(test_unknown_holds_marks)                                                                    \
-    X(test_fetch_after_unknown_set_aside)                                                          \
-    X(test_reject_retry_holds_key)                                                                 \
-    X(test_reject_dead_letter)                                                                     \
-    X(test_reject_then_transient_failure)                                                          \
-    X(test_possibly_persisted_reruns_recovery)                                                     \
-    X(test_failpoint_through_ops)                                                                  \
-    X(test_shutdown_drains)                                                                        \
-    X(test_shutdown_deadline)                                                                      \
-    X(test_shutdown_hard_deadline_while_marking)                                                   \
-    X(test_shutdown_idle_is_immediate)                                                             \
-    X(test_stall)                                                                                  \
-    X(test_batch_refused_rows_go_alone)                                                            \
-    X(test_batch_refused_row_waits_and_may_be_gone)                                                \
-    X(test_every_acquisition_recovers)                                                             \
-    X(test_fetch_in_flight_at_shutdown_is_not_produced)                                            \
-    X(test_fatal_marks_acked_then_stops)                                                           \
-    X(test_fatal_without_postgres)                                                                 \
-    X(test_keyset_fetch)                                                                           \
-    X(test_keyset_when_nothing_in_flight)                                                          \
-    X(test_cursor_not_set_by_an_earlier_fetch)                                                     \
-    X(test_ids_zero_and_below)                                                                     \
-    X(test_keyset_cleared_by_a_row_back)                                                           \
-    X(test_keyset_not_from_a_short_look)                                                           \
-    X(test_byte_budget_withholds)                                                                  \
-    X(test_fetch_rides_on_mark)                                                                    \
-    X(test_batch_refused_as_a_fetch_goes)                                                          \
-    X(test_one_record_per_key)                                                                     \
-    X(test_log_cursor_waits_for_earlier_fetch)                                                     \
-    X(test_log_release_drops_claims)                                                               \
-    X(test_log_restart_from_stored_cursor)                                                         \
-    X(test_log_held_row_outlives_the_session)
+#define TESTS(X)                                                                                          \
+    X(test_cycle)                                                                                         \
+    X(test_straight_routes) X(test_exclusion_and_backpressure) X(test_adaptive_look) X(                   \
+        test_pg_lost_remarks_first) X(test_query_failed_backs_off) X(test_delivery_failure_refetches)     \
+        X(test_produce_busy_keeps_order) X(test_produce_busy_discards_early_fetch) X(                     \
+            test_mark_carries_offsets) X(test_recovery_retried)                                           \
+            X(test_unknown_during_recovery_runs_it_again) X(test_many_keys_held_back) X(                  \
+                test_failed_row_holds_its_key) X(test_uncertain_row_found_frees_its_key)                  \
+                X(test_held_row_behind_another_not_dropped) X(test_unknown_holds_marks) X(                \
+                    test_fetch_after_unknown_set_aside) X(test_reject_retry_holds_key)                    \
+                    X(test_reject_dead_letter) X(test_reject_then_transient_failure) X(                   \
+                        test_possibly_persisted_reruns_recovery) X(test_failpoint_through_ops)            \
+                        X(test_shutdown_drains) X(test_shutdown_deadline) X(                              \
+                            test_shutdown_hard_deadline_while_marking) X(test_shutdown_idle_is_immediate) \
+                            X(test_stall) X(test_batch_refused_rows_go_alone) X(                          \
+                                test_batch_refused_row_waits_and_may_be_gone)                             \
+                                X(test_every_acquisition_recovers) X(                                     \
+                                    test_fetch_in_flight_at_shutdown_is_not_produced)                     \
+                                    X(test_fatal_marks_acked_then_stops) X(                               \
+                                        test_fatal_without_postgres) X(test_keyset_fetch)                 \
+                                        X(test_keyset_when_nothing_in_flight) X(                          \
+                                            test_cursor_not_set_by_an_earlier_fetch)                      \
+                                            X(test_ids_zero_and_below) X(                                 \
+                                                test_keyset_cleared_by_a_row_back)                        \
+                                                X(test_keyset_not_from_a_short_look) X(                   \
+                                                    test_byte_budget_withholds)                           \
+                                                    X(test_fetch_rides_on_mark) X(                        \
+                                                        test_batch_refused_as_a_fetch_goes)               \
+                                                        X(test_one_record_per_key) X(                     \
+                                                            test_log_cursor_waits_for_earlier_fetch)      \
+                                                            X(test_log_release_drops_claims) X(           \
+                                                                test_log_restart_from_stored_cursor)      \
+                                                                X(test_log_held_row_outlives_the_session)
 
 OBX_FIXTURE_MAIN(TESTS)
