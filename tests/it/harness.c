@@ -644,6 +644,37 @@ double h_metric(const char *exposition, const char *series)
     return -1;
 }
 
+/* Scrapes the relay's /metrics until `series` lies in [lo, hi] (a relay
+ * not answering yet counts as not there); fails after timeout_ms. */
+static void wait_metric_in(struct h_env *e, const char *series, double lo, double hi,
+                           int timeout_ms)
+{
+    static char body[1 << 20]; /* the test's thread alone scrapes */
+    int64_t t0 = h_now_ms();
+    double got = -1;
+    do {
+        if (h_http_get(e, "/metrics", body, sizeof(body)) == 200) {
+            got = h_metric(body, series);
+            if (got >= lo && got <= hi) {
+                note_long_wait(t0, "metric", series);
+                return;
+            }
+        }
+        h_sleep_ms(100);
+    } while (h_now_ms() < t0 + timeout_ms);
+    fail_msg("metric %s: wanted %g..%g within %d ms, last %g", series, lo, hi, timeout_ms, got);
+}
+
+void h_wait_metric(struct h_env *e, const char *series, double value, int timeout_ms)
+{
+    wait_metric_in(e, series, value, value, timeout_ms);
+}
+
+void h_wait_metric_min(struct h_env *e, const char *series, double min, int timeout_ms)
+{
+    wait_metric_in(e, series, min, 1e300, timeout_ms);
+}
+
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
 {
     (void)sb;

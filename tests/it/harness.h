@@ -183,6 +183,10 @@ void h_wait_http(struct h_env *e, const char *path, int status, const char *need
 /* Value of the sample `series` (name with labels, as printed) in a
  * Prometheus text exposition; -1 when absent. */
 double h_metric(const char *exposition, const char *series);
+/* Waits until the relay's /metrics says `series` is `value` (at least
+ * `min`): how tests follow the relay's state, rather than its log's words. */
+void h_wait_metric(struct h_env *e, const char *series, double value, int timeout_ms);
+void h_wait_metric_min(struct h_env *e, const char *series, double min, int timeout_ms);
 
 int64_t h_now_ms(void);
 void h_sleep_ms(int ms);

@@ -209,7 +209,7 @@ static void test_standby_stop_terminate_continue(void **state)
     assert_int_equal(h_relay_wait(&env, 10000), 128 + SIGKILL);
     int64_t killed = h_now_ms();
     wait_http(&b, "/readyz", 200, "ready\n", 10000);
-    h_wait_log(&b, "taking over", 5000);
+    h_wait_metric(&b, "outboxd_standby", 0, 5000);
     int64_t took = h_now_ms() - killed;
     if (took > 3000) /* the probe loop itself polls every 100 ms */
         fail_msg("takeover took %lld ms", (long long)took);
@@ -394,7 +394,7 @@ static void test_stall_livez(void **state)
     kill(pid, SIGSTOP);
     s_prefill(&env, "it.b", 100);
     wait_http(&env, "/livez", 503, "no progress", 10000);
-    h_wait_log(&env, "no progress for", 1000);
+    h_wait_metric(&env, "outboxd_stalled", 1, 1000);
 
     int64_t t0 = h_now_ms();
     int rc = h_relay_stop(&env, SIGTERM, 10000);
@@ -416,7 +416,7 @@ static void test_sigterm_during_recovery(void **state)
     s_prefill(&env, "it.a", 200);
     assert_true(h_broker_cmd(&env, "rtt all 2500"));
     h_relay_start(&env, NULL, (const char *const[]){"shutdown.timeout=2s", NULL});
-    h_wait_log(&env, "postgres: connected to", 10000);
+    h_wait_metric(&env, "outboxd_postgres_connected", 1, 10000);
     h_sleep_ms(1000); /* the recovery scan waits on the broker's slow answers */
     int64_t t0 = h_now_ms();
     int rc = h_relay_stop(&env, SIGTERM, 15000);

@@ -38,19 +38,10 @@ static void wait_http(const char *path, int status, const char *needle, int time
     h_wait_http(&env, path, status, needle, timeout_ms, body, sizeof(body));
 }
 
-/* Scrapes /metrics until `series` has `value`. */
 static void wait_metric(const char *series, double value, int timeout_ms)
 {
-    int64_t deadline = h_now_ms() + timeout_ms;
-    double got;
-    do {
-        assert_int_equal(h_http_get(&env, "/metrics", body, sizeof(body)), 200);
-        got = h_metric(body, series);
-        if (got == value)
-            return;
-        h_sleep_ms(200);
-    } while (h_now_ms() < deadline);
-    fail_msg("metric %s: wanted %g, last %g", series, value, got);
+    h_wait_metric(&env, series, value, timeout_ms);
+    assert_int_equal(h_http_get(&env, "/metrics", body, sizeof(body)), 200); /* for later checks */
 }
 
 /* Runs promtool's linter on an exposition; fails the test on a complaint. */
@@ -486,7 +477,7 @@ static void test_standby(void **state)
     int notify_fd = h_notify_socket(&env, "standby.sock", var, sizeof(var));
     second.relay_env[0] = var;
     h_relay_start(&second, NULL, NULL);
-    h_wait_log(&second, "standing by, trying the lock every", 10000);
+    h_wait_metric(&second, "outboxd_standby", 1, 10000);
     /* A standby tells systemd it started (or the start timeout kills it). */
     assert_true(h_recv_notify(notify_fd, msg, sizeof(msg), 5000));
     assert_string_equal(msg, "READY=1");
@@ -509,7 +500,7 @@ static void test_standby(void **state)
 
     /* The active one drains away (SIGTERM): the standby takes over. */
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    h_wait_log(&second, "relay lock acquired", 10000);
+    h_wait_metric(&second, "outboxd_standby", 0, 10000); /* the lock acquired */
     h_sleep_ms(1500);
     assert_int_equal(get_from(&second, "/metrics"), 200);
     assert_true(h_metric(body, "outboxd_standby") == 0);
@@ -578,7 +569,7 @@ static void test_status(void **state)
     char ci[700];
     snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=relay-b", env.conninfo);
     h_relay_start(&second, NULL, (const char *const[]){ci, NULL});
-    h_wait_log(&second, "standing by, trying the lock every", 10000);
+    h_wait_metric(&second, "outboxd_standby", 1, 10000);
     h_sleep_ms(300); /* its last statement is a try of the lock */
     assert_int_equal(tool(out, sizeof(out), (const char *const[]){"status", NULL}), 0);
     expect_in(out, "outboxd status: healthy");
