@@ -1030,26 +1030,30 @@ void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, 
     obx_relay_on_fetched(r, rows, n, snapshot, now);
 }
 
-void obx_relay_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
-                       const char *error)
+/* Postgres's answer with rows, straight from pg: `on_rows` takes them. */
+static void rows_answer(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
+                        const char *error,
+                        void (*on_rows)(struct obx_relay *, const struct obx_row *, size_t,
+                                        const char *, int64_t))
 {
     struct obx_relay *r = relay;
     int64_t now = r->ops->now(r->io);
     if (error)
         obx_relay_on_query_failed(r, error, now);
     else
-        obx_relay_on_fetched(r, rows, n, snapshot, now);
+        on_rows(r, rows, n, snapshot, now);
+}
+
+void obx_relay_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
+                       const char *error)
+{
+    rows_answer(relay, rows, n, snapshot, error, obx_relay_on_fetched);
 }
 
 void obx_relay_mark_fetched(void *relay, const struct obx_row *rows, size_t n, const char *snapshot,
                             const char *error)
 {
-    struct obx_relay *r = relay;
-    int64_t now = r->ops->now(r->io);
-    if (error)
-        obx_relay_on_query_failed(r, error, now);
-    else
-        obx_relay_on_mark_fetched(r, rows, n, snapshot, now);
+    rows_answer(relay, rows, n, snapshot, error, obx_relay_on_mark_fetched);
 }
 
 void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t now)
