@@ -430,13 +430,10 @@ static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
     for (;;) {
         snprintf(after, sizeof(after), "%lld", (long long)hwm);
         const char *fv[OBX_FETCH_NPARAMS] = {
-            [OBX_FETCH_AFTER] = hwm > 0 ? after : "{}", /* the full fetch: ids in flight */
-            [OBX_FETCH_LIMIT] = limit,
-            [OBX_FETCH_HELD_TOPICS] = "{}",
-            [OBX_FETCH_HELD_KEYS] = "{}",
-            [OBX_FETCH_HELD_IDS] = "{}",
-            [OBX_FETCH_MAX_BYTES] = row_cap,
-            [OBX_FETCH_SNAPSHOT] = snap};
+            [OBX_FETCH_AFTER] = after, /* the keyset fetch's; the full one starts at LIMIT */
+            [OBX_FETCH_LIMIT] = limit,       [OBX_FETCH_HELD_TOPICS] = "{}",
+            [OBX_FETCH_HELD_KEYS] = "{}",    [OBX_FETCH_HELD_IDS] = "{}",
+            [OBX_FETCH_MAX_BYTES] = row_cap, [OBX_FETCH_SNAPSHOT] = snap};
         PGresult *r = hwm > 0 ? PQexecPrepared(c, "k", OBX_FETCH_NPARAMS, fv, NULL, NULL, 1)
                               : PQexecParams(c, full_sql, OBX_FETCH_FULL_NPARAMS, NULL,
                                              fv + OBX_FETCH_FULL_FIRST, NULL, NULL, 1);

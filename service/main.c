@@ -158,7 +158,7 @@ static const struct obx_relay_ops relay_ops = {
     .fetch = op_fetch,
     .mark_fetch = op_mark_fetch,
     .mark = op_mark,
-    .produce = obx_kafka_relay_produce, /* rows: relay -> kafka (obx_relay_set_producer) */
+    .produce = obx_kafka_relay_produce, /* rows: relay -> kafka (its producer) */
     .recover = op_recover,
     .stopped = op_stopped,
     .failpoint = op_failpoint,
@@ -513,12 +513,11 @@ static int start(struct app *a)
     obx_relay_settings_from_config(&rs, &a->cfg);
     rs.max_payload = obx_kafka_max_message_bytes(a->kafka);
     rs.one_per_key = obx_kafka_message_timeout_ms(a->kafka) != 0;
-    if (obx_relay_new(&rs, &relay_ops, a, &a->relay) != 0) {
+    if (obx_relay_new(&rs, &relay_ops, a, a->kafka, &a->relay) != 0) {
         obx_error("out of memory allocating %d in-flight slots", a->cfg.max_in_flight);
         close_parts(a);
         return EXIT_RUNTIME;
     }
-    obx_relay_set_producer(a->relay, a->kafka);
     if (obx_pg_new(&a->loop, &a->cfg, &pg_cb, a, &a->pg, err, sizeof(err)) != 0) {
         obx_error("%s", err);
         close_parts(a);

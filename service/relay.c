@@ -60,7 +60,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
-                  struct obx_relay **out)
+                  void *producer, struct obx_relay **out)
 {
     size_t n = (size_t)s->max_in_flight;
     struct obx_relay *r = obx_calloc(1, sizeof(*r));
@@ -70,7 +70,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->unknown_warned_at = INT64_MIN / 2; /* the first such report warns */
     r->ops = ops;
     r->io = io;
-    r->producer = io;
+    r->producer = producer;
     r->state = OBX_RELAY_WAIT_PG;
     r->slots = obx_calloc(n, sizeof(*r->slots));
     r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_held_back: see relay_grow_held_back() */
@@ -96,11 +96,6 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->top_id = r->hwm = r->alone_id = r->fetch_alone = NO_ID;
     *out = r;
     return 0;
-}
-
-void obx_relay_set_producer(struct obx_relay *r, void *producer)
-{
-    r->producer = producer;
 }
 
 void obx_relay_free(struct obx_relay *r)
@@ -721,16 +716,16 @@ static bool fetch_set_aside(struct obx_relay *r, int64_t now)
  * the row to send alone, or NO_ID. */
 static int64_t alone_of_fetch(struct obx_relay *r, const struct obx_row *rows, size_t n)
 {
-    int64_t alone_id =
+    int64_t due_alone_id =
         r->fetch_alone != NO_ID && relay_find_held_back(r, r->fetch_alone) ? r->fetch_alone : NO_ID;
-    if (alone_id == NO_ID || (n > 0 && rows[n - 1].id <= alone_id))
-        return alone_id;
+    if (due_alone_id == NO_ID || (n > 0 && rows[n - 1].id <= due_alone_id))
+        return due_alone_id;
     for (size_t i = 0; i < n; i++)
-        if (rows[i].id == alone_id)
-            return alone_id;
+        if (rows[i].id == due_alone_id)
+            return due_alone_id;
     obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
-             (long long)alone_id);
-    relay_drop_held_back(r, alone_id);
+             (long long)due_alone_id);
+    relay_drop_held_back(r, due_alone_id);
     relay_want_fetch(r, "key no longer held back");
     return NO_ID;
 }
@@ -856,10 +851,10 @@ static bool waits_for_its_key(struct obx_relay *r, struct slot *s, const struct 
 /* Hands batch entry i (of `taken`) to Kafka. False when the rest of the
  * batch waits for the next fetch. */
 static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t i, size_t taken,
-                          int64_t alone_id, size_t *produced, int64_t now)
+                          int64_t due_alone_id, size_t *produced, int64_t now)
 {
     struct slot *s = r->batch[i];
-    bool alone = row->id == alone_id;
+    bool alone = row->id == due_alone_id;
     if (alone && r->n_outstanding > 0) {
         /* Rows before it are still out: it and the rest wait for the
          * next fetch, which relay_kick() sends once their reports are in. */
@@ -901,7 +896,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
 
 /* Hands the taken rows to Kafka in id order. Returns how many went. */
 static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, size_t taken,
-                            int64_t alone_id, int64_t now)
+                            int64_t due_alone_id, int64_t now)
 {
     size_t produced = 0;
     for (size_t i = 0; i < taken; i++) {
@@ -919,7 +914,7 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
             s->log_hash = obx_keycount_hash(s->topic, row->key, row->key_len);
         if (found_published(r, s, row->id) || waits_for_its_key(r, s, row))
             continue;
-        if (!produce_entry(r, row, i, taken, alone_id, &produced, now))
+        if (!produce_entry(r, row, i, taken, due_alone_id, &produced, now))
             break;
     }
     return produced;
@@ -941,7 +936,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         relay_want_fetch(r, "fetch.after failpoint");
         return;
     }
-    int64_t alone_id = alone_of_fetch(r, rows, n);
+    int64_t due_alone_id = alone_of_fetch(r, rows, n);
     if (r->n_held_back > 0 && !r->fetch_keyset)
         relay_drop_settled(r, rows, n, n >= (size_t)r->fetch_limit);
     size_t n_take = rows_to_take(r, rows, n);
@@ -961,7 +956,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     if (n_take < n || (!r->caught_up && r->fetch_limit >= r->bytes_limit))
         relay_want_fetch(r, "full batch");
     relay_kick(r, now);
-    size_t produced = produce_taken(r, rows, taken, alone_id, now);
+    size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
     if (r->set.log_mode)
         relay_recs_settle(r); /* a fetch that handed nothing out settles at once */
     if (produced > 0 && relay_failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)

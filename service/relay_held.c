@@ -1,6 +1,6 @@
 /*
- * relay_held: refused rows (relay.on_reject = retry, probes of a refused
- * batch), the later rows of their keys held back behind them, and, with a
+ * relay_held: refused rows (relay.on_reject = retry, the rows of a refused
+ * batch tried alone), the later rows of their keys held back behind them, and, with a
  * finite kafka.message.timeout.ms, rows parked behind their key's record at
  * Kafka. See relay_int.h for the state, relay.c for the cycle.
  */
@@ -200,7 +200,7 @@ void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t 
     if (b)
         b->alone = false; /* refused alone: a retry with back-off from here */
     relay_slot_release(r, s);
-    relay_want_fetch(r, "alone refused");
+    relay_want_fetch(r, "row refused");
 }
 
 /* The batch row `s` went in was refused for good, perhaps for another
@@ -305,7 +305,7 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
     struct slot *p = &r->slots[i];
     const char *reason = NULL;
     p->state = SLOT_PRODUCED;
-    enum obx_produce_result pr = r->ops->produce(r->io, p->parked, p, &reason);
+    enum obx_produce_result pr = r->ops->produce(r->producer, p->parked, p, &reason);
     if (pr == OBX_PRODUCE_OK) {
         obx_free(p->parked);
         p->parked = NULL;

@@ -165,8 +165,8 @@ struct obx_relay_ops {
      * the relay sends the mark alone). May be NULL. */
     int (*mark_fetch)(void *io, const struct obx_mark *m, const struct obx_fetch *f);
     /* Hands one row to Kafka with `opaque` for its delivery report, called
-     * with the producer given to obx_relay_set_producer (`io` until then):
-     * the row goes from the relay straight to the producer. On
+     * with the relay's `producer` (obx_relay_new): the row goes from the
+     * relay straight to it. On
      * OBX_PRODUCE_REFUSED, *reason says why (static or valid until the
      * next call). */
     enum obx_produce_result (*produce)(void *producer, const struct obx_row *row, void *opaque,
@@ -219,12 +219,12 @@ struct obx_relay;
 
 void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct obx_config *cfg);
 
-/* Allocates a relay in WAIT_PG. Does not take ownership of ops or io. */
+/* Allocates a relay in WAIT_PG. Every op is called with `io` but
+ * ops->produce, which is called with `producer`. Takes ownership of
+ * neither. */
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
-                  struct obx_relay **out) OBX_WARN_UNUSED;
+                  void *producer, struct obx_relay **out) OBX_WARN_UNUSED;
 void obx_relay_free(struct obx_relay *r);
-/* What ops->produce is called with (instead of `io`). */
-void obx_relay_set_producer(struct obx_relay *r, void *producer);
 
 /* Events. `now` is monotonic milliseconds. */
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now);

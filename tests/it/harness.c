@@ -312,21 +312,24 @@ static void apply_migrations(struct h_env *e)
  * inserted (or fixed by an UPDATE), kept by a trigger in the same
  * transaction, so rows the relay deletes (relay.on_sent = delete) or
  * retention purges can still be compared with Kafka byte for byte. */
+static const char keep_committed_sql[] =
+    "CREATE SCHEMA obx_test;"
+    " CREATE TABLE obx_test.committed (id bigint PRIMARY KEY, topic text NOT NULL,"
+    "   key text, payload bytea);"
+    " CREATE FUNCTION obx_test.keep() RETURNS trigger LANGUAGE plpgsql AS $$"
+    " BEGIN"
+    "   INSERT INTO obx_test.committed VALUES (NEW.id, NEW.topic, NEW.key, NEW.payload)"
+    "   ON CONFLICT (id) DO UPDATE SET topic = excluded.topic, key = excluded.key,"
+    "     payload = excluded.payload;"
+    "   RETURN NULL;"
+    " END $$;"
+    " CREATE TRIGGER obx_test_keep AFTER INSERT OR UPDATE OF topic, key, payload"
+    "   ON outbox.events FOR EACH ROW EXECUTE FUNCTION obx_test.keep()";
+
 static void keep_committed(struct h_env *e)
 {
     PGconn *c = h_connect(e);
-    h_sql(c, "CREATE SCHEMA obx_test;"
-             " CREATE TABLE obx_test.committed (id bigint PRIMARY KEY, topic text NOT NULL,"
-             "   key text, payload bytea);"
-             " CREATE FUNCTION obx_test.keep() RETURNS trigger LANGUAGE plpgsql AS $$"
-             " BEGIN"
-             "   INSERT INTO obx_test.committed VALUES (NEW.id, NEW.topic, NEW.key, NEW.payload)"
-             "   ON CONFLICT (id) DO UPDATE SET topic = excluded.topic, key = excluded.key,"
-             "     payload = excluded.payload;"
-             "   RETURN NULL;"
-             " END $$;"
-             " CREATE TRIGGER obx_test_keep AFTER INSERT OR UPDATE OF topic, key, payload"
-             "   ON outbox.events FOR EACH ROW EXECUTE FUNCTION obx_test.keep()");
+    h_sql(c, "%s", keep_committed_sql);
     PQfinish(c);
 }
 
@@ -406,23 +409,40 @@ void h_broker_seq_stats(struct h_env *e, struct h_seq_stats *out)
  * psql cost over a second of CPU a test, so the first test keeps a stopped
  * copy in the build directory (copied as ourselves: the server user may not
  * read a checkout in a 0700 home) and the others copy that. The copy's name
- * carries a hash of sql/ and of the server's path, so an edited migration
- * or another server is never served from an old copy; it appears by rename,
- * whole or not at all, so tests racing to make it are harmless. */
+ * carries a hash of what made it (sql/, the checker's trigger, the server
+ * binary's path, size and time, and CLUSTER_RECIPE for the rest), so an
+ * edited migration or an upgraded server is never served from an old copy;
+ * it appears by rename, whole or not at all, so tests racing to make it are
+ * harmless. */
+#define CLUSTER_RECIPE "1: h_pg_start's initdb options" /* change with them */
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ ((const unsigned char *)p)[i]) * 1099511628211ULL;
+    return h;
+}
+
 static void migrated_path(char *buf, size_t len)
 {
-    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
-    const char *bindir = PG_BINDIR;
-    for (const char *p = bindir; *p; p++)
-        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    uint64_t h = fnv1a(1469598103934665603ULL, CLUSTER_RECIPE, sizeof(CLUSTER_RECIPE));
+    h = fnv1a(h, PG_BINDIR, sizeof(PG_BINDIR));
+    h = fnv1a(h, keep_committed_sql, sizeof(keep_committed_sql));
+    struct stat st;
+    if (stat(PG_BINDIR "/postgres", &st) == 0) {
+        int64_t id[2] = {(int64_t)st.st_size, (int64_t)st.st_mtime};
+        h = fnv1a(h, id, sizeof(id));
+    }
     struct dirent **list;
     int n = scandir(OBX_SOURCE_DIR "/sql", &list, is_sql_file, name_cmp);
     for (int i = 0; i < n; i++) {
         char file[600];
         snprintf(file, sizeof(file), OBX_SOURCE_DIR "/sql/%s", list[i]->d_name);
         FILE *f = fopen(file, "rb");
-        for (int c; f && (c = fgetc(f)) != EOF;)
-            h = (h ^ (unsigned char)c) * 1099511628211ULL;
+        for (int c; f && (c = fgetc(f)) != EOF;) {
+            unsigned char byte = (unsigned char)c;
+            h = fnv1a(h, &byte, 1);
+        }
         if (f)
             fclose(f);
         free(list[i]);
@@ -432,13 +452,24 @@ static void migrated_path(char *buf, size_t len)
     snprintf(buf, len, "%s/it-pgdata-%016llx", OBX_BINARY_DIR, (unsigned long long)h);
 }
 
+static void remove_tree(const char *path, const char *log)
+{
+    char *const rm[] = {"/bin/rm", "-rf", (char *)path, NULL};
+    wait_exit(spawn(rm, NULL, NULL, SIGKILL, log), 60000);
+}
+
 static bool copy_migrated(struct h_env *e)
 {
     char from[600], to[300], log[300];
     migrated_path(from, sizeof(from));
     snprintf(to, sizeof(to), "%s/pgdata", e->dir);
     snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
-    return access(from, F_OK) == 0 && copy_tree(from, to, log) == 0;
+    if (access(from, F_OK) != 0)
+        return false;
+    if (copy_tree(from, to, log) == 0)
+        return true;
+    remove_tree(to, log); /* half a copy: initdb starts again */
+    return false;
 }
 
 static int is_migrated_copy(const struct dirent *d)
@@ -446,18 +477,19 @@ static int is_migrated_copy(const struct dirent *d)
     return strncmp(d->d_name, "it-pgdata-", 10) == 0;
 }
 
-/* Removes the copies made for other migrations or servers. */
+/* Removes the copies made for other migrations or servers, and partial
+ * ones a killed test left (a racing test whose partial copy goes loses
+ * nothing: it keeps its own cluster). */
 static void drop_old_migrated(const char *kept, const char *log)
 {
     struct dirent **list;
     const char *name = strrchr(kept, '/') + 1;
     int n = scandir(OBX_BINARY_DIR, &list, is_migrated_copy, name_cmp);
     for (int i = 0; i < n; i++) {
-        if (strncmp(list[i]->d_name, name, strlen(name)) != 0) {
+        if (strcmp(list[i]->d_name, name) != 0) {
             char old[600];
             snprintf(old, sizeof(old), "%s/%s", OBX_BINARY_DIR, list[i]->d_name);
-            char *const rm[] = {"/bin/rm", "-rf", old, NULL};
-            wait_exit(spawn(rm, NULL, NULL, SIGKILL, log), 60000);
+            remove_tree(old, log);
         }
         free(list[i]);
     }
@@ -475,11 +507,12 @@ static void keep_migrated(struct h_env *e)
     snprintf(data, sizeof(data), "%s/pgdata", e->dir);
     snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
     drop_old_migrated(kept, log);
-    h_pg_stop(e); /* a clean shutdown: the copy starts without recovery */
-    if (copy_tree(data, partial, log) != 0 || rename(partial, kept) != 0) {
-        char *const rm[] = {"/bin/rm", "-rf", partial, NULL};
-        wait_exit(spawn(rm, NULL, NULL, SIGKILL, log), 60000);
-    }
+    h_pg_stop(e);
+    char pidfile[320];
+    snprintf(pidfile, sizeof(pidfile), "%s/postmaster.pid", data);
+    bool clean = access(pidfile, F_OK) != 0; /* else every copy would start with recovery */
+    if (!clean || copy_tree(data, partial, log) != 0 || rename(partial, kept) != 0)
+        remove_tree(partial, log);
     h_pg_start(e);
 }
 

@@ -395,6 +395,7 @@ static void test_stall_livez(void **state)
     s_prefill(&env, "it.b", 100);
     wait_http(&env, "/livez", 503, "no progress", 10000);
     h_wait_metric(&env, "outboxd_stalled", 1, 1000);
+    h_wait_log(&env, "no progress for", 1000); /* G5: and says so in its log */
 
     int64_t t0 = h_now_ms();
     int rc = h_relay_stop(&env, SIGTERM, 10000);

@@ -221,7 +221,7 @@ static int setup(void **state)
 {
     struct ctx *c = test_calloc(1, sizeof(*c));
     c->f.busy_at = -1;
-    assert_int_equal(obx_relay_new(&settings, &ops, &c->f, &c->r), 0);
+    assert_int_equal(obx_relay_new(&settings, &ops, &c->f, &c->f, &c->r), 0);
     *state = c;
     return 0;
 }
@@ -341,8 +341,8 @@ static void test_cycle(void **state)
 }
 
 /* The routes that skip main: Postgres's answer goes straight to the relay
- * (its time from ops->now), and rows straight to the producer given by
- * obx_relay_set_producer. */
+ * (its time from ops->now), and every row straight to the relay's producer,
+ * also a row parked behind its key's record. */
 static void test_straight_routes(void **state)
 {
     struct ctx *c = *state;
@@ -350,7 +350,10 @@ static void test_straight_routes(void **state)
     memset(&producer, 0, sizeof(producer));
     producer.busy_at = -1;
     producer.refused_id = -1;
-    obx_relay_set_producer(c->r, &producer);
+    struct obx_relay_settings one = settings;
+    one.one_per_key = true;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&one, &ops, &c->f, &producer, &c->r), 0);
     ready(c, 0);
     assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
     /* An error answer: the fetch failed; a later tick fetches again. */
@@ -360,18 +363,21 @@ static void test_straight_routes(void **state)
     assert_int_equal(c->f.fetches, 1);
     obx_relay_tick(c->r, 10000);
     assert_int_equal(c->f.fetches, 2);
-    /* Rows: handed to the producer, not to io. */
-    struct obx_row rows[2] = {{.id = 5, .topic = "t"}, {.id = 6, .topic = "t"}};
+    /* Rows 5 and 6 of one key: 5 goes to the producer, 6 is parked. */
+    struct obx_row rows[2] = {{.id = 5, .topic = "t", .key = "k", .key_len = 1},
+                              {.id = 6, .topic = "t", .key = "k", .key_len = 1}};
     c->f.clock = 10001;
     obx_relay_fetched(c->r, rows, 2, NULL, NULL);
+    assert_int_equal(producer.produced, 1);
+    assert_int_equal(c->f.produced, 0);
+    /* 5 delivered: 6 goes, to the producer too. */
+    obx_relay_on_delivery(c->r, producer.opaques[0], OBX_DELIVERED, 0, 100, "k", 1, NULL, 10002);
     assert_int_equal(producer.produced, 2);
     assert_int_equal(producer.produced_ids[1], 6);
     assert_int_equal(c->f.produced, 0);
-    for (int k = 0; k < 2; k++)
-        obx_relay_on_delivery(c->r, producer.opaques[k], OBX_DELIVERED, 0, 100 + k, NULL, 0, NULL,
-                              10002);
+    obx_relay_on_delivery(c->r, producer.opaques[1], OBX_DELIVERED, 0, 101, "k", 1, NULL, 10003);
     while (obx_relay_state(c->r) == OBX_RELAY_MARKING)
-        obx_relay_on_marked(c->r, 10003);
+        obx_relay_on_marked(c->r, 10004);
     assert_int_equal(obx_relay_marked_total(c->r), 2);
 }
 
@@ -798,7 +804,7 @@ static void test_failpoint_through_ops(void **state)
     struct obx_relay_ops with_fp = ops;
     with_fp.failpoint = failing_fetch_after;
     obx_relay_free(c->r);
-    assert_int_equal(obx_relay_new(&settings, &with_fp, &c->f, &c->r), 0);
+    assert_int_equal(obx_relay_new(&settings, &with_fp, &c->f, &c->f, &c->r), 0);
     ready(c, 0);
     int fetches = c->f.fetches;
     fetched(c, 1, 2, 0);
@@ -815,7 +821,7 @@ static void test_reject_dead_letter(void **state)
     obx_relay_free(c->r);
     struct obx_relay_settings s = settings;
     s.on_reject = OBX_ON_REJECT_DEAD_LETTER;
-    assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->r), 0);
+    assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->f, &c->r), 0);
     c->f.refused_id = 2;
     ready(c, 0);
     fetched(c, 1, 3, 0);
@@ -969,7 +975,7 @@ static void test_batch_refused_rows_go_alone(void **state)
     obx_relay_free(c->r);
     struct obx_relay_settings s = settings;
     s.on_reject = OBX_ON_REJECT_DEAD_LETTER;
-    assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->r), 0);
+    assert_int_equal(obx_relay_new(&s, &ops, &c->f, &c->f, &c->r), 0);
     ready(c, 0);
     fetched(c, 1, 4, 0); /* 1:k1 2:k2 3:k0 4:k1 */
     assert_int_equal(c->f.produced, 4);
@@ -1478,7 +1484,7 @@ static void test_one_record_per_key(void **state)
     struct obx_relay_settings one = settings;
     one.one_per_key = true;
     obx_relay_free(c->r);
-    assert_int_equal(obx_relay_new(&one, &ops, &c->f, &c->r), 0);
+    assert_int_equal(obx_relay_new(&one, &ops, &c->f, &c->f, &c->r), 0);
     ready(c, 0);
     fetched_ids(c, (const int64_t[]){1, 2, 4, 5}, 4, 1); /* 1:k1 2:k2 4:k1 5:k2; full */
     assert_int_equal(c->f.fetches, 2);                   /* the next one went at once */
@@ -1525,7 +1531,7 @@ static void log_ready(struct ctx *c, const struct obx_log_state *st, int64_t now
     struct obx_relay_settings log = settings;
     log.log_mode = true;
     obx_relay_free(c->r);
-    assert_int_equal(obx_relay_new(&log, &ops, &c->f, &c->r), 0);
+    assert_int_equal(obx_relay_new(&log, &ops, &c->f, &c->f, &c->r), 0);
     obx_relay_on_pg_ready(c->r, now);
     assert_int_equal(obx_relay_on_log_state(c->r, st), 0);
     obx_relay_on_recovered(c->r, true, now);
@@ -1678,38 +1684,54 @@ static void test_log_held_row_outlives_the_session(void **state)
     assert_int_equal(c->f.cursor_held, 1); /* row 2: still left out */
 }
 
-#define TESTS(X)                                                                                          \
-    X(test_cycle)                                                                                         \
-    X(test_straight_routes) X(test_exclusion_and_backpressure) X(test_adaptive_look) X(                   \
-        test_pg_lost_remarks_first) X(test_query_failed_backs_off) X(test_delivery_failure_refetches)     \
-        X(test_produce_busy_keeps_order) X(test_produce_busy_discards_early_fetch) X(                     \
-            test_mark_carries_offsets) X(test_recovery_retried)                                           \
-            X(test_unknown_during_recovery_runs_it_again) X(test_many_keys_held_back) X(                  \
-                test_failed_row_holds_its_key) X(test_uncertain_row_found_frees_its_key)                  \
-                X(test_held_row_behind_another_not_dropped) X(test_unknown_holds_marks) X(                \
-                    test_fetch_after_unknown_set_aside) X(test_reject_retry_holds_key)                    \
-                    X(test_reject_dead_letter) X(test_reject_then_transient_failure) X(                   \
-                        test_possibly_persisted_reruns_recovery) X(test_failpoint_through_ops)            \
-                        X(test_shutdown_drains) X(test_shutdown_deadline) X(                              \
-                            test_shutdown_hard_deadline_while_marking) X(test_shutdown_idle_is_immediate) \
-                            X(test_stall) X(test_batch_refused_rows_go_alone) X(                          \
-                                test_batch_refused_row_waits_and_may_be_gone)                             \
-                                X(test_every_acquisition_recovers) X(                                     \
-                                    test_fetch_in_flight_at_shutdown_is_not_produced)                     \
-                                    X(test_fatal_marks_acked_then_stops) X(                               \
-                                        test_fatal_without_postgres) X(test_keyset_fetch)                 \
-                                        X(test_keyset_when_nothing_in_flight) X(                          \
-                                            test_cursor_not_set_by_an_earlier_fetch)                      \
-                                            X(test_ids_zero_and_below) X(                                 \
-                                                test_keyset_cleared_by_a_row_back)                        \
-                                                X(test_keyset_not_from_a_short_look) X(                   \
-                                                    test_byte_budget_withholds)                           \
-                                                    X(test_fetch_rides_on_mark) X(                        \
-                                                        test_batch_refused_as_a_fetch_goes)               \
-                                                        X(test_one_record_per_key) X(                     \
-                                                            test_log_cursor_waits_for_earlier_fetch)      \
-                                                            X(test_log_release_drops_claims) X(           \
-                                                                test_log_restart_from_stored_cursor)      \
-                                                                X(test_log_held_row_outlives_the_session)
+#define TESTS(X)                                                                                   \
+    X(test_cycle)                                                                                  \
+    X(test_straight_routes)                                                                        \
+    X(test_exclusion_and_backpressure)                                                             \
+    X(test_adaptive_look)                                                                          \
+    X(test_pg_lost_remarks_first)                                                                  \
+    X(test_query_failed_backs_off)                                                                 \
+    X(test_delivery_failure_refetches)                                                             \
+    X(test_produce_busy_keeps_order)                                                               \
+    X(test_produce_busy_discards_early_fetch)                                                      \
+    X(test_mark_carries_offsets)                                                                   \
+    X(test_recovery_retried)                                                                       \
+    X(test_unknown_during_recovery_runs_it_again)                                                  \
+    X(test_many_keys_held_back)                                                                    \
+    X(test_failed_row_holds_its_key)                                                               \
+    X(test_uncertain_row_found_frees_its_key)                                                      \
+    X(test_held_row_behind_another_not_dropped)                                                    \
+    X(test_unknown_holds_marks)                                                                    \
+    X(test_fetch_after_unknown_set_aside)                                                          \
+    X(test_reject_retry_holds_key)                                                                 \
+    X(test_reject_dead_letter)                                                                     \
+    X(test_reject_then_transient_failure)                                                          \
+    X(test_possibly_persisted_reruns_recovery)                                                     \
+    X(test_failpoint_through_ops)                                                                  \
+    X(test_shutdown_drains)                                                                        \
+    X(test_shutdown_deadline)                                                                      \
+    X(test_shutdown_hard_deadline_while_marking)                                                   \
+    X(test_shutdown_idle_is_immediate)                                                             \
+    X(test_stall)                                                                                  \
+    X(test_batch_refused_rows_go_alone)                                                            \
+    X(test_batch_refused_row_waits_and_may_be_gone)                                                \
+    X(test_every_acquisition_recovers)                                                             \
+    X(test_fetch_in_flight_at_shutdown_is_not_produced)                                            \
+    X(test_fatal_marks_acked_then_stops)                                                           \
+    X(test_fatal_without_postgres)                                                                 \
+    X(test_keyset_fetch)                                                                           \
+    X(test_keyset_when_nothing_in_flight)                                                          \
+    X(test_cursor_not_set_by_an_earlier_fetch)                                                     \
+    X(test_ids_zero_and_below)                                                                     \
+    X(test_keyset_cleared_by_a_row_back)                                                           \
+    X(test_keyset_not_from_a_short_look)                                                           \
+    X(test_byte_budget_withholds)                                                                  \
+    X(test_fetch_rides_on_mark)                                                                    \
+    X(test_batch_refused_as_a_fetch_goes)                                                          \
+    X(test_one_record_per_key)                                                                     \
+    X(test_log_cursor_waits_for_earlier_fetch)                                                     \
+    X(test_log_release_drops_claims)                                                               \
+    X(test_log_restart_from_stored_cursor)                                                         \
+    X(test_log_held_row_outlives_the_session)
 
 OBX_FIXTURE_MAIN(TESTS)
