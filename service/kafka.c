@@ -245,10 +245,11 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[38
     if (n < max &&
         strcmp(prop(conf, "max.in.flight.requests.per.connection", v, sizeof(v)), "1") != 0)
         snprintf(out[n++], sizeof(out[0]),
-                 "kafka.max.in.flight.requests.per.connection=%s: a refusal behind other "
-                 "requests makes librdkafka bump the producer epoch and resend records that "
-                 "may be stored already, which the broker then stores twice (no-duplicates no "
-                 "longer holds); 1 is our default",
+                 "kafka.max.in.flight.requests.per.connection=%s: after a refusal behind other "
+                 "requests librdkafka resends, under a new epoch, records that may be stored "
+                 "(stored twice: no-duplicates no longer holds), and takes a partition's first "
+                 "records, refused before any was stored, as stored once a later one is (lost: "
+                 "no-loss no longer holds); 1 is our default",
                  v);
     if (n < max && strcmp(prop(conf, "acks", v, sizeof(v)), "-1") != 0 && strcmp(v, "all") != 0)
         snprintf(out[n++], sizeof(out[0]),

@@ -1075,6 +1075,36 @@ static void records_add(struct h_records *out, const rd_kafka_message_t *m)
     }
 }
 
+int h_kafka_empty_partitions(struct h_env *e, const char *topic)
+{
+    char err[512];
+    rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    rd_kafka_conf_set(conf, "bootstrap.servers", e->bootstrap, err, sizeof(err));
+    rd_kafka_conf_set(conf, "log_level", "3", err, sizeof(err));
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
+    if (!rk)
+        fail_msg("watermark reader: %s", err);
+    const struct rd_kafka_metadata *md = NULL;
+    rd_kafka_topic_t *rkt = rd_kafka_topic_new(rk, topic, NULL);
+    int empty = -1;
+    if (rd_kafka_metadata(rk, 0, rkt, &md, 5000) == 0 && md->topic_cnt == 1 &&
+        md->topics[0].err == 0) {
+        empty = 0;
+        for (int p = 0; p < md->topics[0].partition_cnt; p++) {
+            int64_t low = 0, high = 0;
+            if (rd_kafka_query_watermark_offsets(rk, topic, p, &low, &high, 5000) != 0 || high == 0)
+                empty++;
+        }
+    }
+    if (md)
+        rd_kafka_metadata_destroy(md);
+    rd_kafka_topic_destroy(rkt);
+    rd_kafka_destroy(rk);
+    if (empty < 0)
+        fail_msg("no metadata for topic %s", topic);
+    return empty;
+}
+
 void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out)
 {
     char err[512];

@@ -412,6 +412,13 @@ static void test_pipelined_refusals(void **state)
         h_broker_seq_stats(&env, &st);
     }
     assert_true(st.checked >= 20);
+    /* The refusals only once every partition holds a record: a broker with
+     * no state for the producer takes any sequence as its first, and
+     * librdkafka then takes the refused first records as stored (lost;
+     * doc/guarantees.md, why one request in flight is the default). */
+    while (h_kafka_empty_partitions(&env, "it.b") > 0 && h_now_ms() < deadline)
+        h_sleep_ms(100);
+    assert_int_equal(h_kafka_empty_partitions(&env, "it.b"), 0);
     for (int round = 0; round < 15 && st.out_of_order == 0; round++) {
         assert_true(h_broker_cmd(&env, "push-errors 0 NOT_LEADER_FOR_PARTITION "
                                        "NOT_ENOUGH_REPLICAS LEADER_NOT_AVAILABLE"));
