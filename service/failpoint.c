@@ -109,14 +109,16 @@ int obx_failpoint_reach(struct obx_failpoints *fps, enum obx_fp_id id)
     switch (e->action) {
     case OBX_FP_CRASH:
         if (e->hits == e->arg) {
-            obx_warn("failpoint %s: crash (hit %lld)", fp_names[id], (long long)e->hits);
+            obx_event(OBX_LOG_WARN, "failpoint", "failpoint %s: crash (hit %lld)", fp_names[id],
+                      (long long)e->hits);
             raise(SIGKILL);
         }
         return 0;
     case OBX_FP_ERROR:
         if (e->arg != 0 && e->hits != e->arg)
             return 0;
-        obx_warn("failpoint %s: injected error (hit %lld)", fp_names[id], (long long)e->hits);
+        obx_event(OBX_LOG_WARN, "failpoint", "failpoint %s: injected error (hit %lld)",
+                  fp_names[id], (long long)e->hits);
         return -1;
     case OBX_FP_SLEEP: {
         struct timespec ts = {e->arg / 1000, (long)(e->arg % 1000) * 1000000L};

@@ -364,7 +364,8 @@ static void finish_reset(struct obx_kafka *k)
         return;
     }
     k->resets++;
-    obx_info("kafka: new producer ready (%d since start)", k->resets);
+    obx_event(OBX_LOG_INFO, "producer_replaced", "kafka: new producer ready (%d since start)",
+              k->resets);
 }
 
 /* Serves everything queued; returns how many events were served. The io

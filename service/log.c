@@ -74,9 +74,9 @@ static void escape_controls(char *out, size_t cap, const char *s)
     out[o] = '\0';
 }
 
-static void log_vwrite(enum obx_log_level level, const char *fmt, va_list ap)
-    __attribute__((format(printf, 2, 0)));
-static void log_vwrite(enum obx_log_level level, const char *fmt, va_list ap)
+static void log_vwrite(enum obx_log_level level, const char *event, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
+static void log_vwrite(enum obx_log_level level, const char *event, const char *fmt, va_list ap)
 {
     char msg[2048];
     char safe[4096];
@@ -101,8 +101,11 @@ static void log_vwrite(enum obx_log_level level, const char *fmt, va_list ap)
     snprintf(ts + n, sizeof(ts) - (size_t)n, ".%03ldZ", now.tv_nsec / 1000000);
 
     if (log_format == OBX_LOG_JSON) {
-        len = (size_t)snprintf(line, sizeof(line), "{\"ts\":\"%s\",\"level\":\"%s\",\"msg\":\"", ts,
-                               obx_log_level_name(level));
+        /* Event names are our own identifiers: nothing in them to escape. */
+        len =
+            (size_t)snprintf(line, sizeof(line), "{\"ts\":\"%s\",\"level\":\"%s\",%s%s%s\"msg\":\"",
+                             ts, obx_log_level_name(level), event ? "\"event\":\"" : "",
+                             event ? event : "", event ? "\"," : "");
         append_json_escaped(line, sizeof(line), &len, msg);
         len += (size_t)snprintf(line + len, sizeof(line) - len, "\"}\n");
     } else {
@@ -122,7 +125,15 @@ void obx_log_write(enum obx_log_level level, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    log_vwrite(level, fmt, ap);
+    log_vwrite(level, NULL, fmt, ap);
+    va_end(ap);
+}
+
+void obx_log_event_write(enum obx_log_level level, const char *event, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    log_vwrite(level, event, fmt, ap);
     va_end(ap);
 }
 

@@ -248,10 +248,11 @@ static void on_signal(uv_signal_t *s, int signum)
     if (a->signals == 0)
         obx_health_draining(&a->health);
     if (++a->signals > 1) {
-        obx_warn("received %s again: exiting at once", strsignal(signum));
+        obx_event(OBX_LOG_WARN, "exit_now", "received %s again: exiting at once",
+                  strsignal(signum));
         _exit(EXIT_RUNTIME);
     }
-    obx_info("received %s: draining", strsignal(signum));
+    obx_event(OBX_LOG_INFO, "draining", "received %s: draining", strsignal(signum));
     obx_relay_shutdown(a->relay, (int64_t)uv_now(&a->loop));
 }
 
@@ -484,15 +485,16 @@ static void reload(struct app *a)
     struct obx_config fresh;
     char err[512];
     if (build_config(a, &fresh, err, sizeof(err)) != 0) {
-        obx_error("SIGHUP: configuration not reloaded: %s", err);
+        obx_event(OBX_LOG_ERROR, "reload_refused", "SIGHUP: configuration not reloaded: %s", err);
         return;
     }
     obx_log_setup((enum obx_log_level)fresh.log_level, (enum obx_log_format)fresh.log_format);
     a->cfg.log_level = fresh.log_level;
     a->cfg.log_format = fresh.log_format;
-    obx_info("SIGHUP: log level %s, format %s; other settings take effect after a restart",
-             obx_log_level_name((enum obx_log_level)fresh.log_level),
-             fresh.log_format == OBX_LOG_JSON ? "json" : "text");
+    obx_event(OBX_LOG_INFO, "reloaded",
+              "SIGHUP: log level %s, format %s; other settings take effect after a restart",
+              obx_log_level_name((enum obx_log_level)fresh.log_level),
+              fresh.log_format == OBX_LOG_JSON ? "json" : "text");
     obx_config_free(&fresh);
 }
 
@@ -562,11 +564,12 @@ static int start(struct app *a)
     uv_timer_start(&a->housekeeping, on_housekeeping, HOUSEKEEPING_MS, HOUSEKEEPING_MS);
     obx_kafka_probe(a->kafka);
     a->next_probe = (int64_t)uv_now(&a->loop) + KAFKA_PROBE_MS;
-    obx_info("outboxd %s starting: batch %d, max in flight %d, on_sent=%s", OBX_VERSION,
-             a->cfg.batch_size, a->cfg.max_in_flight,
-             a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete"
-             : a->cfg.on_sent == OBX_ON_SENT_LOG  ? "log"
-                                                  : "mark");
+    obx_event(OBX_LOG_INFO, "starting",
+              "outboxd %s starting: batch %d, max in flight %d, on_sent=%s", OBX_VERSION,
+              a->cfg.batch_size, a->cfg.max_in_flight,
+              a->cfg.on_sent == OBX_ON_SENT_DELETE ? "delete"
+              : a->cfg.on_sent == OBX_ON_SENT_LOG  ? "log"
+                                                   : "mark");
     obx_pg_start(a->pg);
     if (a->early_fatal[0]) /* now that every part exists, as for an early signal */
         obx_relay_fatal(a->relay, a->early_fatal, (int64_t)uv_now(&a->loop));

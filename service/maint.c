@@ -338,9 +338,10 @@ static void after_work_cb(uv_work_t *w, int status)
     }
     if (m->job_reclaim) {
         if (m->parts_reclaimed > 0)
-            obx_info("retention: dropped or emptied %lld partitions of outbox.events, every row "
-                     "in them published and written more than %llds ago",
-                     (long long)m->parts_reclaimed, (long long)(m->reclaim_ms / 1000));
+            obx_event(OBX_LOG_INFO, "partitions_reclaimed",
+                      "retention: dropped or emptied %lld partitions of outbox.events, every row "
+                      "in them published and written more than %llds ago",
+                      (long long)m->parts_reclaimed, (long long)(m->reclaim_ms / 1000));
         m->reclaim_due = now + m->retention_interval_ms;
     }
     if (m->job_stats) {

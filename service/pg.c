@@ -248,8 +248,8 @@ static void disconnect(struct obx_pg *pg, const char *reason)
     if (pg->state == OBX_PG_CLOSED || pg->state == OBX_PG_DISCONNECTED)
         return;
     if (had_lock || pg->state == OBX_PG_STANDBY)
-        obx_warn("postgres: connection to %s lost (while %s): %s", pg->target,
-                 state_names[pg->state], reason);
+        obx_event(OBX_LOG_WARN, "postgres_lost", "postgres: connection to %s lost (while %s): %s",
+                  pg->target, state_names[pg->state], reason);
     else
         obx_warn("postgres: cannot connect%s%s: %s", pg->target[0] ? " to " : "", pg->target,
                  reason);
@@ -472,7 +472,8 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
 static void become_ready(struct obx_pg *pg)
 {
     change_state(pg, OBX_PG_READY, "relay lock acquired");
-    obx_info("postgres: connected to %s (schema version %ld)", pg->target, pg->schema_version);
+    obx_event(OBX_LOG_INFO, "postgres_ready", "postgres: connected to %s (schema version %ld)",
+              pg->target, pg->schema_version);
     if (pg->lost_pending) { /* the old session's end comes first */
         uv_timer_stop(&pg->deferred);
         pg->lost_pending = false;
@@ -518,9 +519,10 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
     }
     if (strcmp(PQgetvalue(res, 0, 0), "t") != 0) {
         if (!pg->standby_logged)
-            obx_warn("postgres: another outboxd is relaying this outbox (it holds the relay lock "
-                     "in %s); standing by, trying the lock every %dms",
-                     pg->target, OBX_PG_STANDBY_POLL_MS);
+            obx_event(OBX_LOG_WARN, "standing_by",
+                      "postgres: another outboxd is relaying this outbox (it holds the relay lock "
+                      "in %s); standing by, trying the lock every %dms",
+                      pg->target, OBX_PG_STANDBY_POLL_MS);
         pg->standby_logged = true;
         pg->attempts = 0; /* connected and healthy: a later reconnect starts its back-off anew */
         change_state(pg, OBX_PG_STANDBY, "the relay lock is held elsewhere");
@@ -528,7 +530,8 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
         return;
     }
     if (pg->standby_logged)
-        obx_info("postgres: relay lock acquired: the other outboxd is gone, taking over");
+        obx_event(OBX_LOG_INFO, "taking_over",
+                  "postgres: relay lock acquired: the other outboxd is gone, taking over");
     pg->standby_logged = false;
     uv_timer_stop(&pg->timer);
     pg->attempts = 0;

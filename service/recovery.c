@@ -471,9 +471,10 @@ static int plan_partitions(struct obx_recovery *rec, rd_kafka_t *rk)
         if (p->stored >= high) {
             /* Offsets went back: the topic was re-created (or truncated).
              * What we stored says nothing about it now: read it all. */
-            obx_warn("recovery: %s [%d]: stored offset %lld is past its end %lld (topic "
-                     "re-created?); reading it from its start",
-                     rec->topics[p->topic], p->partition, (long long)p->stored, (long long)high);
+            obx_event(OBX_LOG_WARN, "offset_past_end",
+                      "recovery: %s [%d]: stored offset %lld is past its end %lld (topic "
+                      "re-created?); reading it from its start",
+                      rec->topics[p->topic], p->partition, (long long)p->stored, (long long)high);
             p->next = low;
             p->stored = -1;
         }
@@ -736,7 +737,7 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
 {
     int n = PQntuples(res);
     if (n == 0) {
-        obx_info("recovery: no unsent rows, nothing to recover");
+        obx_event(OBX_LOG_INFO, "recovery_done", "recovery: no unsent rows, nothing to recover");
         finish(rec, true);
         return;
     }
@@ -900,10 +901,11 @@ static void on_match_result(void *arg, const PGresult *res, const char *error)
         start_chunk(rec);
         return;
     }
-    obx_info("recovery: %llu rows were already in Kafka (published by an earlier run): they are "
-             "taken as published, not published again (%llu records read in %zu partitions)",
-             (unsigned long long)rec->confirmed,
-             (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
+    obx_event(OBX_LOG_INFO, "recovery_done",
+              "recovery: %llu rows were already in Kafka (published by an earlier run): they are "
+              "taken as published, not published again (%llu records read in %zu partitions)",
+              (unsigned long long)rec->confirmed,
+              (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
     finish(rec, true);
 }
 
@@ -928,19 +930,21 @@ static void on_mark_result(void *arg, const PGresult *res, const char *error)
          * a failure or restart. */
         int64_t now = (int64_t)uv_now(rec->loop);
         if (now - rec->last_log >= CHUNK_MS) {
-            obx_info("recovery: reading Kafka, %llu records so far, %zu of %zu partitions "
-                     "left",
-                     (unsigned long long)atomic_load(&rec->records_read), left, rec->n_parts);
+            obx_event(OBX_LOG_INFO, "recovery_progress",
+                      "recovery: reading Kafka, %llu records so far, %zu of %zu partitions "
+                      "left",
+                      (unsigned long long)atomic_load(&rec->records_read), left, rec->n_parts);
             rec->last_log = now;
         }
         clear_found(rec);
         start_chunk(rec);
         return;
     }
-    obx_info("recovery: %llu rows were already in Kafka (published by an earlier run) and are "
-             "now marked, not published again (%llu records read in %zu partitions)",
-             (unsigned long long)rec->confirmed,
-             (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
+    obx_event(OBX_LOG_INFO, "recovery_done",
+              "recovery: %llu rows were already in Kafka (published by an earlier run) and are "
+              "now marked, not published again (%llu records read in %zu partitions)",
+              (unsigned long long)rec->confirmed,
+              (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
     finish(rec, true);
 }
 

@@ -887,7 +887,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     (*produced)++;
     if (!alone)
         return true;
-    obx_info("relay: trying row %lld alone", (long long)row->id);
+    obx_event(OBX_LOG_INFO, "tried_alone", "relay: trying row %lld alone", (long long)row->id);
     r->alone_id = row->id;
     release_rest(r, i + 1, taken);
     relay_want_fetch(r, "rows given back");

@@ -71,8 +71,9 @@ void obx_relay_shutdown(struct obx_relay *r, int64_t now)
     int64_t reserve = r->set.shutdown_timeout_ms / 4 < 1000 ? r->set.shutdown_timeout_ms / 4 : 1000;
     r->hard_deadline = now + r->set.shutdown_timeout_ms;
     r->drain_deadline = r->hard_deadline - reserve;
-    obx_info("relay: shutting down: %zu rows in flight, waiting up to %lldms", r->in_use,
-             (long long)r->set.shutdown_timeout_ms);
+    obx_event(OBX_LOG_INFO, "shutting_down",
+              "relay: shutting down: %zu rows in flight, waiting up to %lldms", r->in_use,
+              (long long)r->set.shutdown_timeout_ms);
     relay_kick(r, now);
 }
 

@@ -39,6 +39,17 @@ void obx_log_write(enum obx_log_level level, const char *fmt, ...)
             obx_log_write((level), __VA_ARGS__);                                                   \
     } while (0)
 
+/* A line that marks an event other programs may wait for: in the JSON
+ * format it carries "event":"<event>" (a stable name, unlike the wording
+ * of its message); the text format shows the message alone. */
+void obx_log_event_write(enum obx_log_level level, const char *event, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define obx_event(level, event, ...)                                                               \
+    do {                                                                                           \
+        if ((int)(level) <= obx_log_threshold)                                                     \
+            obx_log_event_write((level), (event), __VA_ARGS__);                                    \
+    } while (0)
+
 #define obx_error(...) obx_log(OBX_LOG_ERROR, __VA_ARGS__)
 #define obx_warn(...)  obx_log(OBX_LOG_WARN, __VA_ARGS__)
 #define obx_info(...)  obx_log(OBX_LOG_INFO, __VA_ARGS__)

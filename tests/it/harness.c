@@ -823,6 +823,7 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
              "shutdown.timeout = 20s\n"
              "http.listen = 127.0.0.1:%d\n"
              "log.level = info\n"
+             "log.format = json\n" /* events carry names: h_relay_events */
              "relay.on_sent = %s\n",
              e->conninfo, e->bootstrap, e->http_port, mode);
     write_file(conf, text);
@@ -897,6 +898,33 @@ bool h_relay_log_contains(struct h_env *e, const char *needle)
         found = strstr(line, needle) != NULL;
     fclose(f);
     return found;
+}
+
+long h_relay_events(struct h_env *e, const char *event, const char *detail)
+{
+    char path[300], line[4096], field[96];
+    long n = 0;
+    snprintf(field, sizeof(field), "\"event\":\"%s\"", event);
+    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, field) && (!detail || strstr(line, detail));
+    if (f)
+        fclose(f);
+    return n;
+}
+
+void h_wait_event(struct h_env *e, const char *event, const char *detail, long n, int timeout_ms)
+{
+    int64_t t0 = h_now_ms();
+    long seen;
+    while ((seen = h_relay_events(e, event, detail)) < n) {
+        if (h_now_ms() > t0 + timeout_ms)
+            fail_msg("event %s%s%s seen %ld times in %s's log within %d ms, wanted %ld", event,
+                     detail ? " with " : "", detail ? detail : "", seen,
+                     e->relay_name[0] ? e->relay_name : "relay", timeout_ms, n);
+        h_sleep_ms(50);
+    }
+    note_long_wait(t0, "event", event);
 }
 
 long h_relay_log_count(struct h_env *e, const char *needle)

@@ -111,6 +111,11 @@ bool h_relay_log_contains(struct h_env *e, const char *needle);
 void h_wait_log(struct h_env *e, const char *needle, int timeout_ms);
 /* Lines of the relay's log holding `needle`. */
 long h_relay_log_count(struct h_env *e, const char *needle);
+/* Lines of the relay's (JSON) log that carry "event":"<event>", and
+ * `detail` if not NULL: what tests wait for rather than a message's words;
+ * h_wait_event waits until there are at least n. */
+long h_relay_events(struct h_env *e, const char *event, const char *detail);
+void h_wait_event(struct h_env *e, const char *event, const char *detail, long n, int timeout_ms);
 /* Lines of the relay's log saying it lost (or could not open) its Postgres
  * session: how a test sees that a cut was noticed. */
 long h_relay_disconnects(struct h_env *e);

@@ -172,7 +172,7 @@ static void test_stop_terminate_continue(void **state)
     }
     assert_true(writer_stop(&wr) > 0);
     expect_caught_up("the writer stopped", 5000);
-    assert_true(h_relay_log_contains(&env, "connection to"));
+    assert_true(h_relay_events(&env, "postgres_lost", NULL) > 0);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     check_exactly_once();
 }
@@ -251,7 +251,7 @@ static void test_multi_host(void **state)
     h_relay_start(&env, NULL, (const char *const[]){ci, NULL});
     expect_caught_up("start", 15000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    assert_false(h_relay_log_contains(&env, "timed out connecting"));
+    assert_int_equal(h_relay_events(&env, "postgres_lost", "timed out connecting"), 0);
 }
 
 /* Issue 21.5: after a failover the old primary, now a hot standby, is
@@ -289,8 +289,8 @@ static void test_standby_first_in_hosts(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     char primary[64];
     snprintf(primary, sizeof(primary), "connected to 127.0.0.1:%d/", env.pg_port);
-    assert_true(h_relay_log_contains(&env, primary));
-    assert_int_equal(h_relay_log_count(&env, "postgres: connected"), 1); /* the first try */
+    assert_int_equal(h_relay_events(&env, "postgres_ready", primary), 1);
+    assert_int_equal(h_relay_events(&env, "postgres_ready", NULL), 1); /* the first try */
     struct h_records recs = {0};
     h_kafka_read_all(&env, (const char *const[]){"it.a", NULL}, &recs);
     assert_int_equal(recs.n, 700);
@@ -511,20 +511,21 @@ static int64_t first_record_after(const struct h_records *recs, int64_t event)
     return first < 0 ? -1 : first - event;
 }
 
-/* Wall-clock ms of the n-th (1-based) log line of relay `e` holding
- * `needle`, -1 if none. */
-static int64_t log_time(struct h_env *e, const char *needle, int n)
+/* Wall-clock ms of the n-th (1-based) `event` in relay `e`'s (JSON) log,
+ * -1 if none. */
+static int64_t log_time(struct h_env *e, const char *event, int n)
 {
-    char path[300], line[4096];
+    char path[300], line[4096], field[96];
     int64_t t = -1;
+    snprintf(field, sizeof(field), "\"event\":\"%s\"", event);
     FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
     while (f && n > 0 && fgets(line, sizeof(line), f)) {
         struct tm tm;
         memset(&tm, 0, sizeof(tm));
         int ms = 0;
-        if (!strstr(line, needle) ||
-            sscanf(line, "%d-%d-%dT%d:%d:%d.%dZ", &tm.tm_year, &tm.tm_mon, &tm.tm_mday, &tm.tm_hour,
-                   &tm.tm_min, &tm.tm_sec, &ms) != 7)
+        if (!strstr(line, field) ||
+            sscanf(line, "{\"ts\":\"%d-%d-%dT%d:%d:%d.%dZ", &tm.tm_year, &tm.tm_mon, &tm.tm_mday,
+                   &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &ms) != 7)
             continue;
         tm.tm_year -= 1900;
         tm.tm_mon -= 1;
@@ -534,19 +535,6 @@ static int64_t log_time(struct h_env *e, const char *needle, int n)
     if (f)
         fclose(f);
     return n == 0 ? t : -1;
-}
-
-/* Waits until relay `e` logs `needle` for the n-th time. */
-static void wait_log_count(struct h_env *e, const char *needle, long n, int timeout_ms)
-{
-    int64_t deadline = h_now_ms() + timeout_ms;
-    long seen;
-    while ((seen = h_relay_log_count(e, needle)) < n) {
-        if (h_now_ms() > deadline)
-            fail_msg("'%s' seen %ld times in %s's log, wanted %ld", needle, seen,
-                     e->relay_name[0] ? e->relay_name : "relay", n);
-        h_sleep_ms(50);
-    }
 }
 
 /* Issue 10: two relays under running writers. (b) the active relay's
@@ -567,21 +555,21 @@ static void test_takeovers(void **state)
     h_sleep_ms(1500); /* (b) A's backend terminated: B takes over */
     events[0] = wall_ms();
     assert_true(terminate("aa") >= 1);
-    wait_log_count(&b, "taking over", 1, 5000);
+    h_wait_event(&b, "taking_over", NULL, 1, 5000);
     wait_http(&env, "/readyz", 200, "standby", 5000);
 
     h_sleep_ms(1500); /* (c) B's backend terminated: A takes the lock back */
     events[1] = wall_ms();
     assert_true(terminate("bb") >= 1);
-    wait_log_count(&env, "taking over", 1, 5000);
-    wait_log_count(&env, "recovery: ", 2, 5000); /* every acquisition runs the pass */
+    h_wait_event(&env, "taking_over", NULL, 1, 5000);
+    h_wait_event(&env, "recovery_done", NULL, 2, 5000); /* every acquisition runs the pass */
     wait_http(&b, "/readyz", 200, "standby", 5000);
 
     h_sleep_ms(1500); /* (a) kill -9 of A: B takes over */
     events[2] = wall_ms();
     kill(env.relay_pid, SIGKILL);
     assert_int_equal(h_relay_wait(&env, 10000), 128 + SIGKILL);
-    wait_log_count(&b, "taking over", 2, 5000);
+    h_wait_event(&b, "taking_over", NULL, 2, 5000);
     h_sleep_ms(1500);
 
     assert_true(writer_stop(&wr) > 0);
@@ -596,11 +584,11 @@ static void test_takeovers(void **state)
     struct h_records recs = {0};
     h_kafka_read_all(&env, S_TOPICS, &recs);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
-    /* Takeover time: from the event to the new holder's "taking over" line,
+    /* Takeover time: from the event to the new holder's taking_over event,
      * and, after the kill (when no other relay can publish), to the first
      * record produced. */
-    int64_t took[3] = {log_time(&b, "taking over", 1) - events[0],
-                       log_time(&env, "taking over", 1) - events[1],
+    int64_t took[3] = {log_time(&b, "taking_over", 1) - events[0],
+                       log_time(&env, "taking_over", 1) - events[1],
                        first_record_after(&recs, events[2])};
     for (int i = 0; i < 3; i++) {
         print_message("takeover %d: %lld ms\n", i, (long long)took[i]);
@@ -627,7 +615,7 @@ static void test_zombie(void **state)
     h_sleep_ms(1500);
     kill(env.relay_pid, SIGSTOP);
     assert_true(terminate("aa") >= 1);
-    wait_log_count(&b, "taking over", 1, 5000);
+    h_wait_event(&b, "taking_over", NULL, 1, 5000);
     h_sleep_ms(3000);
     kill(env.relay_pid, SIGCONT);
     wait_http(&env, "/readyz", 200, "standby", 10000); /* stepped aside */
@@ -782,7 +770,7 @@ static void test_lost_in_every_state(void **state)
         s_prefill(&env, "it.a", 20);
         h_sleep_ms(1500); /* fetched and handed to librdkafka */
         kill(env.relay_pid, SIGTERM);
-        h_wait_log(&env, "relay: shutting down", 5000);
+        h_wait_event(&env, "shutting_down", NULL, 1, 5000);
         cut_and_expect_notice(&env, "aa", cut, "draining");
         assert_true(h_broker_cmd(&env, "up all"));
         assert_int_equal(h_relay_wait(&env, 30000), 0);
