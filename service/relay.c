@@ -209,6 +209,17 @@ void relay_cursor_clear(struct obx_relay *r, const char *why)
     r->cursor_gen++;
 }
 
+/* A fetch in flight, alone or beside the mark, was sent before `why`: its
+ * answer is set aside and its rows fetched again. */
+void relay_ignore_fetch(struct obx_relay *r, const char *why)
+{
+    if (r->state != OBX_RELAY_FETCHING && r->fetch_ride != RIDE_ON_MARK)
+        return;
+    if (r->fetch_answer == ANSWER_USE)
+        obx_debug("relay: the fetch in flight will be ignored (%s)", why);
+    r->fetch_answer = ANSWER_IGNORE;
+}
+
 /* A fetch may find rows now (`why`); it goes once one is allowed. */
 void relay_want_fetch(struct obx_relay *r, const char *why)
 {
@@ -336,7 +347,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     for (size_t i = 0; i < f->n_exclude; i++)
         if (f->exclude[i] > max_ex)
             max_ex = f->exclude[i];
-    r->fetch_keyset = f->keyset;
+    r->fetch_kind = f->keyset ? FETCH_KEYSET : FETCH_FULL;
     r->fetch_after = f->after_id;
     r->fetch_gen = r->cursor_gen;
     r->fetches[f->keyset]++;
@@ -360,8 +371,8 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
  * again, and a full fetch, whatever went wrong. */
 static void fetch_gone(struct obx_relay *r)
 {
-    r->fetch_riding = false;
-    r->discard_fetch = false;
+    r->fetch_ride = RIDE_ALONE;
+    r->fetch_answer = ANSWER_USE;
     relay_want_fetch(r, "the fetch in flight will not answer");
     relay_cursor_clear(r, "the fetch in flight will not answer");
 }
@@ -445,7 +456,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
         return false;
     if (rc == 0) {
         fetch_sent(r, &f, now);
-        r->fetch_riding = true;
+        r->fetch_ride = RIDE_ON_MARK;
     } else if (r->ops->mark(r->io, &m) != 0) {
         return false;
     }
@@ -524,8 +535,7 @@ void relay_kick(struct obx_relay *r, int64_t now)
 void relay_after_release(struct obx_relay *r)
 {
     relay_cursor_clear(r, "rows released");
-    if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
-        r->discard_fetch = true;
+    relay_ignore_fetch(r, "rows released");
     relay_want_fetch(r, "rows released");
 }
 
@@ -601,8 +611,7 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
     for (size_t j = from; j < to; j++)
         if (r->batch[j])
             relay_slot_release(r, r->batch[j]);
-    if (r->state == OBX_RELAY_FETCHING || r->fetch_riding)
-        r->discard_fetch = true;
+    relay_ignore_fetch(r, "rows given back");
     relay_cursor_clear(r, "rows released"); /* they are below hwm now */
 }
 
@@ -630,7 +639,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     bool cut = n_take < n || n >= (size_t)r->fetch_limit; /* rows may lie beyond */
     int64_t last = n_take > 0 ? rows[n_take - 1].id : NO_ID;
     bool ok;
-    if (r->fetch_keyset) {
+    if (r->fetch_kind == FETCH_KEYSET) {
         /* Late rows (at or below fetch_after) come first: all of them are
          * in if the first row not taken, or the last one taken, is above. */
         int64_t beyond = n_take < n ? rows[n_take].id : last;
@@ -659,7 +668,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * take the stored hwm; one cut below it holds no cursor (the next one
      * is a full fetch again). */
     if (r->log.has_stored && ok) {
-        if (!r->fetch_keyset && !cut && r->hwm < r->log.stored_hwm)
+        if (r->fetch_kind == FETCH_FULL && !cut && r->hwm < r->log.stored_hwm)
             r->hwm = r->log.stored_hwm;
         ok = r->hwm >= r->log.stored_hwm;
     }
@@ -688,10 +697,10 @@ static bool withheld(const struct obx_relay *r, const struct obx_row *row)
  * rows are fetched again) and true returned. */
 static bool fetch_set_aside(struct obx_relay *r, int64_t now)
 {
-    if (r->discard_fetch) {
+    if (r->fetch_answer == ANSWER_IGNORE) {
         /* Sent while the batch before it was produced, and that batch did not
          * all go out: these rows would overtake the ones it left behind. */
-        r->discard_fetch = false;
+        r->fetch_answer = ANSWER_USE;
         relay_want_fetch(r, "fetch overtook rows left behind");
         relay_cursor_clear(r, "fetch overtook rows left behind");
     } else if (r->draining) { /* fetched before the shutdown began: leave them */
@@ -937,7 +946,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         return;
     }
     int64_t due_alone_id = alone_of_fetch(r, rows, n);
-    if (r->n_held_back > 0 && !r->fetch_keyset)
+    if (r->n_held_back > 0 && r->fetch_kind == FETCH_FULL)
         relay_drop_settled(r, rows, n, n >= (size_t)r->fetch_limit);
     size_t n_take = rows_to_take(r, rows, n);
     cursor_advance(r, rows, n, n_take, snapshot);
@@ -998,7 +1007,7 @@ static void mark_done(struct obx_relay *r, int64_t now)
 void obx_relay_on_marked(struct obx_relay *r, int64_t now)
 {
     r->now = now;
-    if (r->state != OBX_RELAY_MARKING || r->fetch_riding)
+    if (r->state != OBX_RELAY_MARKING || r->fetch_ride == RIDE_ON_MARK)
         return;
     if (relay_failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) {
         /* As if the COMMIT's answer was lost: mark again (idempotent). */
@@ -1013,13 +1022,13 @@ void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, 
                                const char *snapshot, int64_t now)
 {
     r->now = now;
-    if (r->state != OBX_RELAY_MARKING || !r->fetch_riding)
+    if (r->state != OBX_RELAY_MARKING || r->fetch_ride != RIDE_ON_MARK)
         return;
     if (relay_failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) { /* as in obx_relay_on_marked */
         obx_relay_on_query_failed(r, "injected error after commit", now);
         return;
     }
-    r->fetch_riding = false;
+    r->fetch_ride = RIDE_ALONE;
     mark_done(r, now);
     relay_set_state(r, OBX_RELAY_FETCHING, "the fetch beside the mark");
     obx_relay_on_fetched(r, rows, n, snapshot, now);
@@ -1059,7 +1068,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         fetch_gone(r);
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);
-        if (r->fetch_riding) /* and the fetch beside it */
+        if (r->fetch_ride == RIDE_ON_MARK) /* and the fetch beside it */
             fetch_gone(r);
         unmark(r);
     } else {

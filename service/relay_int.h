@@ -191,6 +191,23 @@ enum cursor_state {
     CURSOR_NONE, /* a full fetch, which excludes what is in flight and takes a cursor */
     CURSOR_HELD, /* a keyset fetch from hwm and snap */
 };
+/* The fetch in flight: its kind, whether it rides on the mark in flight
+ * (one statement) or goes alone, and whether its answer will be used. Each
+ * is set when it is sent; the state moves that go with the first two are
+ * logged (FETCHING, MARKING), as is a fetch to be ignored. */
+enum fetch_kind {
+    FETCH_FULL,   /* every unsent row but those in flight */
+    FETCH_KEYSET, /* from the cursor */
+};
+enum fetch_ride {
+    RIDE_ALONE,   /* the relay is FETCHING */
+    RIDE_ON_MARK, /* the relay is MARKING, with the fetch in the same statement */
+};
+enum fetch_answer {
+    ANSWER_USE,
+    ANSWER_IGNORE, /* rows were given back while it was out: they would be overtaken */
+};
+
 /* Whether the relay has a reason to fetch now (rows may be waiting: a look
  * is due, a batch came back full, rows were given back, a key is free) or
  * waits for one. Moves are logged at debug level with their reason. */
@@ -251,14 +268,14 @@ struct obx_relay {
     int64_t hwm;
     char *snap;
     size_t snap_cap;
-    int64_t top_id;       /* highest id handed out in this session (NO_ID: none) */
-    bool fetch_keyset;    /* the fetch in flight is a keyset fetch ... */
-    int64_t fetch_after;  /* ... above this id */
-    int fetch_limit;      /* its row limit */
-    int64_t fetch_max_ex; /* full fetch: the highest id it excluded */
-    int bytes_limit;      /* most rows relay.fetch_max_bytes allows for now */
-    bool fetch_riding;    /* the mark in flight carries the next fetch */
-    bool caught_up;       /* the last fetch found fewer rows than it asked for */
+    int64_t top_id;             /* highest id handed out in this session (NO_ID: none) */
+    enum fetch_kind fetch_kind; /* the fetch in flight is a full or a keyset one ... */
+    int64_t fetch_after;        /* ... above this id */
+    int fetch_limit;            /* its row limit */
+    int64_t fetch_max_ex;       /* full fetch: the highest id it excluded */
+    int bytes_limit;            /* most rows relay.fetch_max_bytes allows for now */
+    enum fetch_ride fetch_ride; /* it goes alone (FETCHING) or with the mark (MARKING) */
+    bool caught_up;             /* the last fetch found fewer rows than it asked for */
     int64_t fetch_alone; /* the fetch in flight is a full one sent when this row was due to be tried
                           * alone (NO_ID: none) */
     int64_t fetch_sent_at; /* when the fetch in flight was sent */
@@ -271,7 +288,7 @@ struct obx_relay {
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t alone_id;     /* a row tried alone, handed to Kafka, report pending (NO_ID: none) */
-    bool discard_fetch;   /* the fetch in flight must be ignored (see on_fetched) */
+    enum fetch_answer fetch_answer; /* see relay_ignore_fetch */
 
     bool recovered;           /* the start-up recovery pass has succeeded */
     uint64_t unknowns;        /* possibly-persisted reports so far */
@@ -307,6 +324,7 @@ int64_t relay_topic_index(struct obx_relay *r, const char *name);
 void relay_slot_release(struct obx_relay *r, struct slot *s);
 void relay_cursor_clear(struct obx_relay *r, const char *why);
 void relay_want_fetch(struct obx_relay *r, const char *why);
+void relay_ignore_fetch(struct obx_relay *r, const char *why);
 int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
 void relay_stop(struct obx_relay *r, const char *why);
 int relay_grow_offsets(struct obx_relay *r);

@@ -477,16 +477,29 @@ static int is_migrated_copy(const struct dirent *d)
     return strncmp(d->d_name, "it-pgdata-", 10) == 0;
 }
 
-/* Removes the copies made for other migrations or servers, and partial
- * ones a killed test left (a racing test whose partial copy goes loses
- * nothing: it keeps its own cluster). */
+/* Whether `entry` is a copy to remove: one made for other migrations or
+ * servers, or a partial one ("<name>.<pid>") whose test is gone. A racing
+ * test's partial copy stays: removing it under its cp could leave a copy
+ * that cp reports whole, and the race's loser then publishes it. */
+static bool migrated_copy_stale(const char *entry, const char *name)
+{
+    size_t n = strlen(name);
+    if (strncmp(entry, name, n) != 0)
+        return true;
+    if (entry[n] != '.')
+        return false; /* the copy itself */
+    long pid = strtol(entry + n + 1, NULL, 10);
+    return pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+}
+
+/* Removes stale copies (migrated_copy_stale). */
 static void drop_old_migrated(const char *kept, const char *log)
 {
     struct dirent **list;
     const char *name = strrchr(kept, '/') + 1;
     int n = scandir(OBX_BINARY_DIR, &list, is_migrated_copy, name_cmp);
     for (int i = 0; i < n; i++) {
-        if (strcmp(list[i]->d_name, name) != 0) {
+        if (migrated_copy_stale(list[i]->d_name, name)) {
             char old[600];
             snprintf(old, sizeof(old), "%s/%s", OBX_BINARY_DIR, list[i]->d_name);
             remove_tree(old, log);
@@ -511,7 +524,10 @@ static void keep_migrated(struct h_env *e)
     char pidfile[320];
     snprintf(pidfile, sizeof(pidfile), "%s/postmaster.pid", data);
     bool clean = access(pidfile, F_OK) != 0; /* else every copy would start with recovery */
-    if (!clean || copy_tree(data, partial, log) != 0 || rename(partial, kept) != 0)
+    char control[720];
+    snprintf(control, sizeof(control), "%s/global/pg_control", partial);
+    if (!clean || copy_tree(data, partial, log) != 0 || access(control, F_OK) != 0 ||
+        rename(partial, kept) != 0)
         remove_tree(partial, log);
     h_pg_start(e);
 }
