@@ -251,8 +251,8 @@ static void disconnect(struct obx_pg *pg, const char *reason)
         obx_event(OBX_LOG_WARN, "postgres_lost", "postgres: connection to %s lost (while %s): %s",
                   pg->target, state_names[pg->state], reason);
     else
-        obx_warn("postgres: cannot connect%s%s: %s", pg->target[0] ? " to " : "", pg->target,
-                 reason);
+        obx_event(OBX_LOG_WARN, "postgres_unreachable", "postgres: cannot connect%s%s: %s",
+                  pg->target[0] ? " to " : "", pg->target, reason);
     unwatch(pg);
     drop_request(pg);
     PQfinish(pg->conn);

@@ -191,16 +191,17 @@ enum cursor_state {
     CURSOR_NONE, /* a full fetch, which excludes what is in flight and takes a cursor */
     CURSOR_HELD, /* a keyset fetch from hwm and snap */
 };
-/* The fetch in flight: its kind, whether it rides on the mark in flight
- * (one statement) or goes alone, and whether its answer will be used. Each
- * is set when it is sent; the state moves that go with the first two are
- * logged (FETCHING, MARKING), as is a fetch to be ignored. */
+/* The fetch in flight: its kind and whether it rides on the mark in flight
+ * (one statement) or goes alone, both set when it is sent (the state moves
+ * that go with them, FETCHING and MARKING, are logged); and whether its
+ * answer will be used, set by relay_ignore_fetch (logged) and back to USE
+ * once that answer is set aside or the fetch is gone. */
 enum fetch_kind {
     FETCH_FULL,   /* every unsent row but those in flight */
     FETCH_KEYSET, /* from the cursor */
 };
 enum fetch_ride {
-    RIDE_ALONE,   /* the relay is FETCHING */
+    RIDE_ALONE,   /* the relay is FETCHING (or no fetch is in flight) */
     RIDE_ON_MARK, /* the relay is MARKING, with the fetch in the same statement */
 };
 enum fetch_answer {

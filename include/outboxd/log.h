@@ -41,7 +41,8 @@ void obx_log_write(enum obx_log_level level, const char *fmt, ...)
 
 /* A line that marks an event other programs may wait for: in the JSON
  * format it carries "event":"<event>" (a stable name, unlike the wording
- * of its message); the text format shows the message alone. */
+ * of its message); the text format shows the message alone. `event` is a
+ * string literal of lower-case letters and '_' (written unescaped). */
 void obx_log_event_write(enum obx_log_level level, const char *event, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 #define obx_event(level, event, ...)                                                               \

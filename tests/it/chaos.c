@@ -547,9 +547,10 @@ static void apply(struct run *x, const struct fault *f, int phase)
             /* A signal that comes before the process reaches main() (the
              * loader still mapping libraries) kills any program: wait for
              * this start's first line, as a supervisor's stop would come
-             * after its start. */
+             * after its start. By its words, not its event: chaos also
+             * runs older binaries (OBX_RELAY_BINARY). */
             int64_t wait_until = h_now_ms() + 5000;
-            while (h_relay_events(&rl->env, "starting", NULL) < rl->starts &&
+            while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts &&
                    h_now_ms() < wait_until)
                 h_sleep_ms(10);
             int64_t t0 = h_now_ms();
@@ -637,7 +638,7 @@ static void apply(struct run *x, const struct fault *f, int phase)
             /* As for SIGTERM: not before the process reached main() (found
              * by chaos_bounded seed 79381173: exit 129 72 ms after a restart). */
             int64_t wait_until = h_now_ms() + 5000;
-            while (h_relay_events(&rl->env, "starting", NULL) < rl->starts &&
+            while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts &&
                    h_now_ms() < wait_until)
                 h_sleep_ms(10);
             kill(rl->env.relay_pid, SIGHUP);

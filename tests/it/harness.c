@@ -478,7 +478,7 @@ static int is_migrated_copy(const struct dirent *d)
 }
 
 /* Whether `entry` is a copy to remove: one made for other migrations or
- * servers, or a partial one ("<name>.<pid>") whose test is gone. A racing
+ * servers, or a partial one ("<name>.<pid>.<random>") whose test is gone. A racing
  * test's partial copy stays: removing it under its cp could leave a copy
  * that cp reports whole, and the race's loser then publishes it. */
 static bool migrated_copy_stale(const char *entry, const char *name)
@@ -516,7 +516,11 @@ static void keep_migrated(struct h_env *e)
     migrated_path(kept, sizeof(kept));
     if (access(kept, F_OK) == 0)
         return;
-    snprintf(partial, sizeof(partial), "%s.%ld", kept, (long)getpid());
+    /* A name no other test, not even a killed one of our pid, has used:
+     * mkdtemp makes it unique, then cp makes the directory anew. */
+    snprintf(partial, sizeof(partial), "%s.%ld.XXXXXX", kept, (long)getpid());
+    if (!mkdtemp(partial) || rmdir(partial) != 0)
+        return;
     snprintf(data, sizeof(data), "%s/pgdata", e->dir);
     snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
     drop_old_migrated(kept, log);
@@ -955,6 +959,8 @@ long h_relay_log_count(struct h_env *e, const char *needle)
     return n;
 }
 
+/* h_relay_disconnects and h_relay_sessions match words, not events: the
+ * chaos driver counts them for older binaries too (OBX_RELAY_BINARY). */
 long h_relay_disconnects(struct h_env *e)
 {
     char path[300], line[4096];
