@@ -1126,6 +1126,10 @@ static void orphan_reported(struct obx_relay *r, struct slot *s, int64_t now)
     if (s->key_hash && obx_keycount_remove(&r->busy_keys, s->key_hash) == 0)
         relay_release_parked_of(r, s->key_hash);
     r->n_outstanding--;
+    /* A row tried alone: that try is over, whatever its report says (its
+     * held-back entry tries it again). Left set, no fetch would ever go. */
+    if (s->id == r->alone_id)
+        r->alone_id = NO_ID;
     relay_slot_release(r, s);
     relay_kick(r, now);
 }

@@ -1684,6 +1684,31 @@ static void test_log_held_row_outlives_the_session(void **state)
     assert_int_equal(c->f.cursor_held, 1); /* row 2: still left out */
 }
 
+/* Log mode: a row of a refused batch is out alone when the session ends;
+ * its report comes for an orphaned slot. That ends the try: the relay
+ * fetches again after the next recovery pass (chaos seed 747685443 found
+ * it waiting for that try for ever, every row unsent). */
+static void test_log_alone_try_ends_with_the_session(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_log_state none = {0};
+    log_ready(c, &none, 0);
+    c->snapshot = "10:10:";
+    fetched_ids(c, (const int64_t[]){1}, 1, 1);
+    report(c, 0, OBX_DELIVERY_BATCH_REFUSED, 2); /* held back, to be tried alone */
+    until_fetching(c, 3);
+    fetched_ids(c, (const int64_t[]){1}, 1, 4003);
+    assert_int_equal(c->f.produced, 2); /* row 1, alone */
+    obx_relay_on_pg_lost(c->r, 4004);
+    report(c, 1, OBX_DELIVERY_RETRY, 4005); /* purged with the queue: an orphan's report */
+    obx_relay_on_pg_ready(c->r, 4006);
+    assert_int_equal(obx_relay_on_log_state(c->r, &none), 0);
+    int fetches = c->f.fetches;
+    obx_relay_on_recovered(c->r, true, 4006);
+    until_fetching(c, 4007);
+    assert_true(c->f.fetches > fetches);
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_straight_routes)                                                                        \
@@ -1732,6 +1757,7 @@ static void test_log_held_row_outlives_the_session(void **state)
     X(test_log_cursor_waits_for_earlier_fetch)                                                     \
     X(test_log_release_drops_claims)                                                               \
     X(test_log_restart_from_stored_cursor)                                                         \
-    X(test_log_held_row_outlives_the_session)
+    X(test_log_held_row_outlives_the_session)                                                      \
+    X(test_log_alone_try_ends_with_the_session)
 
 OBX_FIXTURE_MAIN(TESTS)
