@@ -220,6 +220,14 @@ void relay_ignore_fetch(struct obx_relay *r, const char *why)
     r->fetch_answer = ANSWER_IGNORE;
 }
 
+/* Rows may lie below the cursor now (`why`): the next fetch is a full one,
+ * and it is due. */
+void relay_full_fetch_due(struct obx_relay *r, const char *why)
+{
+    relay_cursor_clear(r, why);
+    relay_want_fetch(r, why);
+}
+
 /* A fetch may find rows now (`why`); it goes once one is allowed. */
 void relay_want_fetch(struct obx_relay *r, const char *why)
 {
@@ -373,8 +381,7 @@ static void fetch_gone(struct obx_relay *r)
 {
     r->fetch_ride = RIDE_ALONE;
     r->fetch_answer = ANSWER_USE;
-    relay_want_fetch(r, "the fetch in flight will not answer");
-    relay_cursor_clear(r, "the fetch in flight will not answer");
+    relay_full_fetch_due(r, "the fetch in flight will not answer");
 }
 
 /* Whether a fetch may go now. */
@@ -534,9 +541,8 @@ void relay_kick(struct obx_relay *r, int64_t now)
  * fetch is a full one, and one already sent is ignored. */
 void relay_after_release(struct obx_relay *r)
 {
-    relay_cursor_clear(r, "rows released");
     relay_ignore_fetch(r, "rows released");
-    relay_want_fetch(r, "rows released");
+    relay_full_fetch_due(r, "rows released");
 }
 
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
@@ -595,8 +601,7 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
          * a record the pass read past before it landed: one more pass. */
         r->recovered = r->unknowns == r->pass_unknowns;
         r->settled = r->pass_unknowns;
-        relay_want_fetch(r, "recovery pass done");
-        relay_cursor_clear(r, "recovery pass"); /* it may have marked rows, or left some */
+        relay_full_fetch_due(r, "recovery pass done"); /* it may have marked rows, or left some */
         relay_progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -701,15 +706,13 @@ static bool fetch_set_aside(struct obx_relay *r, int64_t now)
         /* Sent while the batch before it was produced, and that batch did not
          * all go out: these rows would overtake the ones it left behind. */
         r->fetch_answer = ANSWER_USE;
-        relay_want_fetch(r, "fetch overtook rows left behind");
-        relay_cursor_clear(r, "fetch overtook rows left behind");
+        relay_full_fetch_due(r, "fetch overtook rows left behind");
     } else if (r->draining) { /* fetched before the shutdown began: leave them */
     } else if (!r->recovered) {
         /* A possibly-persisted report came while this fetch was out: the
          * recovery pass goes first, and these rows may be of the uncertain
          * row's key. They are fetched again after it. */
-        relay_cursor_clear(r, "recovery pass due");
-        relay_want_fetch(r, "recovery pass due");
+        relay_full_fetch_due(r, "recovery pass due");
     } else {
         return false;
     }
@@ -771,8 +774,7 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
     *seq = relay_rec_push(r);
     if (*seq == 0) { /* no record, no rows: they are fetched again */
         obx_error("relay: out of memory recording a fetch");
-        relay_cursor_clear(r, "out of memory");
-        relay_want_fetch(r, "out of memory");
+        relay_full_fetch_due(r, "out of memory");
         r->not_before = now + r->set.retry_backoff_ms;
         relay_kick(r, now);
         return false;
@@ -1114,8 +1116,7 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
                  reason ? reason : "unknown error");
     }
     relay_slot_release(r, s);
-    relay_cursor_clear(r, "row not delivered"); /* unsent below hwm: a full fetch finds it */
-    relay_want_fetch(r, "row not delivered");
+    relay_full_fetch_due(r, "row not delivered"); /* unsent below hwm: a full fetch finds it */
     r->not_before = now + r->set.retry_backoff_ms;
 }
 

@@ -325,6 +325,7 @@ int64_t relay_topic_index(struct obx_relay *r, const char *name);
 void relay_slot_release(struct obx_relay *r, struct slot *s);
 void relay_cursor_clear(struct obx_relay *r, const char *why);
 void relay_want_fetch(struct obx_relay *r, const char *why);
+void relay_full_fetch_due(struct obx_relay *r, const char *why);
 void relay_ignore_fetch(struct obx_relay *r, const char *why);
 int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
 void relay_stop(struct obx_relay *r, const char *why);
