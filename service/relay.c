@@ -1131,6 +1131,12 @@ static void orphan_reported(struct obx_relay *r, struct slot *s, int64_t now)
      * held-back entry tries it again). Left set, no fetch would ever go. */
     if (s->id == r->alone_id)
         r->alone_id = NO_ID;
+    /* A held-back row was out again (not due while out): due now, so the
+     * next session's full fetch brings it back, found in Kafka or not.
+     * Left as it was, every fetch would leave it and its key out. */
+    struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, s->id) : NULL;
+    if (b && b->retry_at > now)
+        b->retry_at = now;
     relay_slot_release(r, s);
     relay_kick(r, now);
 }

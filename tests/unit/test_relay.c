@@ -1707,6 +1707,42 @@ static void test_log_alone_try_ends_with_the_session(void **state)
     obx_relay_on_recovered(c->r, true, 4006);
     until_fetching(c, 4007);
     assert_true(c->f.fetches > fetches);
+    /* Row 1 is due again, not left out of every fetch as one still out. */
+    assert_false(c->f.keyset);
+    for (size_t i = 0; i < c->f.n_exclude; i++)
+        assert_int_not_equal(c->f.exclude[i], 1);
+    fetched_ids(c, (const int64_t[]){1}, 1, 4008);
+    assert_int_equal(c->f.produced, 3);
+    assert_int_equal(c->f.produced_ids[2], 1);
+}
+
+/* Rows of a refused batch fetched again, produced and then orphaned with
+ * their session (purged with the queue, log mode) are due again after the
+ * recovery pass: they and their keys' later rows are not left out of every
+ * fetch for ever (chaos seed 747685443). */
+static void test_log_retried_rows_orphaned_come_back(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_log_state none = {0};
+    log_ready(c, &none, 0);
+    c->snapshot = "10:10:";
+    fetched_ids(c, (const int64_t[]){1, 2}, 2, 1);
+    report(c, 0, OBX_DELIVERY_RETRY, 2); /* purged: held back, retried later */
+    report(c, 1, OBX_DELIVERY_RETRY, 2);
+    until_fetching(c, 1003);
+    fetched_ids(c, (const int64_t[]){1, 2}, 2, 1003);
+    assert_int_equal(c->f.produced, 4); /* both again */
+    obx_relay_on_pg_lost(c->r, 1004);
+    report(c, 2, OBX_DELIVERY_RETRY, 1005); /* orphans' reports */
+    report(c, 3, OBX_DELIVERY_RETRY, 1005);
+    obx_relay_on_pg_ready(c->r, 1006);
+    assert_int_equal(obx_relay_on_log_state(c->r, &none), 0);
+    obx_relay_on_recovered(c->r, true, 1006);
+    until_fetching(c, 1007);
+    assert_false(c->f.keyset);
+    assert_int_equal(c->f.n_exclude, 0);
+    fetched_ids(c, (const int64_t[]){1, 2}, 2, 1008);
+    assert_int_equal(c->f.produced, 6);
 }
 
 #define TESTS(X)                                                                                   \
@@ -1758,6 +1794,7 @@ static void test_log_alone_try_ends_with_the_session(void **state)
     X(test_log_release_drops_claims)                                                               \
     X(test_log_restart_from_stored_cursor)                                                         \
     X(test_log_held_row_outlives_the_session)                                                      \
-    X(test_log_alone_try_ends_with_the_session)
+    X(test_log_alone_try_ends_with_the_session)                                                    \
+    X(test_log_retried_rows_orphaned_come_back)
 
 OBX_FIXTURE_MAIN(TESTS)
