@@ -60,6 +60,14 @@
  *    drain, PAIRS pairs in alternating order. Prints rates, their ratio
  *    (b)/(a) and the CPU per row of the relay's backend and of outboxd
  *    (steadier than rates on a few shared cores).
+ * OBX_BENCH_SHARDS=ROUNDS (--rows N)
+ *    Several active relays (relay.shards, mark mode): the drain of N rows
+ *    by one relay alone (relay.shards = 1), and by 1, 2 and 4 relays
+ *    sharing 8 slots, in a rotating order each round; the median rate and
+ *    machine CPU per row of each over ROUNDS rounds. Then 20 handovers
+ *    under a writer (2 relays; one leaves by SIGTERM and comes back, ten
+ *    times): from the signal, and from the restart, until the slots are
+ *    spread again and no relay is still recovering them.
  */
 #include "outboxd/buf.h"
 #include "outboxd/config.h"
@@ -72,6 +80,7 @@
 #include <getopt.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -622,16 +631,20 @@ static int free_port(void)
     return ntohs(a.sin_port);
 }
 
-static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
+/* An outboxd in mode on_sent serving /metrics on `port`, with one more
+ * setting `more` (or none); counting its allocations into count_file. */
+static pid_t spawn_relay(const struct opts *o, int on_sent, const char *count_file, int port,
+                         const char *more)
 {
     char conninfo[1024], bootstrap[600], listen[64];
-    snprintf(listen, sizeof(listen), "http.listen=127.0.0.1:%d", http_port);
+    snprintf(listen, sizeof(listen), "http.listen=127.0.0.1:%d", port);
     snprintf(conninfo, sizeof(conninfo), "postgres.conninfo=%s", o->conninfo);
     snprintf(bootstrap, sizeof(bootstrap), "kafka.bootstrap.servers=%s", o->bootstrap);
     pid_t pid = fork();
     if (pid < 0)
         die("fork", strerror(errno));
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives the benchmark */
         int fd = open("/dev/null", O_WRONLY);
         dup2(fd, 2);
         char preload[600], countvar[600];
@@ -658,18 +671,30 @@ static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_
                         listen,
                         NULL,
                         NULL,
+                        NULL,
+                        NULL,
                         NULL};
+        int n_argv = 11;
         /* OBX_BENCH_X=key=value: one extra setting, for trying alternatives. */
         const char *extra = getenv("OBX_BENCH_X");
         if (extra && *extra) {
-            argv[11] = "-X";
-            argv[12] = (char *)extra;
+            argv[n_argv++] = "-X";
+            argv[n_argv++] = (char *)extra;
+        }
+        if (more) {
+            argv[n_argv++] = "-X";
+            argv[n_argv++] = (char *)more;
         }
         execve(o->outboxd, argv, envp);
         _exit(127);
     }
-    live_relay = pid;
     return pid;
+}
+
+static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
+{
+    live_relay = spawn_relay(o, on_sent, count_file, http_port, NULL);
+    return live_relay;
 }
 
 static void proc_stats(pid_t pid, struct proc_stats *st)
@@ -962,6 +987,188 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
     res->dead_per_row = (double)(dead1 - dead0) / rows;
     exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets, outbox.log_cursor");
     PQfinish(c);
+}
+
+/* ---- relay.shards: several active relays ---- */
+
+#define SHARD_SLOTS      8
+#define MAX_SHARD_RELAYS 4
+
+/* A relay in mark mode with relay.shards = `shards`, /metrics on `port`. */
+static pid_t spawn_shard_relay(const struct opts *o, int shards, int port)
+{
+    char sh[32];
+    snprintf(sh, sizeof(sh), "relay.shards=%d", shards);
+    return spawn_relay(o, OBX_ON_SENT_MARK, NULL, port, sh);
+}
+
+/* Each relay's outboxd_slots_owned and outboxd_recovering: true once the
+ * relays (ports[0..n)) own `slots` between them, each its fair share, and
+ * none is recovering. */
+static bool slots_spread(const int *ports, int n, int slots)
+{
+    int total = 0, saved = http_port;
+    bool fair = true;
+    for (int i = 0; i < n && fair; i++) {
+        http_port = ports[i];
+        long long owned = relay_metric("outboxd_slots_owned");
+        long long recovering = relay_metric("outboxd_recovering");
+        fair = (owned == slots / n || owned == slots / n + 1) && recovering == 0;
+        total += (int)owned;
+    }
+    http_port = saved;
+    return fair && total == slots;
+}
+
+static double wait_spread(const int *ports, int n, int slots, double timeout_s)
+{
+    double t0 = now_s();
+    while (!slots_spread(ports, n, slots)) {
+        if (now_s() - t0 > timeout_s)
+            die("relay.shards", "the slots were not spread in time");
+        usleep(2000);
+    }
+    return now_s() - t0;
+}
+
+/* N rows drained by n relays sharing `shards` slots (1: one relay alone). */
+static void shard_drain(const struct opts *o, int n, int shards, double *rows_per_s,
+                        double *machine_us)
+{
+    PGconn *c = connect_db(o);
+    const char *left_sql = left_sql_for(OBX_ON_SENT_MARK);
+    settle(c);
+    exec_ok(c, "TRUNCATE outbox.slot_owners");
+    pid_t pids[MAX_SHARD_RELAYS];
+    int ports[MAX_SHARD_RELAYS];
+    for (int i = 0; i < n; i++) {
+        ports[i] = free_port();
+        pids[i] = spawn_shard_relay(o, shards, ports[i]);
+    }
+    exec_ok(c, "SELECT outbox.enqueue('bench', 'warm-up', 'x'::bytea)");
+    wait_drained(c, left_sql, pids[0]);
+    wait_spread(ports, n, shards, 30);
+    sleep(1);
+    exec_ok(c, "BEGIN");
+    prefill(c, o->rows, 200);
+    double m0 = machine_cpu_s(), t0 = now_s();
+    exec_ok(c, "COMMIT");
+    while (query_int(c, left_sql) > 0)
+        usleep(5000);
+    double t1 = now_s();
+    *machine_us = (machine_cpu_s() - m0) * 1e6 / o->rows;
+    *rows_per_s = o->rows / (t1 - t0);
+    for (int i = 0; i < n; i++)
+        stop_outboxd(pids[i]);
+    PQfinish(c);
+}
+
+struct shard_writer {
+    const struct opts *o;
+    atomic_int stop;
+    long written;
+};
+
+static void *shard_writer_main(void *arg)
+{
+    struct shard_writer *w = arg;
+    PGconn *c = connect_db(w->o);
+    for (long i = 0; !atomic_load(&w->stop); i++) {
+        char sql[160];
+        snprintf(sql, sizeof(sql), "SELECT outbox.enqueue('bench', 'key-%ld', 'x'::bytea)",
+                 i % KEYS);
+        exec_ok(c, sql);
+        w->written++;
+        usleep(2000);
+    }
+    PQfinish(c);
+    return NULL;
+}
+
+static int compare_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Handovers under a writer: relay B leaves (SIGTERM) and comes back, ten
+ * times; each move timed until the slots are spread and recovered. */
+static void shard_handovers(const struct opts *o, double *times, int n_times)
+{
+    PGconn *c = connect_db(o);
+    settle(c);
+    int ports[2] = {free_port(), free_port()};
+    pid_t a = spawn_shard_relay(o, SHARD_SLOTS, ports[0]);
+    pid_t b = spawn_shard_relay(o, SHARD_SLOTS, ports[1]);
+    wait_spread(ports, 2, SHARD_SLOTS, 30);
+    struct shard_writer w = {.o = o};
+    pthread_t t;
+    if (pthread_create(&t, NULL, shard_writer_main, &w) != 0)
+        die("pthread_create", "writer");
+    for (int i = 0; i + 1 < n_times; i += 2) {
+        usleep(300000);
+        double t0 = now_s();
+        stop_outboxd(b);
+        wait_spread(ports, 1, SHARD_SLOTS, 30);
+        times[i] = now_s() - t0;
+        usleep(300000);
+        t0 = now_s();
+        b = spawn_shard_relay(o, SHARD_SLOTS, ports[1]);
+        wait_spread(ports, 2, SHARD_SLOTS, 30);
+        times[i + 1] = now_s() - t0; /* includes the new process's start */
+    }
+    atomic_store(&w.stop, 1);
+    pthread_join(t, NULL);
+    while (query_int(c, left_sql_for(OBX_ON_SENT_MARK)) > 0)
+        usleep(5000);
+    stop_outboxd(a);
+    stop_outboxd(b);
+    PQfinish(c);
+}
+
+static void shard_table(const struct opts *o, int rounds)
+{
+    static const struct {
+        int relays, shards;
+    } runs[] = {{1, 1}, {1, SHARD_SLOTS}, {2, SHARD_SLOTS}, {4, SHARD_SLOTS}};
+    enum { N_RUNS = sizeof(runs) / sizeof(runs[0]) };
+    double rate[N_RUNS][16], cpu[N_RUNS][16];
+    if (rounds > 16)
+        rounds = 16;
+    for (int r = 0; r < rounds; r++) {
+        for (int k = 0; k < N_RUNS; k++) {
+            int i = (k + r) % N_RUNS; /* each round starts with another one */
+            shard_drain(o, runs[i].relays, runs[i].shards, &rate[i][r], &cpu[i][r]);
+            fprintf(stderr, "obx-bench: %d relays, relay.shards = %d: %.0f rows/s, %.1f us/row\n",
+                    runs[i].relays, runs[i].shards, rate[i][r], cpu[i][r]);
+        }
+    }
+    double med_rate[N_RUNS], med_cpu[N_RUNS];
+    for (int i = 0; i < N_RUNS; i++) {
+        qsort(rate[i], (size_t)rounds, sizeof(double), compare_double);
+        qsort(cpu[i], (size_t)rounds, sizeof(double), compare_double);
+        med_rate[i] = rate[i][rounds / 2];
+        med_cpu[i] = cpu[i][rounds / 2];
+    }
+    printf("| relays | relay.shards | drain (median of %d) | vs one relay alone | machine CPU per "
+           "row |\n| --- | --- | --- | --- | --- |\n",
+           rounds);
+    for (int i = 0; i < N_RUNS; i++)
+        printf("| %d | %d | %.0f rows/s (%.0f–%.0f) | %.2f | %.1f µs |\n", runs[i].relays,
+               runs[i].shards, med_rate[i], rate[i][0], rate[i][rounds - 1],
+               med_rate[i] / med_rate[0], med_cpu[i]);
+    double times[20];
+    shard_handovers(o, times, 20);
+    double leave[10], join[10];
+    for (int i = 0; i < 10; i++)
+        leave[i] = times[2 * i] * 1000, join[i] = times[2 * i + 1] * 1000;
+    qsort(leave, 10, sizeof(double), compare_double);
+    qsort(join, 10, sizeof(double), compare_double);
+    printf("\nHandovers (2 relays, %d slots, a writer at ~400 rows/s): a relay leaves (SIGTERM): "
+           "slots moved and recovered in median %.0f ms, max %.0f ms; it comes back (a new "
+           "process): median %.0f ms, max %.0f ms; 20 moves, p99 = max %.0f ms\n",
+           SHARD_SLOTS, leave[4], leave[9], join[4], join[9],
+           leave[9] > join[9] ? leave[9] : join[9]);
 }
 
 /* ---- 4. latency ---- */
@@ -1797,6 +2004,11 @@ int main(int argc, char **argv)
                    "%.2f ms |\n",
                    only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
         }
+        return 0;
+    }
+    if (getenv("OBX_BENCH_SHARDS")) {
+        long rounds = strtol(getenv("OBX_BENCH_SHARDS"), NULL, 10);
+        shard_table(&o, rounds < 1 ? 3 : (int)rounds);
         return 0;
     }
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */

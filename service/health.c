@@ -162,7 +162,13 @@ static void readyz(struct obx_health *h, struct obx_buf *body, int *status)
 static void metrics(struct obx_health *h, struct obx_buf *body)
 {
     const struct obx_health_parts *p = &h->parts;
+    struct obx_relay_slots slots;
+    obx_relay_slots(p->relay, &slots);
     struct obx_metrics_gauges g = {
+        .slots = slots.shards,
+        .slots_owned = slots.owned,
+        .slot_members = slots.members,
+        .slot_moves = slots.moves,
         .published = obx_kafka_published(p->kafka),
         .publish_errors = obx_kafka_publish_errors(p->kafka),
         .ack_latency = &h->ack_latency,

@@ -65,6 +65,7 @@ struct app {
     int signals;
     int exit_code;
     int64_t next_probe;       /* loop time of the next Kafka probe */
+    char shards_text[16];     /* the claim's relay.shards, as text */
     struct obx_health health; /* /livez, /readyz, /metrics, sd_notify */
     /* The command line, kept to rebuild the configuration on SIGHUP. */
     const char *config_path;
@@ -107,10 +108,42 @@ static int op_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fe
     return obx_pg_send_mark_fetch(a->pg, m, f, obx_relay_mark_fetched, a->relay);
 }
 
-static int op_recover(void *io)
+static int op_recover(void *io, int shards, const char *owned_slots)
 {
     struct app *a = io;
-    return obx_recovery_start(a->recovery);
+    return obx_recovery_start(a->recovery, shards, owned_slots);
+}
+
+static void claimed(void *arg, const PGresult *res, const char *error)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    if (error || PQntuples(res) != 1) {
+        obx_relay_on_query_failed(a->relay, error ? error : "no answer", now);
+        return;
+    }
+    struct obx_claim c = {
+        .owned = obx_store_col(res, 0, "owned"),
+        .members = (int)strtol(obx_store_col(res, 0, "members"), NULL, 10),
+        .share = (int)strtol(obx_store_col(res, 0, "share"), NULL, 10),
+        .free = (int)strtol(obx_store_col(res, 0, "free"), NULL, 10),
+        .other_shards = obx_store_col_null(res, 0, "other_shards")
+                            ? 0
+                            : (int)strtol(obx_store_col(res, 0, "other_shards"), NULL, 10),
+    };
+    obx_relay_on_claimed(a->relay, &c, now);
+}
+
+static int op_claim(void *io, int shards, const char *give_back, bool take)
+{
+    struct app *a = io;
+    snprintf(a->shards_text, sizeof(a->shards_text), "%d", shards);
+    const char *values[OBX_CLAIM_NPARAMS];
+    values[OBX_CLAIM_SHARDS] = a->shards_text;
+    values[OBX_CLAIM_GIVE_BACK] = give_back;
+    values[OBX_CLAIM_TAKE] = take ? "true" : "false";
+    return obx_pg_send(a->pg, obx_store_sql_claim_slots(), OBX_CLAIM_NPARAMS, values, 0, claimed,
+                       a);
 }
 
 static void on_teardown(uv_timer_t *t);
@@ -160,6 +193,7 @@ static const struct obx_relay_ops relay_ops = {
     .mark = op_mark,
     .produce = obx_kafka_relay_produce, /* rows: relay -> kafka (its producer) */
     .recover = op_recover,
+    .claim = op_claim,
     .stopped = op_stopped,
     .failpoint = op_failpoint,
     .acked = op_acked,
@@ -233,7 +267,9 @@ static void on_housekeeping(uv_timer_t *t)
         obx_kafka_probe(a->kafka);
         a->next_probe = now + KAFKA_PROBE_MS;
     }
-    if (obx_pg_usable(a->pg)) /* backlog and retention: the active relay's job, not a standby's */
+    /* Backlog and retention: the active relay's job, not a standby's; with
+     * relay.shards, the job of the one that owns slot 0. */
+    if (obx_pg_usable(a->pg) && obx_relay_maintains(a->relay))
         obx_maint_tick(a->maint, now);
     obx_health_tick(&a->health, now);
 }

@@ -211,6 +211,14 @@ static void render_rows(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_keys_held_back", "gauge",
            "Keys whose later rows wait behind a refused, failed or unsettled row.",
            (double)g->keys_held_back);
+    simple(out, "outboxd_slots", "gauge", "relay.shards: the slots the keys hash into.",
+           (double)g->slots);
+    simple(out, "outboxd_slots_owned", "gauge", "Slots whose rows this relay publishes.",
+           (double)g->slots_owned);
+    simple(out, "outboxd_slot_members", "gauge",
+           "Relays sharing the slots, as this relay last counted them.", (double)g->slot_members);
+    simple(out, "outboxd_slot_moves_total", "counter",
+           "Slots this relay took or gave back (rebalances).", (double)g->slot_moves);
     if (g->backlog_rows >= 0)
         simple(out, "outboxd_outbox_backlog_rows", "gauge",
                "Unsent rows in outbox.events (refreshed every few seconds).",

@@ -44,10 +44,11 @@ struct pg_request {
 };
 
 /* The most parameters a statement of the cycle takes. */
-#define PG_MAX_PARAMS ((int)OBX_CURSOR_NPARAMS)
+#define PG_MAX_PARAMS 16
 _Static_assert((int)OBX_MARK_FETCH_NPARAMS <= PG_MAX_PARAMS &&
                    (int)OBX_FETCH_LOG_NPARAMS <= PG_MAX_PARAMS &&
-                   (int)OBX_MARK_NPARAMS <= PG_MAX_PARAMS,
+                   (int)OBX_MARK_NPARAMS <= PG_MAX_PARAMS &&
+                   (int)OBX_CURSOR_NPARAMS <= PG_MAX_PARAMS,
                "a statement of the cycle has more parameters than pg keeps room for");
 
 struct obx_pg {
@@ -58,6 +59,7 @@ struct obx_pg {
     void *arg;
     char *conninfo; /* owned; secret */
     int64_t statement_timeout_ms;
+    int shards; /* relay.shards: above 1 the relay lock is shared by the relays */
     int64_t backoff_min_ms, backoff_max_ms;
 
     enum obx_pg_state state;
@@ -84,7 +86,7 @@ struct obx_pg {
     const char *param_values[PG_MAX_PARAMS];
     char batch_text[24], hwm_text[24]; /* log mode's cursor row */
     char limit_text[16];
-    char max_bytes_text[24], after_text[24];
+    char max_bytes_text[24], after_text[24], shards_text[16];
     char mark_sql[2048];
     char mark_plain_sql[1024]; /* without dead letters */
     char mark_fetch_sql[4096]; /* the plain mark with the keyset fetch */
@@ -414,7 +416,12 @@ static void try_lock(struct obx_pg *pg)
 {
     pg->repairing = false;
     change_state(pg, OBX_PG_LOCKING, "try the relay lock");
-    send_setup_statement(pg, "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
+    /* With relay.shards above 1 the relays hold it shared, each publishing
+     * the slots it owns: a relay alone (relay.shards = 1) and they exclude
+     * each other. */
+    send_setup_statement(pg, pg->shards > 1 ? "SELECT pg_try_advisory_lock_shared(" OBX_RELAY_LOCK
+                                              ")"
+                                            : "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
 }
 
 /* The schema check and SETs answered. */
@@ -521,8 +528,11 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
         if (!pg->standby_logged)
             obx_event(OBX_LOG_WARN, "standing_by",
                       "postgres: another outboxd is relaying this outbox (it holds the relay lock "
-                      "in %s); standing by, trying the lock every %dms",
-                      pg->target, OBX_PG_STANDBY_POLL_MS);
+                      "in %s%s); standing by, trying the lock every %dms",
+                      pg->target,
+                      pg->shards > 1 ? " alone, with relay.shards = 1"
+                                     : ", or relays with relay.shards above 1 share it",
+                      OBX_PG_STANDBY_POLL_MS);
         pg->standby_logged = true;
         pg->attempts = 0; /* connected and healthy: a later reconnect starts its back-off anew */
         change_state(pg, OBX_PG_STANDBY, "the relay lock is held elsewhere");
@@ -843,6 +853,7 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->cb = *cb;
     pg->arg = arg;
     pg->statement_timeout_ms = cfg->pg_statement_timeout_ms;
+    pg->shards = cfg->shards;
     pg->backoff_min_ms = cfg->pg_backoff_min_ms;
     pg->backoff_max_ms = cfg->pg_backoff_max_ms;
     pg->state = OBX_PG_DISCONNECTED;
@@ -1055,6 +1066,16 @@ static void reset_arrays(struct obx_pg *pg, int from, int to)
         obx_pg_array_reset(&pg->params[k]);
 }
 
+/* The relay's slots (enum obx_slots_param) at index `at`: `owned` as
+ * array text, NULL for every row. */
+static void slots_params(struct obx_pg *pg, int shards, const char *owned, int at,
+                         const char **values)
+{
+    snprintf(pg->shards_text, sizeof(pg->shards_text), "%d", shards > 0 ? shards : 1);
+    values[at + OBX_SLOTS_SHARDS] = pg->shards_text;
+    values[at + OBX_SLOTS_OWNED] = owned;
+}
+
 /* The fetch's parameters (enum obx_fetch_param); a full fetch finds the
  * ids in flight, as array text, at OBX_FETCH_AFTER. */
 static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyset,
@@ -1082,6 +1103,7 @@ static int fetch_params(struct obx_pg *pg, const struct obx_fetch *f, bool keyse
         values[OBX_FETCH_AFTER] = pg->after_text;
     values[OBX_FETCH_LIMIT] = pg->limit_text;
     values[OBX_FETCH_MAX_BYTES] = pg->max_bytes_text;
+    slots_params(pg, f->shards, f->owned_slots, OBX_FETCH_SLOTS, values);
     values[OBX_FETCH_SNAPSHOT] = f->snapshot;
     return 0;
 }
@@ -1177,6 +1199,7 @@ static int mark_params(struct obx_pg *pg, const struct obx_mark *m, int at, cons
     }
     if (finish_arrays(pg, at + OBX_MARK_RANGES, at + OBX_MARK_RANGES + 1, values, "mark") != 0)
         return -1;
+    slots_params(pg, m->shards, m->owned_slots, at + OBX_MARK_SLOTS, values);
     return offsets_params(pg, m, at + OBX_MARK_OFFSETS, values);
 }
 

@@ -120,6 +120,10 @@ struct obx_recovery {
     bool log_mode;       /* relay.on_sent = log: nothing is written */
     struct log_read log; /* log mode */
 
+    /* The pass's slots (relay.shards): the plan, the match's offsets. */
+    char shards_text[16];
+    char *owned_slots; /* array text; NULL: every row */
+
     char sql[2048];
     struct obx_pg_array params[NPARAMS];
     const char *values[NPARAMS];
@@ -261,11 +265,18 @@ static void on_mark_result(void *arg, const PGresult *res, const char *error);
 static void on_state_result(void *arg, const PGresult *res, const char *error);
 static void on_match_result(void *arg, const PGresult *res, const char *error);
 
-int obx_recovery_start(struct obx_recovery *rec)
+int obx_recovery_start(struct obx_recovery *rec, int shards, const char *owned_slots)
 {
     if (rec->step != STEP_IDLE || rec->closing)
         return -1; /* a scan from an abandoned pass is still running */
     clear_pass(rec);
+    obx_free(rec->owned_slots);
+    rec->owned_slots = NULL;
+    if (owned_slots && !(rec->owned_slots = obx_strdup(owned_slots))) {
+        obx_error("recovery: out of memory");
+        return -1;
+    }
+    snprintf(rec->shards_text, sizeof(rec->shards_text), "%d", shards > 0 ? shards : 1);
     atomic_store(&rec->records_read, 0);
     rec->parts_left = 0;
     rec->aborted = false;
@@ -640,7 +651,7 @@ static bool finish_params(struct obx_recovery *rec, int n)
 static void send_mark(struct obx_recovery *rec)
 {
     struct obx_pg_array *a = rec->params + OBX_RECOVER_OFFSETS;
-    found_params(rec, NPARAMS);
+    found_params(rec, OBX_RECOVER_SLOTS);
     for (size_t i = 0; i < rec->n_parts; i++) {
         struct part *p = &rec->parts[i];
         /* Done: everything up to the end seen; otherwise up to `next`. */
@@ -653,8 +664,10 @@ static void send_mark(struct obx_recovery *rec)
         obx_pg_array_add_int(&a[OBX_OFFSETS_OFFSETS], upto);
         p->stored = upto;
     }
-    if (!finish_params(rec, NPARAMS))
+    if (!finish_params(rec, OBX_RECOVER_SLOTS))
         return;
+    rec->values[OBX_RECOVER_SLOTS + OBX_SLOTS_SHARDS] = rec->shards_text;
+    rec->values[OBX_RECOVER_SLOTS + OBX_SLOTS_OWNED] = rec->owned_slots;
     if (obx_pg_send_tx(rec->pg, rec->sql, NPARAMS, rec->values, OBX_FP_RECOVER_BEFORE_COMMIT,
                        on_mark_result, rec) != 0) {
         finish(rec, false); /* if the connection broke, `lost` follows */
@@ -691,6 +704,7 @@ static void free_recovery(struct obx_recovery *rec)
     clear_pass(rec);
     for (int k = 0; k < NPARAMS; k++)
         obx_pg_array_free(&rec->params[k]);
+    obx_free(rec->owned_slots);
     obx_free(rec);
 }
 
@@ -765,7 +779,9 @@ static void on_plan(struct obx_recovery *rec, const PGresult *res)
             rec->parts[rec->n_parts++] = (struct part){
                 .topic = (int)rec->n_topics - 1,
                 .partition = (int32_t)strtol(obx_store_col(res, i, "kafka_partition"), NULL, 10),
-                .stored = strtoll(obx_store_col(res, i, "stored_offset"), NULL, 10),
+                .stored = obx_store_col_null(res, i, "stored_offset")
+                              ? -1
+                              : strtoll(obx_store_col(res, i, "stored_offset"), NULL, 10),
             };
     }
     start_chunk(rec);
@@ -852,7 +868,11 @@ static void on_state_result(void *arg, const PGresult *res, const char *error)
         finish(rec, false);
         return;
     }
-    if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), 0, NULL, 0, on_plan_result, rec) != 0)
+    const char *values[OBX_PLAN_NPARAMS];
+    values[OBX_PLAN_SLOTS + OBX_SLOTS_SHARDS] = rec->shards_text;
+    values[OBX_PLAN_SLOTS + OBX_SLOTS_OWNED] = rec->owned_slots;
+    if (obx_pg_send(rec->pg, obx_store_sql_recovery_plan(), OBX_PLAN_NPARAMS, values, 0,
+                    on_plan_result, rec) != 0)
         finish(rec, false);
 }
 

@@ -11,8 +11,8 @@
 
 #include <string.h>
 
-static const char *const state_names[] = {"wait_pg",  "recovering", "idle",
-                                          "fetching", "marking",    "stopped"};
+static const char *const state_names[] = {"wait_pg", "recovering", "idle",    "fetching",
+                                          "marking", "stopped",    "claiming"};
 
 const char *obx_relay_state_name(enum obx_relay_state s)
 {
@@ -25,10 +25,12 @@ static const unsigned allowed[] = {
     [OBX_RELAY_WAIT_PG] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_RECOVERING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_IDLE] = BIT(OBX_RELAY_RECOVERING) | BIT(OBX_RELAY_FETCHING) |
-                       BIT(OBX_RELAY_MARKING) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
+                       BIT(OBX_RELAY_MARKING) | BIT(OBX_RELAY_CLAIMING) | BIT(OBX_RELAY_WAIT_PG) |
+                       BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_FETCHING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_MARKING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_STOPPED] = 0,
+    [OBX_RELAY_CLAIMING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
 };
 
 /* The one place the state changes. Refuses impossible moves (a bug). */
@@ -57,6 +59,7 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->max_payload = 1000000; /* librdkafka's default; main.c sets the effective value */
     s->one_per_key = false;   /* main.c sets it from the producer's message timeout */
     s->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
+    s->shards = cfg->shards;
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -94,6 +97,10 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->poll_delay = POLL_MIN_MS;
     r->bytes_limit = s->batch_size;
     r->top_id = r->hwm = r->alone_id = r->fetch_alone = NO_ID;
+    if (relay_shards_new(r) != 0) {
+        obx_relay_free(r);
+        return -1;
+    }
     *out = r;
     return 0;
 }
@@ -134,6 +141,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->log.also);
     obx_free(r->log.found);
     obx_free(r->log.offs);
+    relay_shards_free(r);
     obx_free(r);
 }
 
@@ -293,7 +301,11 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
  * `keyset_only` and it would be a full one). Arrays are the relay's. */
 static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
 {
-    *f = (struct obx_fetch){.exclude = r->ids, .held_back = r->keys, .held_back_ids = r->key_ids};
+    *f = (struct obx_fetch){.exclude = r->ids,
+                            .held_back = r->keys,
+                            .held_back_ids = r->key_ids,
+                            .shards = r->set.shards,
+                            .owned_slots = relay_fetch_slots(r)};
     int free_slots = r->set.max_in_flight - (int)r->in_use;
     f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
     if (f->limit > r->bytes_limit)
@@ -387,7 +399,7 @@ static void fetch_gone(struct obx_relay *r)
 /* Whether a fetch may go now. */
 static bool fetch_allowed(struct obx_relay *r, int64_t now)
 {
-    if (r->draining || !r->recovered)
+    if (r->draining || !r->recovered || relay_shards_hold_fetch(r))
         return false;
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending. */
@@ -428,6 +440,8 @@ static bool start_mark(struct obx_relay *r, int64_t now)
                          .topics = r->off_topics,
                          .partitions = r->off_partitions,
                          .offsets = r->off_offsets,
+                         .shards = r->set.shards,
+                         .owned_slots = relay_mark_slots(r),
                          .dead_ids = r->dead_ids,
                          .dead_reasons = r->dead_reasons};
     for (int i = 0; i < r->set.max_in_flight; i++) {
@@ -523,11 +537,15 @@ void relay_kick(struct obx_relay *r, int64_t now)
         return;
     if (r->draining)
         return;
+    if (relay_sharded(r) && relay_start_claim(r, now))
+        return;
     if (!r->recovered) {
         if (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded)
             return; /* the pass must see where this session's records landed */
+        if (relay_sharded(r) && !r->shard.known)
+            return; /* the pass is over the slots a claim gives */
         r->pass_unknowns = r->unknowns;
-        if (r->ops->recover(r->io) == 0)
+        if (r->ops->recover(r->io, r->set.shards, relay_mark_slots(r)) == 0)
             relay_set_state(r, OBX_RELAY_RECOVERING, "recovery pass before publishing");
         else
             r->not_before = now + r->set.retry_backoff_ms;
@@ -583,6 +601,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
         }
     }
     relay_log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
+    relay_shards_lost(r);
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -1073,6 +1092,9 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         if (r->fetch_ride == RIDE_ON_MARK) /* and the fetch beside it */
             fetch_gone(r);
         unmark(r);
+    } else if (r->state == OBX_RELAY_CLAIMING) {
+        obx_warn("relay: claim of slots failed: %s", reason);
+        relay_claim_failed(r);
     } else {
         return;
     }

@@ -217,6 +217,31 @@ enum fetch_due {
     FETCH_DUE,
 };
 
+/* relay.shards > 1 (relay_shards.c): the slots of relay.shards this relay
+ * owns. ("Slot" alone in this code is a row in flight: these are `shard`.)
+ * A claim every CLAIM_EVERY_MS reads the members and this relay's share; a
+ * slot taken is recovered before its rows are fetched; a surplus slot
+ * leaves the fetches at once and is given back once nothing of this relay
+ * is in flight or unmarked (a quiet moment the relay makes by fetching
+ * nothing meanwhile), so the next owner finds its rows marked or unsent. */
+struct shard_state {
+    bool known;    /* a claim answered in this session: `owned` holds */
+    bool *owned;   /* [set.shards] */
+    bool *leaving; /* [set.shards]: owned, to be given back */
+    bool *seen;    /* [set.shards]: scratch for an answer */
+    int n_owned, n_leaving;
+    int members, share, free, other_shards;
+    bool giving; /* the claim in flight gives `leaving` back */
+    int64_t next_claim_at;
+    int64_t warned_at; /* the last warning about another relay.shards */
+    uint64_t moves;    /* slots taken or given back */
+    char *fetch_text;  /* "{0,3}": owned but not leaving, for the fetches */
+    char *mark_text;   /* "{0,3}": owned, for the stored offsets */
+    char *give_text;   /* "{5}": leaving, for the claim */
+    char *list_text;   /* "0,3": owned, for status */
+    size_t text_cap;
+};
+
 struct obx_relay {
     struct obx_relay_settings set;
     const struct obx_relay_ops *ops;
@@ -316,7 +341,8 @@ struct obx_relay {
     uint64_t dead_total;
     uint64_t fetches[2]; /* full, keyset */
 
-    struct log_state log; /* set.log_mode only */
+    struct log_state log;     /* set.log_mode only */
+    struct shard_state shard; /* set.shards > 1 only */
 };
 
 /* relay.c (the cycle) */
@@ -367,6 +393,17 @@ void relay_release_parked_of(struct obx_relay *r, uint64_t h);
 void relay_release_all_parked(struct obx_relay *r);
 bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
 void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
+
+/* relay_shards.c (relay.shards > 1) */
+int relay_shards_new(struct obx_relay *r);
+void relay_shards_free(struct obx_relay *r);
+bool relay_sharded(const struct obx_relay *r);
+void relay_shards_lost(struct obx_relay *r);
+bool relay_shards_hold_fetch(const struct obx_relay *r);
+bool relay_start_claim(struct obx_relay *r, int64_t now);
+void relay_claim_failed(struct obx_relay *r);
+const char *relay_fetch_slots(const struct obx_relay *r);
+const char *relay_mark_slots(const struct obx_relay *r);
 
 /* relay_drain.c (drain and stall) */
 bool relay_uncertain(const struct obx_relay *r);

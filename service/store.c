@@ -21,6 +21,7 @@ static const char *const migrations[] = {
     [5] = "sql/005_no_notify.sql",
     [6] = "sql/006_writer_xid.sql",
     [7] = "sql/007_partitions.sql",
+    [8] = "sql/008_shards.sql",
 };
 /* clang-format on */
 
@@ -128,6 +129,13 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     "        AS h(topic, key, id)"                                                                 \
     "      WHERE h.topic = " t ".topic AND h.key = " t ".key AND " t ".id > h.id))"
 
+/* Only rows of the relay's slots (relay.shards, sql/008): parameters
+ * `shards` and `owned`; with owned NULL (one relay) the OR stops at its
+ * first test, and slot_of() is never called. */
+#define IN_SLOTS(t, shards, owned)                                                                 \
+    " AND (" owned "::int[] IS NULL"                                                               \
+    "      OR outbox.slot_of(" t ".key, " t ".id, " shards "::int) = ANY (" owned "::int[]))"
+
 /* The lowest bigint, as a literal Postgres reads as one. */
 #define MIN_BIGINT "(-9223372036854775807 - 1)::bigint"
 
@@ -145,11 +153,11 @@ static const char SQL_FETCH_FULL_HEAD[] =
     "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ('";
 static const char SQL_FETCH_FULL_TAIL[] =
     "'::bigint[]))"
-         FETCH_HELD_BACK("e", "$2", "$3", "$4")
+         FETCH_HELD_BACK("e", "$2", "$3", "$4") IN_SLOTS("e", "$6", "$7")
     "  ORDER BY e.id LIMIT $1::int)) b";
 
 /* The keyset fetch: rows above $1 (the highest id handed out), and the rows
- * below it whose transaction snapshot $7 (the previous fetch's) did not see
+ * below it whose transaction snapshot $9 (the previous fetch's) did not see
  * as committed: late commits. Those are the transactions it lists as
  * running, and any that began after it (an INSERT draws its id a moment
  * before its transaction takes an xid). Each is a range of the (xid, id)
@@ -175,28 +183,28 @@ static const char SQL_FETCH_FULL_TAIL[] =
  * (an INSERT that drew its id just before the snapshot, a dead letter put
  * back), and its index entries are read without a visit to the table. */
 /* The keyset fetch's three parts (rows above $1; rows of the transactions
- * snapshot $7 saw running; rows of later ones), each with `ex(t)` as one
- * more condition on its table t. */
+ * snapshot $9 saw running; rows of later ones), each with `ex(t)` as one
+ * more condition on its table t, and only rows of the slots $7, $8. */
 #define KEYSET_PARTS(ex)                                                                           \
     "(SELECT * FROM outbox.events u"                                                               \
     " WHERE u.sent_at IS NULL AND u.id > $1::bigint" ex("u")                                       \
-        FETCH_HELD_BACK("u", "$3", "$4", "$5")                                                     \
+        FETCH_HELD_BACK("u", "$3", "$4", "$5") IN_SLOTS("u", "$7", "$8")                           \
     " ORDER BY u.id LIMIT $2::int)"                                                                \
     " UNION ALL"                                                                                   \
-    " (SELECT l.* FROM pg_snapshot_xip($7::pg_snapshot) AS x(xid),"                                \
+    " (SELECT l.* FROM pg_snapshot_xip($9::pg_snapshot) AS x(xid),"                                \
     "    LATERAL (SELECT * FROM outbox.events l"                                                   \
     "             WHERE l.sent_at IS NULL AND l.xid >= x.xid"                                      \
     "               AND (l.xid, l.id) <= (x.xid, $1::bigint)" ex("l")                              \
-                    FETCH_HELD_BACK("l", "$3", "$4", "$5")                                         \
+                    FETCH_HELD_BACK("l", "$3", "$4", "$5") IN_SLOTS("l", "$7", "$8")               \
     "             ORDER BY l.xid, l.id LIMIT $2::int) l"                                           \
     "  WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"                                 \
     "  ORDER BY l.id + 0 LIMIT $2::int)"                                                           \
     " UNION ALL"                                                                                   \
     " (SELECT * FROM outbox.events n"                                                              \
     "  WHERE n.sent_at IS NULL AND n.id <= $1::bigint"                                             \
-    "    AND (n.xid, n.id) >= (pg_snapshot_xmax($7::pg_snapshot), " MIN_BIGINT ")"                 \
+    "    AND (n.xid, n.id) >= (pg_snapshot_xmax($9::pg_snapshot), " MIN_BIGINT ")"                 \
     "    AND n.xid < pg_snapshot_xmax(pg_current_snapshot())" ex("n")                              \
-        FETCH_HELD_BACK("n", "$3", "$4", "$5")                                                     \
+        FETCH_HELD_BACK("n", "$3", "$4", "$5") IN_SLOTS("n", "$7", "$8")                           \
     "  ORDER BY n.xid, n.id)"
 #define NOTHING_MORE(t) ""
 static const char SQL_FETCH_KEYSET[] =
@@ -235,12 +243,12 @@ const char *obx_store_sql_fetch_keyset(void)
     "         WHERE h.topic = " t ".topic AND " t ".id >= h.from_id"                               \
     "           AND (h.key = " t ".key OR (h.key IS NULL AND " t ".id = h.from_id)))"              \
     " AND " t ".id <> ALL (" also ")"
-/* The stored cursor's held rows, as the relay passes them ($8..$11). */
-#define LOG_HELD(t) HELD_ROW(t, "$8::text[]", "$9::text[]", "$10::bigint[]", "$11::bigint[]")
+/* The stored cursor's held rows, as the relay passes them ($10..$13). */
+#define LOG_HELD(t) HELD_ROW(t, "$10::text[]", "$11::text[]", "$12::bigint[]", "$13::bigint[]")
 
 /* clang-format off */
-/* The full fetch of log mode: every row the stored cursor ($1 hwm, $7
- * snapshot, $8..$11 held keys) does not cover, but those in flight (the
+/* The full fetch of log mode: every row the stored cursor ($1 hwm, $9
+ * snapshot, $10..$13 held keys) does not cover, but those in flight (the
  * constant put where IDS stands), in id order. That is the keyset fetch
  * from the stored cursor (ids above it; rows its snapshot saw running or not
  * yet begun) and the rows of held keys below it (a range of the primary key
@@ -255,10 +263,10 @@ static const char SQL_FETCH_LOG[] =
     "        UNION ALL"
     "        (SELECT * FROM outbox.events k"
     "         WHERE k.sent_at IS NULL AND k.id <= $1::bigint"
-    "           AND k.id >= coalesce((SELECT min(f) FROM unnest($10::bigint[]) f), $1::bigint + 1)"
-    "           AND pg_visible_in_snapshot(k.xid, $7::pg_snapshot)" NOT_IN_FLIGHT("k")
+    "           AND k.id >= coalesce((SELECT min(f) FROM unnest($12::bigint[]) f), $1::bigint + 1)"
+    "           AND pg_visible_in_snapshot(k.xid, $9::pg_snapshot)" NOT_IN_FLIGHT("k")
     "           AND" LOG_HELD("k")
-                FETCH_HELD_BACK("k", "$3", "$4", "$5")
+                FETCH_HELD_BACK("k", "$3", "$4", "$5") IN_SLOTS("k", "$7", "$8")
     "         ORDER BY k.id LIMIT $2::int)) e"
     "  ORDER BY e.id LIMIT $2::int)) b";
 /* clang-format on */
@@ -303,16 +311,18 @@ const char *obx_store_sql_log_write(void)
 
 #define LOG_NEWEST " c AS (SELECT * FROM outbox.log_cursor ORDER BY batch DESC LIMIT 1)"
 /* Each partition's stored offset: the higher of what log mode's cursor rows
- * and mark or delete mode's outbox.kafka_offsets say. Each bounds the
- * records of its own time, and the later mode's records lie after the
- * earlier one's, so after a switch of modes the higher one holds. */
-#define LOG_OFFSETS                                                                                \
+ * and mark or delete mode's outbox.kafka_offsets say (`k`: its rows that
+ * count, the lowest of their slots). Each bounds the records of its own
+ * time, and the later mode's records lie after the earlier one's, so after
+ * a switch of modes the higher one holds. */
+#define OFFSETS_OF(k)                                                                              \
     " o AS (SELECT t.topic, t.p, max(t.o) AS o"                                                    \
     "       FROM (SELECT u.topic, u.p, u.o FROM outbox.log_cursor a,"                              \
     "               unnest(a.topics, a.kafka_partitions, a.last_offsets) AS u(topic, p, o)"        \
     "             UNION ALL"                                                                       \
-    "             SELECT topic, kafka_partition, last_offset FROM outbox.kafka_offsets) t"         \
+    "             SELECT topic, kafka_partition, min(last_offset) FROM " k " GROUP BY 1, 2) t"     \
     "       GROUP BY 1, 2)"
+#define LOG_OFFSETS OFFSETS_OF("outbox.kafka_offsets")
 
 const char *obx_store_sql_log_state(void)
 {
@@ -349,13 +359,17 @@ const char *obx_store_sql_log_recover(void)
            " ORDER BY e.id";
 }
 
-/* Each partition's highest acknowledged offset, for crash recovery; never
- * moves back. %d: the $N of its three parameters (enum obx_offsets_param). */
+/* Each partition's highest acknowledged offset, for crash recovery, for
+ * each slot the relay owns (slot 0 of 1 for a relay alone); never moves
+ * back. %d: the $N of its parameters (enum obx_offsets_param, then enum
+ * obx_slots_param). */
 #define OFFSETS_UPSERT_FMT                                                                         \
     " offsets AS ("                                                                                \
-    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"               \
-    "   SELECT * FROM unnest($%d::text[], $%d::int[], $%d::bigint[])"                              \
-    "   ON CONFLICT (topic, kafka_partition) DO UPDATE"                                            \
+    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset, shards, slot)" \
+    "   SELECT t.*, $%d::int, s.slot"                                                              \
+    "   FROM unnest($%d::text[], $%d::int[], $%d::bigint[]) AS t,"                                 \
+    "        unnest(coalesce($%d::int[], '{0}')) AS s(slot)"                                       \
+    "   ON CONFLICT (topic, kafka_partition, shards, slot) DO UPDATE"                              \
     "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"     \
     "   RETURNING 1)"
 
@@ -396,13 +410,15 @@ __attribute__((format(printf, 4, 5))) static void append(char *buf, size_t len, 
 }
 
 /* The offsets' upsert between `before` and `after`, its parameters the
- * enum obx_offsets_param group at index `first`. */
+ * enum obx_offsets_param group at index `first` and the enum
+ * obx_slots_param group at index `slots`. */
 static void append_offsets(char *buf, size_t len, size_t *o, const char *before, int first,
-                           const char *after)
+                           int slots, const char *after)
 {
     append(buf, len, o, "%s", before);
-    append(buf, len, o, OFFSETS_UPSERT_FMT, first + OBX_OFFSETS_TOPICS + 1,
-           first + OBX_OFFSETS_PARTITIONS + 1, first + OBX_OFFSETS_OFFSETS + 1);
+    append(buf, len, o, OFFSETS_UPSERT_FMT, slots + OBX_SLOTS_SHARDS + 1,
+           first + OBX_OFFSETS_TOPICS + 1, first + OBX_OFFSETS_PARTITIONS + 1,
+           first + OBX_OFFSETS_OFFSETS + 1, slots + OBX_SLOTS_OWNED + 1);
     append(buf, len, o, "%s", after);
 }
 
@@ -433,12 +449,15 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
     /* Acknowledged rows confirmed, offsets stored, refused rows moved to
      * dead_letters: one statement, run inside BEGIN ... COMMIT. */
     size_t o = 0;
-    append_offsets(buf, len, &o, "WITH", OBX_MARK_OFFSETS, ", confirmed AS (");
+    append_offsets(buf, len, &o, "WITH", OBX_MARK_OFFSETS, OBX_MARK_SLOTS, ", confirmed AS (");
     append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_RANGES, true);
+    append(
+        buf, len, &o,
+        "),"
+        " dead AS ("
+        "   DELETE FROM outbox.events e USING unnest($%d::bigint[], $%d::text[]) AS d(id, reason)",
+        OBX_MARK_DEAD + OBX_DEAD_IDS + 1, OBX_MARK_DEAD + OBX_DEAD_REASONS + 1);
     append(buf, len, &o,
-           "),"
-           " dead AS ("
-           "   DELETE FROM outbox.events e USING unnest($5::bigint[], $6::text[]) AS d(id, reason)"
            "   WHERE e.id = d.id AND e.sent_at IS NULL"
            "   RETURNING e.id, e.topic, e.key, e.payload, e.headers, e.created_at, d.reason),"
            " buried AS ("
@@ -456,7 +475,7 @@ const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len)
     /* No RETURNING and no counts: nothing reads them, and Postgres would
      * keep and count every id. */
     size_t o = 0;
-    append_offsets(buf, len, &o, "WITH", OBX_MARK_OFFSETS, " ");
+    append_offsets(buf, len, &o, "WITH", OBX_MARK_OFFSETS, OBX_MARK_SLOTS, " ");
     append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_RANGES, false);
     return buf;
 }
@@ -467,7 +486,7 @@ const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len)
      * the rows it reads lie above hwm or were not in it: none is marked. */
     size_t o = 0;
     append_offsets(buf, len, &o, "WITH", OBX_MARK_FETCH_MARK + OBX_MARK_OFFSETS,
-                   ", confirmed AS (");
+                   OBX_MARK_FETCH_MARK + OBX_MARK_SLOTS, ", confirmed AS (");
     append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_FETCH_MARK + OBX_MARK_RANGES, false);
     append(buf, len, &o, ") %s", SQL_FETCH_KEYSET);
     return buf;
@@ -486,7 +505,7 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
            "     AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest),"
            " confirmed AS (");
     append_confirm(buf, len, &o, on_sent, NULL, "e.id IN (SELECT id FROM matched)", true);
-    append_offsets(buf, len, &o, "),", OBX_RECOVER_OFFSETS, "");
+    append_offsets(buf, len, &o, "),", OBX_RECOVER_OFFSETS, OBX_RECOVER_SLOTS, "");
     append(
         buf, len, &o,
         " SELECT (SELECT count(*) FROM confirmed) AS confirmed,"
@@ -494,15 +513,43 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
     return buf;
 }
 
+/* clang-format off */
+/* The stored offsets that bound the records of the pass's slots ($1
+ * relay.shards, $2 the slots; NULL: all): those of its slots, and any
+ * stored under another relay.shards (their slots are not ours to tell
+ * apart). A partition where one of its slots has had an owner under this
+ * count but stores no offset is left out, so it is read from its start:
+ * that owner may have left records there before it stored any. */
+#define PLAN_OFFSETS                                                                               \
+    " k AS (SELECT * FROM outbox.kafka_offsets"                                                    \
+    "       WHERE $2::int[] IS NULL OR shards <> $1::int OR slot = ANY ($2::int[])),"              \
+    " gap AS (SELECT DISTINCT k.topic, k.kafka_partition FROM k, outbox.slot_owners w"             \
+    "         WHERE w.shards = $1::int AND w.slot = ANY ($2::int[])"                               \
+    "           AND NOT EXISTS (SELECT FROM outbox.kafka_offsets x"                                \
+    "                           WHERE x.topic = k.topic AND x.kafka_partition = k.kafka_partition" \
+    "                             AND x.shards = $1::int AND x.slot = w.slot)),"                   \
+    " mine AS (SELECT u.id, u.topic FROM outbox.unpublished u"                                     \
+    "          WHERE TRUE" IN_SLOTS("u", "$1", "$2") "),"                                          \
+    OFFSETS_OF("k")
+/* clang-format on */
+
 const char *obx_store_sql_recovery_plan(void)
 {
     /* A record outside [lo, hi] cannot match any unsent row. */
-    return "WITH" LOG_OFFSETS " SELECT t.topic, o.p AS kafka_partition, o.o AS stored_offset,"
+    return "WITH" PLAN_OFFSETS " SELECT t.topic, o.p AS kafka_partition, o.o AS stored_offset,"
            "       r.lo AS id_lo, r.hi AS id_hi"
-           " FROM (SELECT DISTINCT topic FROM outbox.unpublished) t"
-           " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM outbox.unpublished) r"
+           " FROM (SELECT DISTINCT topic FROM mine) t"
+           " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM mine) r"
            " LEFT JOIN o ON o.topic = t.topic"
+           "   AND NOT EXISTS (SELECT FROM gap g WHERE g.topic = o.topic AND g.kafka_partition = "
+           "o.p)"
            " ORDER BY topic, kafka_partition";
+}
+
+const char *obx_store_sql_claim_slots(void)
+{
+    return "SELECT array_to_string(owned, ',') AS owned, members, share, free, other_shards"
+           " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean)";
 }
 
 const char *obx_store_sql_backlog(void)
@@ -595,16 +642,21 @@ const char *obx_store_sql_purge(void)
 const char *obx_store_sql_relay_sessions(void)
 {
     /* A standby's last statement is always its try of the lock (every
-     * 250 ms); the active relay holds the lock. */
+     * 250 ms); the active relay holds the lock (relays with relay.shards
+     * share it, and `slots` lists those each owns, sql/008). */
     return "SELECT a.pid, coalesce(a.application_name, '') AS application_name,"
            "       coalesce(host(a.client_addr), 'local socket') AS client,"
            "       " UTC("a.backend_start") " AS started, l.pid IS NOT NULL AS active,"
-           "       extract(epoch FROM now() - a.backend_start)::bigint AS session_seconds"
+           "       extract(epoch FROM now() - a.backend_start)::bigint AS session_seconds,"
+           "       coalesce((SELECT string_agg(s.objid::text, ',' ORDER BY s.objid)"
+           "                 FROM pg_locks s WHERE s.pid = a.pid AND s.locktype = 'advisory'"
+           "                   AND s.granted AND s.classid = 1868724340 AND s.objsubid = 2),"
+           "                '') AS slots"
            " FROM pg_stat_activity a"
            " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
            "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid = 2"
            " WHERE l.pid IS NOT NULL"
-           "    OR a.query LIKE 'SELECT pg_try_advisory_lock(1868724338, 0)%'"
+           "    OR a.query LIKE 'SELECT pg_try_advisory_lock%(1868724338, 0)%'"
            " ORDER BY active DESC, a.backend_start";
 }
 /* clang-format on */
@@ -720,6 +772,9 @@ const char *obx_store_sql_replay(void)
     [(at) + OBX_OFFSETS_TOPICS] = {"offset topics", "text[]"},                                     \
             [(at) + OBX_OFFSETS_PARTITIONS] = {"offset partitions", "int[]"},                      \
             [(at) + OBX_OFFSETS_OFFSETS] = {"offsets", "bigint[]"}
+#define SLOTS_TYPES(at)                                                                            \
+    [(at) + OBX_SLOTS_SHARDS] = {"shards", "int"},                                                 \
+            [(at) + OBX_SLOTS_OWNED] = {"owned slots", "int[]"}
 #define DEAD_TYPES(at)                                                                             \
     [(at) + OBX_DEAD_IDS] = {"dead ids", "bigint[]"},                                              \
             [(at) + OBX_DEAD_REASONS] = {"dead reasons", "text[]"}
@@ -734,7 +789,7 @@ const char *obx_store_sql_replay(void)
     [OBX_FETCH_HELD_KEYS] = {"held-back keys", "text[]"},                                          \
     [OBX_FETCH_HELD_IDS] = {"held-back ids", "bigint[]"},                                          \
     [OBX_FETCH_MAX_BYTES] = {"max payload bytes", "int"},                                          \
-    [OBX_FETCH_SNAPSHOT] = {"snapshot", "pg_snapshot"}
+    SLOTS_TYPES(OBX_FETCH_SLOTS), [OBX_FETCH_SNAPSHOT] = {"snapshot", "pg_snapshot"}
 #define RECOVER_MATCH_TYPES                                                                        \
     [OBX_RECOVER_IDS] = {"found ids", "bigint[]"},                                                 \
     [OBX_RECOVER_TOPICS] = {"found topics", "text[]"},                                             \
@@ -746,10 +801,12 @@ static const struct obx_store_param fetch_types[OBX_FETCH_LOG_NPARAMS] = {
 static const struct obx_store_param mark_types[OBX_MARK_NPARAMS] = {
     [OBX_MARK_RANGES] = {"acknowledged ranges", "bigint[]"},
     OFFSETS_TYPES(OBX_MARK_OFFSETS),
+    SLOTS_TYPES(OBX_MARK_SLOTS),
     DEAD_TYPES(OBX_MARK_DEAD)};
 static const struct obx_store_param mark_fetch_types[OBX_MARK_FETCH_NPARAMS] = {
     FETCH_TYPES, [OBX_MARK_FETCH_MARK + OBX_MARK_RANGES] = {"acknowledged ranges", "bigint[]"},
-    OFFSETS_TYPES(OBX_MARK_FETCH_MARK + OBX_MARK_OFFSETS)};
+    OFFSETS_TYPES(OBX_MARK_FETCH_MARK + OBX_MARK_OFFSETS),
+    SLOTS_TYPES(OBX_MARK_FETCH_MARK + OBX_MARK_SLOTS)};
 static const struct obx_store_param cursor_types[OBX_CURSOR_NPARAMS] = {
     [OBX_CURSOR_BATCH] = {"batch", "bigint"},
     [OBX_CURSOR_HWM] = {"hwm", "bigint"},
@@ -759,7 +816,12 @@ static const struct obx_store_param cursor_types[OBX_CURSOR_NPARAMS] = {
     [OBX_CURSOR_RESTART] = {"restart", "boolean"},
     DEAD_TYPES(OBX_CURSOR_DEAD)};
 static const struct obx_store_param recover_types[OBX_RECOVER_NPARAMS] = {
-    RECOVER_MATCH_TYPES, OFFSETS_TYPES(OBX_RECOVER_OFFSETS)};
+    RECOVER_MATCH_TYPES, OFFSETS_TYPES(OBX_RECOVER_OFFSETS), SLOTS_TYPES(OBX_RECOVER_SLOTS)};
+static const struct obx_store_param plan_types[OBX_PLAN_NPARAMS] = {SLOTS_TYPES(OBX_PLAN_SLOTS)};
+static const struct obx_store_param claim_types[OBX_CLAIM_NPARAMS] = {
+    [OBX_CLAIM_SHARDS] = {"shards", "int"},
+    [OBX_CLAIM_GIVE_BACK] = {"slots given back", "int[]"},
+    [OBX_CLAIM_TAKE] = {"take", "boolean"}};
 static const struct obx_store_param backlog_types[OBX_BACKLOG_NPARAMS] = {
     [OBX_BACKLOG_FLOOR] = {"floor", "bigint"}, [OBX_BACKLOG_XMIN] = {"xmin", "xid8"}};
 static const struct obx_store_param purge_types[OBX_PURGE_NPARAMS] = {
@@ -802,6 +864,8 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out)
         OBX_RECOVER_NPARAMS);
     ADD("log recovery match", obx_store_sql_log_recover(), recover_types,
         OBX_RECOVER_MATCH_NPARAMS);
+    ADD("recovery plan", obx_store_sql_recovery_plan(), plan_types, OBX_PLAN_NPARAMS);
+    ADD("claim slots", obx_store_sql_claim_slots(), claim_types, OBX_CLAIM_NPARAMS);
     ADD("backlog since", obx_store_sql_backlog_since(), backlog_types, OBX_BACKLOG_NPARAMS);
     ADD("purge", obx_store_sql_purge(), purge_types, OBX_PURGE_NPARAMS);
     ADD("upkeep", OBX_STORE_SQL_UPKEEP_PARTITIONS, upkeep_types, OBX_UPKEEP_NPARAMS);

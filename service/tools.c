@@ -413,9 +413,10 @@ static void status_json(FILE *o, const struct status_data *d)
         json_str(o, obx_store_col(d->sessions, i, "application_name"));
         fputs(",\"client\":", o);
         json_str(o, obx_store_col(d->sessions, i, "client"));
-        fprintf(o, ",\"session_start\":\"%s\",\"active\":%s}",
+        fprintf(o, ",\"session_start\":\"%s\",\"active\":%s,\"slots\":[%s]}",
                 obx_store_col(d->sessions, i, "started"),
-                obx_store_col_true(d->sessions, i, "active") ? "true" : "false");
+                obx_store_col_true(d->sessions, i, "active") ? "true" : "false",
+                obx_store_col(d->sessions, i, "slots"));
     }
     fprintf(o, "],\"unsent_rows\":%lld,\"oldest_unsent_seconds\":%.3f,\"unsent_by_topic\":{",
             d->unsent, d->lag);
@@ -449,10 +450,12 @@ static void status_text_rows(const struct status_data *d)
         const char *name = obx_store_col(d->sessions, i, "application_name");
         human_age(strtoll(obx_store_col(d->sessions, i, "session_seconds"), NULL, 10), age,
                   sizeof(age));
-        printf("  %-7s %s from %s, pid %s, session since %s (%s)\n",
+        const char *slots = obx_store_col(d->sessions, i, "slots");
+        printf("  %-7s %s from %s, pid %s, session since %s (%s)%s%s\n",
                obx_store_col_true(d->sessions, i, "active") ? "active" : "standby",
                name[0] ? name : "(no name)", obx_store_col(d->sessions, i, "client"),
-               obx_store_col(d->sessions, i, "pid"), obx_store_col(d->sessions, i, "started"), age);
+               obx_store_col(d->sessions, i, "pid"), obx_store_col(d->sessions, i, "started"), age,
+               slots[0] ? ", slots " : "", slots);
     }
     human_age((int64_t)d->lag, age, sizeof(age));
     printf("unsent:   %lld rows%s%s\n", d->unsent, d->unsent ? ", oldest waiting " : "",

@@ -50,6 +50,7 @@ struct obx_config {
 
     int on_sent;   /* enum obx_on_sent */
     int on_reject; /* enum obx_on_reject (relay.h) */
+    int shards;    /* relay.shards: slots the keys hash into (1: one active relay) */
     int batch_size;
     int max_in_flight;
     int fetch_max_bytes;

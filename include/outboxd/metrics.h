@@ -67,6 +67,10 @@ struct obx_metrics_gauges {
     size_t in_flight;
     size_t in_flight_limit;
     size_t keys_held_back;
+    /* relay.shards: slots, those this relay owns, the relays sharing them
+     * (0 before the first claim of a session), slots taken or given back. */
+    int slots, slots_owned, slot_members;
+    uint64_t slot_moves;
     uint64_t rows_marked;
     uint64_t fetches_keyset, fetches_full;
     uint64_t rows_dead_lettered;

@@ -58,10 +58,11 @@ int obx_recovery_new(uv_loop_t *loop, const struct obx_config *cfg, struct obx_p
                      const struct obx_recovery_callbacks *cb, void *arg,
                      struct obx_recovery **out) OBX_WARN_UNUSED;
 
-/* Starts a pass. pg must be READY and left to the recovery until `done`.
- * Returns 0, or -1 if it could not start (a pass still winding down, or the
- * statement could not be sent). */
-int obx_recovery_start(struct obx_recovery *rec);
+/* Starts a pass over the rows of `owned_slots` (array text of slots of
+ * relay.shards = `shards`; NULL: every row). pg must be READY and left to
+ * the recovery until `done`. Returns 0, or -1 if it could not start (a pass
+ * still winding down, or the statement could not be sent). */
+int obx_recovery_start(struct obx_recovery *rec, int shards, const char *owned_slots);
 
 /* A counter that grows while a pass moves (records read, statements
  * answered): the stall check reads it from the loop thread. */

@@ -39,6 +39,7 @@ enum obx_relay_state {
     OBX_RELAY_FETCHING,    /* fetch query in flight */
     OBX_RELAY_MARKING,     /* mark transaction in flight */
     OBX_RELAY_STOPPED,     /* shut down; ops->stopped() has been called */
+    OBX_RELAY_CLAIMING,    /* relay.shards > 1: its claim of slots in flight */
 };
 
 /* Result of ops->produce. */
@@ -111,11 +112,13 @@ struct obx_fetch {
     const struct obx_held_back_key *held_back; /* rows of these keys wait ... */
     const int64_t *held_back_ids;              /* ... behind these ids (allowed themselves) */
     size_t n_held_back;
-    int limit;             /* most rows */
-    int64_t max_row_bytes; /* a larger payload is left out: the row comes as oversize */
-    bool keyset;           /* ids above after_id and late commits, nothing excluded */
-    int64_t after_id;      /* keyset: the highest id handed out (any value, 0 and below too) */
-    const char *snapshot;  /* keyset: the snapshot of the fetch that handed out after_id */
+    int limit;               /* most rows */
+    int64_t max_row_bytes;   /* a larger payload is left out: the row comes as oversize */
+    bool keyset;             /* ids above after_id and late commits, nothing excluded */
+    int64_t after_id;        /* keyset: the highest id handed out (any value, 0 and below too) */
+    const char *snapshot;    /* keyset: the snapshot of the fetch that handed out after_id */
+    int shards;              /* relay.shards */
+    const char *owned_slots; /* only rows of these slots, as array text ("{0,3}"); NULL: all */
     /* Log mode's full fetch (not keyset): every row the stored cursor does
      * not cover, but the excluded ones. after_id and snapshot are then the
      * stored cursor's. */
@@ -134,6 +137,8 @@ struct obx_mark {
     const int32_t *partitions;
     const int64_t *offsets;
     size_t n_offsets;
+    int shards;              /* the offsets are stored for each slot of relay.shards ... */
+    const char *owned_slots; /* ... in this array text (NULL: slot 0 of 1) */
     const int64_t *dead_ids; /* rows to move to outbox.dead_letters */
     const char *const *dead_reasons;
     size_t n_dead;
@@ -171,9 +176,17 @@ struct obx_relay_ops {
      * next call). */
     enum obx_produce_result (*produce)(void *producer, const struct obx_row *row, void *opaque,
                                        const char **reason);
-    /* Starts the recovery pass; its end comes through obx_relay_on_recovered.
-     * Returns 0, or -1 if it could not start. */
-    int (*recover)(void *io);
+    /* Starts the recovery pass over the rows of `owned_slots` (array text
+     * of slots of relay.shards = `shards`; NULL: every row); its end comes
+     * through obx_relay_on_recovered. Returns 0, or -1 if it could not
+     * start. */
+    int (*recover)(void *io, int shards, const char *owned_slots);
+    /* relay.shards > 1: gives the slots in `give_back` (array text) back and
+     * with `take` takes free ones up to this relay's share
+     * (outbox.claim_slots); the answer comes through obx_relay_on_claimed or
+     * obx_relay_on_query_failed. Returns 0, or -1 if it could not be sent.
+     * May be NULL when relay.shards is 1. */
+    int (*claim)(void *io, int shards, const char *give_back, bool take);
     /* The relay has stopped; called once. */
     void (*stopped)(void *io, int exit_code);
     /* Failpoint `id` (enum obx_fp_id) is reached: non-zero = act as if the
@@ -213,6 +226,18 @@ struct obx_relay_settings {
     bool one_per_key;
     /* relay.on_sent = log: progress is a cursor row per batch (see relay.c). */
     bool log_mode;
+    /* relay.shards: above 1 the relay publishes only the rows of the slots
+     * it owns (relay_shards.c). */
+    int shards;
+};
+
+/* The answer to ops->claim (outbox.claim_slots). */
+struct obx_claim {
+    const char *owned; /* the slots held now, comma-separated ("" for none) */
+    int members;       /* relays sharing the slots */
+    int share;         /* this relay's fair part */
+    int free;          /* slots nobody holds */
+    int other_shards;  /* a member with another relay.shards (0: none) */
 };
 
 struct obx_relay;
@@ -239,6 +264,8 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st) 
 void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
                           const char *snapshot, int64_t now);
 void obx_relay_on_marked(struct obx_relay *r, int64_t now);
+/* The answer to ops->claim. */
+void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_t now);
 /* The answer of ops->mark_fetch: the mark committed and the fetch's rows. */
 void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, size_t n,
                                const char *snapshot, int64_t now);
@@ -292,5 +319,18 @@ uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset);
 uint64_t obx_relay_dead_total(const struct obx_relay *r);
 /* Keys currently held back behind a refused row. */
 size_t obx_relay_held_back_keys(const struct obx_relay *r);
+/* relay.shards > 1: the slots owned, the relays sharing them (0 before the
+ * first claim of a session), and slot moves (taken or given back) so far. */
+struct obx_relay_slots {
+    int shards, owned, members, share;
+    uint64_t moves;
+};
+void obx_relay_slots(const struct obx_relay *r, struct obx_relay_slots *out);
+/* Whether this relay runs the outbox's maintenance (retention, partitions,
+ * the backlog gauges): with relay.shards above 1 only the owner of slot 0,
+ * so relays do not do it twice and race for the same partitions. */
+bool obx_relay_maintains(const struct obx_relay *r);
+/* The slots owned as text ("0,3,5"; "" for none, "all" for relay.shards 1). */
+const char *obx_relay_owned_slots(const struct obx_relay *r);
 
 #endif

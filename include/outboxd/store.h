@@ -42,6 +42,13 @@ enum obx_offsets_param {
     OBX_OFFSETS_OFFSETS,    /* bigint[]: the highest acknowledged offset */
     OBX_OFFSETS_NPARAMS
 };
+/* The slots a relay publishes (relay.shards, sql/008): the rows it reads
+ * and the offsets it stores are those of its slots. */
+enum obx_slots_param {
+    OBX_SLOTS_SHARDS, /* int: relay.shards */
+    OBX_SLOTS_OWNED,  /* int[]: the slots owned; NULL: every row (relay.shards = 1) */
+    OBX_SLOTS_NPARAMS
+};
 /* Rows moved to the dead letters. */
 enum obx_dead_param {
     OBX_DEAD_IDS,     /* bigint[] */
@@ -67,13 +74,15 @@ enum obx_fetch_param {
     OBX_FETCH_HELD_KEYS,   /* text[] */
     OBX_FETCH_HELD_IDS,    /* bigint[]: and that row's id */
     OBX_FETCH_MAX_BYTES,   /* int: most payload bytes per row */
-    OBX_FETCH_SNAPSHOT,    /* pg_snapshot: of the fetch that handed AFTER out */
+    OBX_FETCH_SLOTS,       /* enum obx_slots_param: only rows of these slots */
+    OBX_FETCH_SNAPSHOT = OBX_FETCH_SLOTS + OBX_SLOTS_NPARAMS, /* pg_snapshot: of the fetch
+                                                               * that handed AFTER out */
     OBX_FETCH_NPARAMS,
     OBX_FETCH_LOG_HELD = OBX_FETCH_NPARAMS, /* the stored cursor's: enum obx_held_param */
     OBX_FETCH_LOG_NPARAMS = OBX_FETCH_LOG_HELD + OBX_HELD_NPARAMS
 };
 /* The full fetch of mark and delete mode takes the keyset fetch's LIMIT ..
- * MAX_BYTES: a module passes values + OBX_FETCH_FULL_FIRST. */
+ * SLOTS: a module passes values + OBX_FETCH_FULL_FIRST. */
 #define OBX_FETCH_FULL_FIRST   OBX_FETCH_LIMIT
 #define OBX_FETCH_FULL_NPARAMS (OBX_FETCH_SNAPSHOT - OBX_FETCH_LIMIT)
 
@@ -81,7 +90,9 @@ enum obx_fetch_param {
 enum obx_mark_param {
     OBX_MARK_RANGES,  /* bigint[][]: the acknowledged ids as {first, last} ranges */
     OBX_MARK_OFFSETS, /* enum obx_offsets_param */
-    OBX_MARK_PLAIN_NPARAMS = OBX_MARK_OFFSETS + OBX_OFFSETS_NPARAMS,
+    OBX_MARK_SLOTS = OBX_MARK_OFFSETS + OBX_OFFSETS_NPARAMS, /* enum obx_slots_param: the
+                                                              * offsets are theirs */
+    OBX_MARK_PLAIN_NPARAMS = OBX_MARK_SLOTS + OBX_SLOTS_NPARAMS,
     OBX_MARK_DEAD = OBX_MARK_PLAIN_NPARAMS, /* enum obx_dead_param */
     OBX_MARK_NPARAMS = OBX_MARK_DEAD + OBX_DEAD_NPARAMS
 };
@@ -110,8 +121,18 @@ enum obx_recover_param {
     OBX_RECOVER_KEYS,    /* text[] */
     OBX_RECOVER_DIGESTS, /* text[]: sha256 of the value, hex */
     OBX_RECOVER_MATCH_NPARAMS,
-    OBX_RECOVER_OFFSETS = OBX_RECOVER_MATCH_NPARAMS, /* enum obx_offsets_param */
-    OBX_RECOVER_NPARAMS = OBX_RECOVER_OFFSETS + OBX_OFFSETS_NPARAMS
+    OBX_RECOVER_OFFSETS = OBX_RECOVER_MATCH_NPARAMS,               /* enum obx_offsets_param */
+    OBX_RECOVER_SLOTS = OBX_RECOVER_OFFSETS + OBX_OFFSETS_NPARAMS, /* enum obx_slots_param */
+    OBX_RECOVER_NPARAMS = OBX_RECOVER_SLOTS + OBX_SLOTS_NPARAMS
+};
+/* The recovery plan: the pass's slots (enum obx_slots_param). */
+enum obx_plan_param { OBX_PLAN_SLOTS, OBX_PLAN_NPARAMS = OBX_PLAN_SLOTS + OBX_SLOTS_NPARAMS };
+/* A relay's claim of its slots (outbox.claim_slots). */
+enum obx_claim_param {
+    OBX_CLAIM_SHARDS,    /* int: relay.shards */
+    OBX_CLAIM_GIVE_BACK, /* int[]: slots given back */
+    OBX_CLAIM_TAKE,      /* boolean: take free slots up to the share */
+    OBX_CLAIM_NPARAMS
 };
 
 /* The backlog count from where the last one left off. */
@@ -167,7 +188,7 @@ struct obx_store_statement {
 int obx_store_statements(int on_sent, struct obx_store_statement *out);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 7
+#define OBX_SCHEMA_VERSION 8
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -235,12 +256,13 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len);
  * row without an id that carries the snapshot as text). The keyset fetch: $1
  * the highest id handed out, $2 most rows, $3 text[] / $4 text[] / $5
  * bigint[] keys held back (topic, key, behind id), $6 most payload bytes per
- * row (larger ones come as NULL with their length), $7 the snapshot of the
- * fetch that handed $1 out.
+ * row (larger ones come as NULL with their length), $7 relay.shards and $8
+ * int[] the slots whose rows it reads (NULL: all), $9 the snapshot of the
+ * fetch that handed $1 out (enum obx_fetch_param).
  *
  * The full fetch is built into `sql` around `in_flight`, the ids in flight
- * as array text ("{1,2,3}"), and takes the keyset fetch's $2..$6 as its
- * $1..$5. NULL if out of memory or `in_flight` holds anything but digits,
+ * as array text ("{1,2,3}"), and takes the keyset fetch's $2..$8 as its
+ * $1..$7. NULL if out of memory or `in_flight` holds anything but digits,
  * signs, commas and braces. */
 struct obx_buf;
 const char *obx_store_sql_fetch(struct obx_buf *sql, const char *in_flight);
@@ -248,9 +270,10 @@ const char *obx_store_sql_fetch_keyset(void);
 
 /* Log mode's full fetch (relay.on_sent = log): every row the stored cursor
  * does not cover but those in flight. Built as obx_store_sql_fetch is; takes
- * the keyset fetch's $1..$7 with $1 and $7 the stored cursor's hwm and
- * snapshot, then $8 text[] / $9 text[] / $10 bigint[] its held keys (topic,
- * key or NULL, from id) and $11 bigint[] the rows of those published. */
+ * the keyset fetch's $1..$9 with $1 and $9 the stored cursor's hwm and
+ * snapshot, then $10 text[] / $11 text[] / $12 bigint[] its held keys
+ * (topic, key or NULL, from id) and $13 bigint[] the rows of those
+ * published. */
 const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight);
 /* Log mode's write: one cursor row (outbox.advance_cursor's $1..$11: batch,
  * hwm, snapshot, held topics / keys / from ids, also sent, offsets' topics /
@@ -265,32 +288,38 @@ const char *obx_store_sql_log_state(void);
  * ids. */
 const char *obx_store_sql_log_recover(void);
 
-/* The mark: one statement, so one transaction on its own. $1 bigint[][]
- * acknowledged ids as ranges (obx_pg_array_add_ranges in pg.h); $2 text[] /
- * $3 int[] / $4 bigint[] highest offset per partition; $5 bigint[] / $6
- * text[] dead letters and reasons. One row: confirmed, offsets stored,
- * dead-lettered. `on_sent` is OBX_ON_SENT_*. */
+/* The mark: one statement, so one transaction on its own (enum
+ * obx_mark_param): the acknowledged ids as ranges (obx_pg_array_add_ranges
+ * in pg.h), the highest offset per partition, stored for each of the
+ * relay's slots, then the dead letters and reasons. One row: confirmed,
+ * offsets stored, dead-lettered. `on_sent` is OBX_ON_SENT_*. */
 const char *obx_store_sql_mark(int on_sent, char *buf, size_t len);
-/* The same without dead letters (the usual case): $1..$4 only, no
- * dead-letter branches for Postgres to run, and no rows back. */
+/* The same without dead letters (the usual case): no dead-letter branches
+ * for Postgres to run, and no rows back. */
 const char *obx_store_sql_mark_plain(int on_sent, char *buf, size_t len);
 /* The plain mark and the keyset fetch in one statement: the keyset fetch's
- * $1..$7, then the mark's $8 ranges and $9..$11 offsets. Returns the fetch's
- * rows. */
+ * parameters, then the plain mark's. Returns the fetch's rows. */
 const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len);
 
-/* The recovery pass's marking of one chunk. $1 bigint[] / $2 text[] / $3
- * text[] / $4 text[] records found (outbox id, topic, key, sha256 hex of the
- * value); $5..$7 as the mark's $2..$4. Marks the rows whose id, topic, key
- * and payload all match. One row: confirmed, found, offsets stored. */
+/* The recovery pass's marking of one chunk (enum obx_recover_param): the
+ * records found (outbox id, topic, key, sha256 hex of the value), how far
+ * each partition was read and the pass's slots, as the mark's. Marks the
+ * rows whose id, topic, key and payload all match. One row: confirmed,
+ * found, offsets stored. */
 const char *obx_store_sql_recover(int on_sent, char *buf, size_t len);
 
-/* The recovery plan, any mode: topics with unpublished rows, each stored
+/* The recovery plan, any mode, for the pass's slots (enum
+ * obx_plan_param): topics with unpublished rows of them, each stored
  * (partition, offset) of them (the higher of outbox.kafka_offsets and log
- * mode's cursor rows), and the range of unpublished ids. Columns: topic,
- * kafka_partition, stored_offset (NULL both when none is stored), id_lo,
- * id_hi. */
+ * mode's cursor rows), and the range of their unpublished ids. Columns:
+ * topic, kafka_partition, stored_offset (NULL both when none is stored),
+ * id_lo, id_hi. */
 const char *obx_store_sql_recovery_plan(void);
+/* A relay's claim of its slots (enum obx_claim_param). One row: owned (the
+ * slots held after it, comma-separated), members (relays sharing them),
+ * share (this relay's fair part), free (slots nobody holds), other_shards
+ * (NULL, or the relay.shards of a member that counts differently). */
+const char *obx_store_sql_claim_slots(void);
 
 /* The backlog gauges (any mode, outbox.unpublished). Columns: rows,
  * oldest_seconds (age of the oldest). */

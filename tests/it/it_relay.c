@@ -364,23 +364,29 @@ static void test_fetch_statements(void **state)
     prepare(c, "mf", obx_store_sql_mark_fetch(OBX_ON_SENT_MARK, mark_fetch, sizeof(mark_fetch)));
     prepare(c, "m", obx_store_sql_mark_plain(OBX_ON_SENT_DELETE, mark_plain, sizeof(mark_plain)));
     snprintf(args, sizeof(args),
-             "%lld, 1000, '{}', '{}', '{}', 1000, pg_current_snapshot(), '{{%lld,%lld}}',"
-             " '{it.a}', '{0}', '{1}'",
+             "%lld, 1000, '{}', '{}', '{}', 1000, 1, NULL, pg_current_snapshot(),"
+             " '{{%lld,%lld}}', '{it.a}', '{0}', '{1}', 1, NULL",
              (long long)(lo + IN_FLIGHT), (long long)lo, (long long)lo + 9);
     explain(c, "mf", args, plan, sizeof(plan));
     if (!strstr(plan, "xid_id_idx on events_1 l") || !strstr(plan, "xid_id_idx on events_1 n") ||
         !strstr(plan, "_pkey on events_1 ") || !strstr(plan, "$1") ||
         strstr(plan, "Seq Scan on events") || strstr(plan, "Bitmap") || strstr(plan, "JIT"))
         fail_msg("the mark with the keyset fetch: not the plan expected:\n%s", plan);
-    snprintf(args, sizeof(args), "%lld, 1000, '{}', '{}', '{}', 1000, pg_current_snapshot()",
-             (long long)(lo + IN_FLIGHT));
-    explain(c, "k", args, plan, sizeof(plan));
     /* The late parts (l: running transactions, n: later ones) read the
-     * (xid, id) index, never the ids up to hwm (every row in flight). */
-    if (!strstr(plan, "xid_id_idx on events_1 l") || !strstr(plan, "xid_id_idx on events_1 n") ||
-        strstr(plan, "Seq Scan") || strstr(plan, "Bitmap") || strstr(plan, "JIT"))
-        fail_msg("the keyset fetch: not the plan expected:\n%s", plan);
-    snprintf(args, sizeof(args), "'{{%lld,%lld}}', '{it.a}', '{0}', '{1}'", (long long)lo,
+     * (xid, id) index, never the ids up to hwm (every row in flight); so
+     * with relay.shards, where the slots are one more condition. */
+    for (int sharded = 0; sharded < 2; sharded++) {
+        snprintf(args, sizeof(args),
+                 "%lld, 1000, '{}', '{}', '{}', 1000, %s, pg_current_snapshot()",
+                 (long long)(lo + IN_FLIGHT), sharded ? "8, '{1,3}'" : "1, NULL");
+        explain(c, "k", args, plan, sizeof(plan));
+        if (!strstr(plan, "xid_id_idx on events_1 l") ||
+            !strstr(plan, "xid_id_idx on events_1 n") || strstr(plan, "Seq Scan") ||
+            strstr(plan, "Bitmap") || strstr(plan, "JIT"))
+            fail_msg("the keyset fetch (%s): not the plan expected:\n%s",
+                     sharded ? "some slots" : "every slot", plan);
+    }
+    snprintf(args, sizeof(args), "'{{%lld,%lld}}', '{it.a}', '{0}', '{1}', 1, NULL", (long long)lo,
              (long long)lo + 9);
     explain(c, "m", args, plan, sizeof(plan));
     if (!strstr(plan, "_pkey on events_1 ") || strstr(plan, "Seq Scan on events"))
@@ -394,8 +400,8 @@ static void test_fetch_statements(void **state)
     h_sql(c, "ANALYZE outbox.events");
     prepare(c, "mf2", mark_fetch);
     snprintf(args, sizeof(args),
-             "%lld, 1000, '{}', '{}', '{}', 1000, pg_current_snapshot(), '{{%lld,%lld}}',"
-             " '{it.a}', '{0}', '{1}'",
+             "%lld, 1000, '{}', '{}', '{}', 1000, 1, NULL, pg_current_snapshot(),"
+             " '{{%lld,%lld}}', '{it.a}', '{0}', '{1}', 1, NULL",
              (long long)(lo + ROWS), (long long)lo, (long long)lo + 9);
     explain(c, "mf2", args, plan, sizeof(plan));
     const char *late = strstr(plan, "SELECT* 2");
@@ -1001,7 +1007,7 @@ static void test_schema_missing(void **state)
     deadline = h_now_ms() + 10000;
     while (!h_relay_log_contains(&env, "apply sql/002_recovery.sql") && h_now_ms() < deadline)
         h_sleep_ms(100);
-    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 7: "
+    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 8: "
                                            "apply sql/002_recovery.sql"));
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/002_recovery.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/003_reserved_header.sql");
@@ -1009,6 +1015,7 @@ static void test_schema_missing(void **state)
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/005_no_notify.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/006_writer_xid.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/007_partitions.sql");
+    apply_sql_file(b, OBX_SOURCE_DIR "/sql/008_shards.sql");
     h_enqueue(b, "it.a", "k", "after-schema", 12, NULL);
     deadline = h_now_ms() + 20000;
     while (h_sql_int(b, "SELECT count(*) FROM outbox.unpublished") > 0 && h_now_ms() < deadline)

@@ -73,6 +73,14 @@ struct fake {
     int64_t cursor_hwm;
     char cursor_snap[32];
     size_t cursor_held, cursor_also;
+
+    /* relay.shards */
+    char fetch_slots[32];   /* the last fetch's slots ("" for all) */
+    char mark_slots[32];    /* the last mark's */
+    char recover_slots[32]; /* the last pass's */
+    int claims;
+    char give_back[32]; /* the last claim's */
+    bool take;
 };
 
 static int fake_fetch(void *io, const struct obx_fetch *f)
@@ -88,6 +96,7 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     fk->keyset = f->keyset;
     fk->after_id = f->keyset ? f->after_id : 0;
     snprintf(fk->snapshot, sizeof(fk->snapshot), "%s", f->snapshot ? f->snapshot : "");
+    snprintf(fk->fetch_slots, sizeof(fk->fetch_slots), "%s", f->owned_slots ? f->owned_slots : "");
     fk->max_row_bytes = f->max_row_bytes;
     fk->fetch_log = f->log;
     fk->fetch_from = f->log ? f->after_id : 0;
@@ -117,6 +126,7 @@ static int fake_mark(void *io, const struct obx_mark *m)
     f->n_offsets = m->n_offsets;
     memcpy(f->dead, m->dead_ids, m->n_dead * sizeof(*m->dead_ids));
     f->n_dead = m->n_dead;
+    snprintf(f->mark_slots, sizeof(f->mark_slots), "%s", m->owned_slots ? m->owned_slots : "");
     if (m->n_dead > 0)
         snprintf(f->dead_reason, sizeof(f->dead_reason), "%s", m->dead_reasons[0]);
     f->mark_log = m->log;
@@ -159,12 +169,24 @@ static enum obx_produce_result fake_produce(void *io, const struct obx_row *row,
     return OBX_PRODUCE_OK;
 }
 
-static int fake_recover(void *io)
+static int fake_recover(void *io, int shards, const char *owned_slots)
 {
     struct fake *f = io;
+    (void)shards;
     if (f->recover_rc != 0)
         return f->recover_rc;
     f->recovers++;
+    snprintf(f->recover_slots, sizeof(f->recover_slots), "%s", owned_slots ? owned_slots : "");
+    return 0;
+}
+
+static int fake_claim(void *io, int shards, const char *give_back, bool take)
+{
+    struct fake *f = io;
+    assert_int_equal(shards, 4);
+    f->claims++;
+    snprintf(f->give_back, sizeof(f->give_back), "%s", give_back);
+    f->take = take;
     return 0;
 }
 
@@ -194,6 +216,7 @@ static const struct obx_relay_ops ops = {
     .mark_fetch = fake_mark_fetch,
     .produce = fake_produce,
     .recover = fake_recover,
+    .claim = fake_claim,
     .stopped = fake_stopped,
     .wake_at = fake_wake_at,
     .now = fake_now,
@@ -1745,6 +1768,155 @@ static void test_log_retried_rows_orphaned_come_back(void **state)
     assert_int_equal(c->f.produced, 6);
 }
 
+/* ---- relay.shards ---- */
+
+/* A relay with relay.shards = 4, Postgres ready. */
+static void shards_ready(struct ctx *c, int64_t now)
+{
+    struct obx_relay_settings sharded = settings;
+    sharded.shards = 4;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&sharded, &ops, &c->f, &c->f, &c->r), 0);
+    obx_relay_on_pg_ready(c->r, now);
+}
+
+static void claimed(struct ctx *c, const char *owned, int members, int share, int64_t now)
+{
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING);
+    struct obx_claim a = {.owned = owned, .members = members, .share = share, .other_shards = 0};
+    obx_relay_on_claimed(c->r, &a, now);
+}
+
+/* The first claim of a session takes slots; the pass covers them, and only
+ * then do fetches go, for those slots; marks store offsets for them. */
+static void test_shards_claim_then_pass_then_fetch(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    assert_int_equal(c->f.claims, 1);
+    assert_true(c->f.take);
+    assert_string_equal(c->f.give_back, "{}");
+    assert_int_equal(c->f.recovers, 0); /* the pass waits for the slots */
+    assert_int_equal(c->f.fetches, 0);
+    claimed(c, "0,2", 2, 2, 1);
+    assert_int_equal(c->f.recovers, 1);
+    assert_string_equal(c->f.recover_slots, "{0,2}");
+    assert_string_equal(obx_relay_owned_slots(c->r), "0,2");
+    obx_relay_on_recovered(c->r, true, 2);
+    assert_int_equal(c->f.fetches, 1);
+    assert_string_equal(c->f.fetch_slots, "{0,2}");
+    fetched(c, 1, 2, 3);
+    ack(c, 0, true, 4);
+    ack(c, 1, true, 4);
+    until_fetching(c, 5);
+    assert_string_equal(c->f.mark_slots, "{0,2}");
+    struct obx_relay_slots sl;
+    obx_relay_slots(c->r, &sl);
+    assert_int_equal(sl.owned, 2);
+    assert_int_equal(sl.members, 2);
+    assert_int_equal(sl.moves, 2);
+}
+
+/* A relay with more than its share stops fetching, waits until its rows in
+ * flight are delivered and marked, and only then gives the surplus back. */
+static void test_shards_give_back_after_quiet(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    claimed(c, "0,1,2,3", 1, 4, 1);
+    obx_relay_on_recovered(c->r, true, 2);
+    fetched(c, 1, 2, 3); /* two rows in flight */
+    int fetches = c->f.fetches;
+    /* A second relay joined: the share is 2. */
+    obx_relay_tick(c->r, 300);
+    claimed(c, "0,1,2,3", 2, 2, 300);
+    obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.fetches, fetches);   /* fetching stops */
+    assert_string_equal(c->f.give_back, "{}"); /* the next look gives nothing back yet: */
+    assert_false(c->f.take);                   /* rows are out */
+    claimed(c, "0,1,2,3", 2, 2, 600);
+    ack(c, 0, true, 601);
+    ack(c, 1, true, 601);
+    obx_relay_tick(c->r, 700); /* their marks */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    for (int i = 0; i < 3 && obx_relay_state(c->r) == OBX_RELAY_MARKING; i++) {
+        assert_string_equal(c->f.mark_slots, "{0,1,2,3}"); /* the leaving ones' too */
+        obx_relay_on_marked(c->r, 701);
+    }
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING);
+    assert_string_equal(c->f.give_back, "{2,3}");
+    assert_false(c->f.take);
+    claimed(c, "0,1", 2, 2, 702);
+    assert_string_equal(obx_relay_owned_slots(c->r), "0,1");
+    until_fetching(c, 703);
+    assert_string_equal(c->f.fetch_slots, "{0,1}");
+    assert_int_equal(c->f.recovers, 1); /* nothing taken: no pass */
+}
+
+/* A slot taken later is recovered before any fetch reads it. */
+static void test_shards_taken_slot_recovered_first(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    claimed(c, "0,1", 2, 2, 1);
+    obx_relay_on_recovered(c->r, true, 2);
+    fetched(c, 1, 0, 3);
+    obx_relay_tick(c->r, 300);
+    claimed(c, "0,1,3", 1, 4, 300); /* the other relay left: one more slot */
+    assert_int_equal(c->f.recovers, 2);
+    assert_string_equal(c->f.recover_slots, "{0,1,3}");
+    int fetches = c->f.fetches;
+    obx_relay_tick(c->r, 400);
+    assert_int_equal(c->f.fetches, fetches);
+    obx_relay_on_recovered(c->r, true, 401);
+    assert_string_equal(c->f.fetch_slots, "{0,1,3}");
+    assert_false(c->f.keyset); /* the cursor started again */
+}
+
+/* A member counting other slots: this relay gives every slot back. No
+ * slots, no fetch, and still not stalled. */
+static void test_shards_other_count_gives_all_back(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    struct obx_claim a = {.owned = "0,1", .members = 2, .share = 2, .other_shards = 8};
+    obx_relay_on_claimed(c->r, &a, 1);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING); /* nothing out: at once */
+    assert_string_equal(c->f.give_back, "{0,1}");
+    claimed(c, "", 2, 2, 2);
+    assert_string_equal(obx_relay_owned_slots(c->r), "");
+    assert_int_equal(c->f.fetches, 0);
+    for (int64_t t = 300; t < 30000; t += 300) {
+        obx_relay_tick(c->r, t);
+        if (obx_relay_state(c->r) == OBX_RELAY_RECOVERING) /* of no slot: nothing to do */
+            obx_relay_on_recovered(c->r, true, t);
+        if (obx_relay_state(c->r) == OBX_RELAY_CLAIMING)
+            claimed(c, "", 2, 2, t);
+        obx_relay_check_stall(c->r, true, t);
+    }
+    char why[128];
+    assert_int_equal(obx_relay_stalled(c->r, why, sizeof(why)), 0);
+    assert_int_equal(c->f.fetches, 0);
+}
+
+/* A lost session loses the slots: the next one claims before its pass. */
+static void test_shards_lost_session_claims_again(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    claimed(c, "1", 4, 1, 1);
+    obx_relay_on_recovered(c->r, true, 2);
+    obx_relay_on_pg_lost(c->r, 3);
+    assert_string_equal(obx_relay_owned_slots(c->r), "");
+    obx_relay_on_pg_ready(c->r, 4);
+    assert_int_equal(c->f.claims, 2);
+    assert_true(c->f.take);
+    assert_int_equal(c->f.recovers, 1);
+    claimed(c, "2", 4, 1, 5);
+    assert_int_equal(c->f.recovers, 2);
+    assert_string_equal(c->f.recover_slots, "{2}");
+}
+
 #define TESTS(X)                                                                                   \
     X(test_cycle)                                                                                  \
     X(test_straight_routes)                                                                        \
@@ -1795,6 +1967,11 @@ static void test_log_retried_rows_orphaned_come_back(void **state)
     X(test_log_restart_from_stored_cursor)                                                         \
     X(test_log_held_row_outlives_the_session)                                                      \
     X(test_log_alone_try_ends_with_the_session)                                                    \
-    X(test_log_retried_rows_orphaned_come_back)
+    X(test_log_retried_rows_orphaned_come_back)                                                    \
+    X(test_shards_claim_then_pass_then_fetch)                                                      \
+    X(test_shards_give_back_after_quiet)                                                           \
+    X(test_shards_taken_slot_recovered_first)                                                      \
+    X(test_shards_other_count_gives_all_back)                                                      \
+    X(test_shards_lost_session_claims_again)
 
 OBX_FIXTURE_MAIN(TESTS)

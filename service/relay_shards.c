@@ -1,0 +1,304 @@
+/*
+ * relay_shards: several active relays (relay.shards > 1). Each key hashes
+ * into one of relay.shards slots (outbox.slot_of, sql/008); a relay
+ * publishes only the rows of the slots it holds an advisory lock for, and a
+ * claim (outbox.claim_slots) every CLAIM_EVERY_MS moves slots so that each
+ * relay holds its fair share. See struct shard_state in relay_int.h.
+ *
+ * Handover without loss, repeat or reorder: a relay gives a slot back only
+ * when nothing of its own is in flight or unmarked (it stops fetching until
+ * then), so the next owner finds each row of the slot either marked or
+ * unsent, with no record of it on its way; and a relay runs the recovery
+ * pass for the slots it takes before it fetches them (a crashed owner's
+ * records that landed are found there, as after a takeover of the relay
+ * lock).
+ */
+#include "relay_int.h"
+#include "outboxd/alloc.h"
+#include "outboxd/log.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* How often a relay looks at the members: bounds how long a relay that
+ * joins waits for slots, and how long a crashed relay's slots wait for an
+ * owner (once Postgres has ended its session). As often as a standby tries
+ * the relay lock. */
+#define CLAIM_EVERY_MS 250
+/* The warning about another relay.shards, at most this often. */
+#define OTHER_SHARDS_WARN_MS 10000
+
+bool relay_sharded(const struct obx_relay *r)
+{
+    return r->set.shards > 1;
+}
+
+/* The slots in `in` but not in `except` (may be NULL) as text into out:
+ * "{0,3}" with `braces`, else "0,3". */
+static void write_set(char *out, size_t cap, const bool *in, const bool *except, int n, bool braces)
+{
+    size_t o = 0;
+    if (braces)
+        out[o++] = '{';
+    for (int i = 0; i < n; i++) {
+        if (!in[i] || (except && except[i]))
+            continue;
+        int w = snprintf(out + o, cap - o, "%s%d", o > (braces ? 1u : 0u) ? "," : "", i);
+        if (w < 0 || (size_t)w >= cap - o)
+            break; /* cannot happen: text_cap fits every slot */
+        o += (size_t)w;
+    }
+    if (braces)
+        out[o++] = '}';
+    out[o] = '\0';
+}
+
+static void shards_texts(struct obx_relay *r)
+{
+    struct shard_state *h = &r->shard;
+    int n = r->set.shards;
+    write_set(h->fetch_text, h->text_cap, h->owned, h->leaving, n, true);
+    write_set(h->mark_text, h->text_cap, h->owned, NULL, n, true);
+    write_set(h->give_text, h->text_cap, h->leaving, NULL, n, true);
+    write_set(h->list_text, h->text_cap, h->owned, NULL, n, false);
+}
+
+int relay_shards_new(struct obx_relay *r)
+{
+    struct shard_state *h = &r->shard;
+    if (!relay_sharded(r))
+        return 0;
+    size_t n = (size_t)r->set.shards;
+    h->text_cap = n * 6 + 4; /* "1023," a slot, and the braces */
+    h->owned = obx_calloc(n, sizeof(bool));
+    h->leaving = obx_calloc(n, sizeof(bool));
+    h->seen = obx_calloc(n, sizeof(bool));
+    h->fetch_text = obx_malloc(h->text_cap);
+    h->mark_text = obx_malloc(h->text_cap);
+    h->give_text = obx_malloc(h->text_cap);
+    h->list_text = obx_malloc(h->text_cap);
+    if (!h->owned || !h->leaving || !h->seen || !h->fetch_text || !h->mark_text || !h->give_text ||
+        !h->list_text)
+        return -1;
+    h->warned_at = INT64_MIN / 2;
+    shards_texts(r);
+    return 0;
+}
+
+void relay_shards_free(struct obx_relay *r)
+{
+    struct shard_state *h = &r->shard;
+    obx_free(h->owned);
+    obx_free(h->leaving);
+    obx_free(h->seen);
+    obx_free(h->fetch_text);
+    obx_free(h->mark_text);
+    obx_free(h->give_text);
+    obx_free(h->list_text);
+}
+
+/* The session ended: its locks went with it. */
+void relay_shards_lost(struct obx_relay *r)
+{
+    struct shard_state *h = &r->shard;
+    if (!relay_sharded(r))
+        return;
+    memset(h->owned, 0, (size_t)r->set.shards * sizeof(bool));
+    memset(h->leaving, 0, (size_t)r->set.shards * sizeof(bool));
+    h->n_owned = h->n_leaving = 0;
+    h->members = h->share = 0;
+    h->known = h->giving = false;
+    shards_texts(r);
+}
+
+/* No fetch may go: the slots are not known yet, some wait to be given back
+ * (the relay makes a quiet moment for them), or none is owned. */
+bool relay_shards_hold_fetch(const struct obx_relay *r)
+{
+    const struct shard_state *h = &r->shard;
+    return relay_sharded(r) && (!h->known || h->n_leaving > 0 || h->n_owned == 0);
+}
+
+const char *relay_fetch_slots(const struct obx_relay *r)
+{
+    return relay_sharded(r) ? r->shard.fetch_text : NULL;
+}
+
+const char *relay_mark_slots(const struct obx_relay *r)
+{
+    return relay_sharded(r) ? r->shard.mark_text : NULL;
+}
+
+/* Sends a claim if one is due: the first of a session, the periodic look,
+ * or the give-back once nothing of ours is in flight or unmarked. True if
+ * it went. */
+bool relay_start_claim(struct obx_relay *r, int64_t now)
+{
+    struct shard_state *h = &r->shard;
+    bool give = h->n_leaving > 0 && r->in_use == 0 && r->to_mark == 0;
+    if (!r->ops->claim || (h->known && !give && now < h->next_claim_at))
+        return false;
+    bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0;
+    if (r->ops->claim(r->io, r->set.shards, give ? h->give_text : "{}", take) != 0) {
+        r->not_before = now + r->set.retry_backoff_ms;
+        return false;
+    }
+    h->giving = give;
+    relay_set_state(r, OBX_RELAY_CLAIMING, give ? "slots to give back" : "look at the slots");
+    return true;
+}
+
+/* "0,3,5" into h->seen; false if it is not such a list of slots. */
+static bool parse_owned(struct obx_relay *r, const char *text)
+{
+    struct shard_state *h = &r->shard;
+    memset(h->seen, 0, (size_t)r->set.shards * sizeof(bool));
+    for (const char *c = text; *c;) {
+        long v = 0;
+        const char *start = c;
+        while (*c >= '0' && *c <= '9' && v <= r->set.shards)
+            v = v * 10 + (*c++ - '0');
+        if (c == start || v >= r->set.shards || (*c != ',' && *c != '\0'))
+            return false;
+        h->seen[v] = true;
+        if (*c == ',')
+            c++;
+    }
+    return true;
+}
+
+/* The surplus over the share leaves the fetches (the highest slots first),
+ * to be given back at the next quiet moment. With `all`, every slot. */
+static void choose_leaving(struct obx_relay *r, bool all)
+{
+    struct shard_state *h = &r->shard;
+    int keep = all ? 0 : h->share;
+    int kept = 0;
+    for (int i = 0; i < r->set.shards; i++) {
+        if (!h->owned[i])
+            continue;
+        if (kept < keep) {
+            kept++;
+            continue;
+        }
+        if (!h->leaving[i]) {
+            h->leaving[i] = true;
+            h->n_leaving++;
+        }
+    }
+    if (h->n_leaving > 0)
+        relay_cursor_clear(r, "slots to give back");
+}
+
+/* The answer's slots against what we held: given back, taken, or (never
+ * expected: a lock goes only with the session) gone. */
+static void apply_owned(struct obx_relay *r, int64_t now)
+{
+    struct shard_state *h = &r->shard;
+    int taken = 0, given = 0, gone = 0;
+    for (int i = 0; i < r->set.shards; i++) {
+        if (h->seen[i] && !h->owned[i])
+            taken++;
+        else if (!h->seen[i] && h->owned[i] && h->leaving[i])
+            given++;
+        else if (!h->seen[i] && h->owned[i])
+            gone++;
+        h->owned[i] = h->seen[i];
+        if (!h->seen[i])
+            h->leaving[i] = false;
+    }
+    h->n_owned = h->n_leaving = 0;
+    for (int i = 0; i < r->set.shards; i++) {
+        h->n_owned += h->owned[i];
+        h->n_leaving += h->leaving[i];
+    }
+    h->moves += (uint64_t)(taken + given);
+    if (gone > 0) {
+        obx_error("relay: %d slots were no longer held by this relay; its cursor starts again",
+                  gone);
+        relay_cursor_clear(r, "slots gone");
+    }
+    if (given > 0)
+        obx_event(OBX_LOG_INFO, "slots_given_back",
+                  "relay: gave %d slots back; holds %d of %d (%d relays)", given, h->n_owned,
+                  r->set.shards, h->members);
+    if (taken > 0) {
+        shards_texts(r);
+        obx_event(OBX_LOG_INFO, "slots_taken",
+                  "relay: took %d slots; holds %s (%d of %d, %d relays); recovering them first",
+                  taken, h->list_text, h->n_owned, r->set.shards, h->members);
+        relay_cursor_clear(r, "slots taken");
+        r->recovered = false; /* the pass for them goes before their rows */
+    }
+    (void)now;
+}
+
+void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_t now)
+{
+    struct shard_state *h = &r->shard;
+    r->now = now;
+    if (r->state != OBX_RELAY_CLAIMING)
+        return;
+    relay_set_state(r, OBX_RELAY_IDLE, "claim answered");
+    h->giving = false;
+    if (!parse_owned(r, c->owned ? c->owned : "")) {
+        obx_error("relay: the claim of slots answered an unreadable list: %.64s", c->owned);
+        h->known = false;
+        r->not_before = now + r->set.retry_backoff_ms;
+        relay_kick(r, now);
+        return;
+    }
+    h->members = c->members;
+    h->share = c->share;
+    h->free = c->free;
+    h->other_shards = c->other_shards;
+    apply_owned(r, now);
+    if (h->other_shards != 0) {
+        if (now - h->warned_at >= OTHER_SHARDS_WARN_MS) {
+            obx_error("relay: another relay of this outbox runs with relay.shards = %d, this one "
+                      "with %d: a key would have two owners, so this relay gives its slots back "
+                      "and publishes nothing until every relay has the same value",
+                      h->other_shards, r->set.shards);
+            h->warned_at = now;
+        }
+        choose_leaving(r, true);
+    } else if (h->n_owned - h->n_leaving > h->share) {
+        choose_leaving(r, false);
+    }
+    h->known = true;
+    h->next_claim_at = now + CLAIM_EVERY_MS;
+    shards_texts(r);
+    if (r->in_use == 0)
+        relay_progress(r, now); /* nothing waits: a relay with no slot is not stalled */
+    relay_kick(r, now);
+}
+
+/* A claim that failed may have moved locks before it did (advisory locks
+ * are not undone with the statement): the next one reads them again. */
+void relay_claim_failed(struct obx_relay *r)
+{
+    r->shard.known = false;
+    r->shard.giving = false;
+}
+
+void obx_relay_slots(const struct obx_relay *r, struct obx_relay_slots *out)
+{
+    const struct shard_state *h = &r->shard;
+    *out = (struct obx_relay_slots){
+        .shards = r->set.shards,
+        .owned = relay_sharded(r) ? h->n_owned : r->recovered, /* alone: 1 while it publishes */
+        .members = relay_sharded(r) ? h->members : 1,
+        .share = relay_sharded(r) ? h->share : 1,
+        .moves = h->moves,
+    };
+}
+
+bool obx_relay_maintains(const struct obx_relay *r)
+{
+    return !relay_sharded(r) || (r->shard.known && r->shard.owned[0]);
+}
+
+const char *obx_relay_owned_slots(const struct obx_relay *r)
+{
+    return relay_sharded(r) ? r->shard.list_text : "all";
+}

@@ -1,0 +1,152 @@
+-- outboxd schema, version 8: several active relays, each owning a share of
+-- the keys (relay.shards).
+--
+-- Apply with: psql -v ON_ERROR_STOP=1 -f sql/008_shards.sql (after 007).
+-- Idempotent. Nothing here touches outbox.events or enqueue(): the
+-- application's writers never wait on it.
+--
+-- Keys hash into relay.shards slots (outbox.slot_of; a row without a key
+-- goes by its id). Each relay holds a session-level advisory lock for every
+-- slot it owns and publishes only rows of those slots, so a key is only
+-- ever published by one relay at a time and per-key order holds across
+-- relays. outbox.claim_slots(), called by each relay every 250 ms, counts
+-- the relays (a shared member lock each), gives a relay's surplus back and
+-- takes free slots up to its fair share. A relay gives a slot back only
+-- when none of its rows is in flight or unmarked; one that takes a slot
+-- runs the recovery pass for it before publishing it.
+--
+-- With several relays writing to the same Kafka partitions, one stored
+-- offset per partition no longer bounds every relay's unmarked records, so
+-- outbox.kafka_offsets keeps one per slot (relay.shards = 1 is slot 0 of 1,
+-- as before).
+
+BEGIN;
+SET LOCAL client_min_messages = warning;
+DO $$ BEGIN PERFORM pg_advisory_xact_lock(1868724324, 0); END $$;
+
+-- The slot of a row: 0..p_shards-1. Computed by Postgres, so every relay
+-- agrees whatever its platform. Inlined into the fetches' WHERE.
+CREATE OR REPLACE FUNCTION outbox.slot_of(p_key text, p_id bigint, p_shards integer)
+RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_shards <= 1 THEN 0
+                ELSE (((pg_catalog.hashtextextended(coalesce(p_key, p_id::text), 0) % p_shards)
+                       + p_shards) % p_shards)::integer END
+$$;
+GRANT EXECUTE ON FUNCTION outbox.slot_of(text, bigint, integer) TO outboxd_relay;
+
+-- Stored offsets per slot. Existing rows are slot 0 of 1 (one relay).
+ALTER TABLE outbox.kafka_offsets ADD COLUMN IF NOT EXISTS shards integer NOT NULL DEFAULT 1;
+ALTER TABLE outbox.kafka_offsets ADD COLUMN IF NOT EXISTS slot integer NOT NULL DEFAULT 0;
+DO $$
+BEGIN
+    IF (SELECT array_agg(a.attname ORDER BY k.n)
+        FROM pg_catalog.pg_constraint c,
+             unnest(c.conkey) WITH ORDINALITY AS k(attnum, n),
+             pg_catalog.pg_attribute a
+        WHERE c.conrelid = 'outbox.kafka_offsets'::regclass AND c.contype = 'p'
+          AND a.attrelid = c.conrelid AND a.attnum = k.attnum)
+       IS DISTINCT FROM ARRAY['topic', 'kafka_partition', 'shards', 'slot']::name[] THEN
+        ALTER TABLE outbox.kafka_offsets DROP CONSTRAINT IF EXISTS kafka_offsets_pkey;
+        ALTER TABLE outbox.kafka_offsets
+            ADD CONSTRAINT kafka_offsets_pkey PRIMARY KEY (topic, kafka_partition, shards, slot);
+    END IF;
+END
+$$;
+
+-- Who owns which slot, for `outboxd status` and for recovery: a slot that
+-- has had an owner under this relay.shards may have records without a
+-- stored offset on a partition (its owner died before the first one), so
+-- recovery reads such a partition from its start; a slot never owned has
+-- published nothing under this count.
+CREATE TABLE IF NOT EXISTS outbox.slot_owners (
+    shards      integer NOT NULL,
+    slot        integer NOT NULL,
+    owner_pid   integer NOT NULL,
+    owner_name  text NOT NULL DEFAULT '',
+    owned_since timestamptz NOT NULL DEFAULT now(),
+    handovers   bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (shards, slot)
+);
+REVOKE ALL ON outbox.slot_owners FROM PUBLIC;
+GRANT SELECT, INSERT, UPDATE ON outbox.slot_owners TO outboxd_relay;
+
+-- One relay's look at the members and its slots: gives p_give_back back
+-- (slots it no longer has rows of in flight), and with p_take takes free
+-- slots up to its fair share. Members are the sessions holding the shared
+-- member lock for p_shards (taken here on the first call); ordered by pid,
+-- the first p_shards % members get one slot more. If a member runs with
+-- another relay.shards, other_shards names it and nothing is taken: two
+-- counts would map a key to two owners.
+CREATE OR REPLACE FUNCTION outbox.claim_slots(p_shards integer, p_give_back integer[],
+                                              p_take boolean,
+                                              OUT owned integer[], OUT members integer,
+                                              OUT share integer, OUT free integer,
+                                              OUT other_shards integer, OUT taken integer[])
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_db oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database());
+    v_me integer := pg_catalog.pg_backend_pid();
+    v_rank integer;
+    v_slot integer;
+BEGIN
+    IF p_shards < 1 OR p_shards > 1024 THEN
+        RAISE EXCEPTION 'relay.shards must be 1 to 1024, not %', p_shards;
+    END IF;
+    taken := '{}';
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_locks
+                   WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724339
+                     AND objid = p_shards AND objsubid = 2 AND pid = v_me AND granted) THEN
+        PERFORM pg_catalog.pg_advisory_lock_shared(1868724339, p_shards);
+    END IF;
+    PERFORM pg_catalog.pg_advisory_unlock(1868724340, s)
+    FROM unnest(coalesce(p_give_back, '{}')) AS s
+    WHERE EXISTS (SELECT FROM pg_catalog.pg_locks
+                  WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724340
+                    AND objid = s AND objsubid = 2 AND pid = v_me AND granted);
+    SELECT min(objid::integer) INTO other_shards FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724339 AND objsubid = 2
+      AND granted AND objid <> p_shards;
+    SELECT count(DISTINCT pid), count(DISTINCT pid) FILTER (WHERE pid < v_me)
+    INTO members, v_rank FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724339
+      AND objid = p_shards AND objsubid = 2 AND granted;
+    share := p_shards / members + CASE WHEN v_rank < p_shards % members THEN 1 ELSE 0 END;
+    owned := ARRAY(SELECT objid::integer FROM pg_catalog.pg_locks
+                   WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724340
+                     AND objsubid = 2 AND pid = v_me AND granted ORDER BY 1);
+    IF p_take AND other_shards IS NULL AND cardinality(owned) < share THEN
+        -- Free slots, starting at a place of our own: relays that take at
+        -- the same moment mostly try different ones.
+        FOR v_slot IN
+            SELECT g FROM generate_series(0, p_shards - 1) AS g
+            WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_locks
+                              WHERE locktype = 'advisory' AND database = v_db
+                                AND classid = 1868724340 AND objid = g AND objsubid = 2
+                                AND granted)
+            ORDER BY (g - v_rank * (p_shards / members) + p_shards) % p_shards
+        LOOP
+            IF pg_catalog.pg_try_advisory_lock(1868724340, v_slot) THEN
+                owned := owned || v_slot;
+                taken := taken || v_slot;
+                INSERT INTO outbox.slot_owners AS o (shards, slot, owner_pid, owner_name)
+                VALUES (p_shards, v_slot, v_me, coalesce(current_setting('application_name', true), ''))
+                ON CONFLICT (shards, slot) DO UPDATE
+                    SET owner_pid = excluded.owner_pid, owner_name = excluded.owner_name,
+                        owned_since = now(), handovers = o.handovers + 1;
+                EXIT WHEN cardinality(owned) >= share;
+            END IF;
+        END LOOP;
+        owned := ARRAY(SELECT unnest(owned) ORDER BY 1);
+    END IF;
+    SELECT p_shards - count(DISTINCT objid) INTO free FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724340 AND objsubid = 2
+      AND granted AND objid < p_shards;
+END
+$$;
+REVOKE ALL ON FUNCTION outbox.claim_slots(integer, integer[], boolean) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.claim_slots(integer, integer[], boolean) TO outboxd_relay;
+
+INSERT INTO outbox.schema_migrations (version, name)
+VALUES (8, '008_shards') ON CONFLICT (version) DO NOTHING;
+
+COMMIT;

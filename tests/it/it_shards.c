@@ -1,0 +1,313 @@
+/*
+ * Several active relays (relay.shards, issue 24): relays that join, leave,
+ * crash, freeze and restart under writers, and Postgres restarts under
+ * them. Throughout, every committed row reaches Kafka once, in per-key
+ * order, and the slots end up spread fairly.
+ *
+ *   it_shards [SCENARIO]
+ */
+#include "harness.h"
+#include "scenario.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+#define SHARDS   8
+#define N_RELAYS 4
+
+static struct h_env env; /* Postgres, the broker, and relay r0 */
+static struct h_env relays[N_RELAYS];
+static char body[1 << 16];
+
+#define TOPICS_SPEC ((const char *const[]){"it.a:3", "it.b:3", "it.c:1", NULL})
+
+static int teardown_env(void **state)
+{
+    (void)state;
+    for (int i = 1; i < N_RELAYS; i++)
+        if (relays[i].relay_pid > 0)
+            h_relay_stop(&relays[i], SIGKILL, 5000);
+    h_env_stop(&env);
+    return 0;
+}
+
+/* Writers committing rows (keys across every slot) until stopped. */
+struct writers {
+    atomic_int stop;
+    struct s_writer w[2];
+    pthread_t t[2];
+};
+
+static void writers_start(struct writers *ws)
+{
+    atomic_store(&ws->stop, 0);
+    for (int i = 0; i < 2; i++) {
+        ws->w[i] = (struct s_writer){
+            .env = &env, .w = i, .rows_per_tx = 2, .stop = &ws->stop, .pace_ms = 4};
+        assert_int_equal(pthread_create(&ws->t[i], NULL, s_writer_main, &ws->w[i]), 0);
+    }
+}
+
+static int writers_stop(struct writers *ws)
+{
+    atomic_store(&ws->stop, 1);
+    int n = 0;
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ws->t[i], NULL);
+        n += ws->w[i].written;
+    }
+    return n;
+}
+
+/* Relay i (r0 is env itself) with relay.shards = SHARDS. */
+static void relay_start(int i)
+{
+    if (i > 0) {
+        relays[i] = env;
+        relays[i].relay_pid = 0;
+        relays[i].http_port = h_free_port();
+    }
+    struct h_env *e = i > 0 ? &relays[i] : &env;
+    snprintf(e->relay_name, sizeof(e->relay_name), "r%d", i);
+    char ci[700];
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=r%d", env.conninfo, i);
+    h_relay_start(e, NULL,
+                  (const char *const[]){"relay.shards=8", ci,
+                                        "postgres.reconnect_backoff_min=100ms",
+                                        "postgres.reconnect_backoff_max=500ms", NULL});
+}
+
+static struct h_env *relay(int i)
+{
+    return i > 0 ? &relays[i] : &env;
+}
+
+/* The slots relay i owns, from its /metrics; -1 when it does not answer. */
+static int owned(int i)
+{
+    if (relay(i)->relay_pid <= 0 || h_http_get(relay(i), "/metrics", body, sizeof(body)) != 200)
+        return -1;
+    return (int)h_metric(body, "outboxd_slots_owned");
+}
+
+/* Waits until the running relays in `which` (a bit per relay) own every
+ * slot between them, each its fair share (SHARDS / n, or one more).
+ * Returns the milliseconds it took. */
+static int64_t wait_spread(unsigned which, int timeout_ms)
+{
+    int64_t t0 = h_now_ms(), deadline = t0 + timeout_ms;
+    int n = __builtin_popcount(which);
+    char seen[128] = "";
+    while (h_now_ms() < deadline) {
+        int total = 0, fair = 1, o;
+        size_t len = 0;
+        for (int i = 0; i < N_RELAYS; i++) {
+            if (!(which & (1u << i)))
+                continue;
+            o = owned(i);
+            len += (size_t)snprintf(seen + len, sizeof(seen) - len, " r%d:%d", i, o);
+            total += o;
+            fair &= o == SHARDS / n || o == SHARDS / n + 1;
+        }
+        if (total == SHARDS && fair)
+            return h_now_ms() - t0;
+        h_sleep_ms(20);
+    }
+    fail_msg("the slots were not spread over %d relays within %d ms (owned:%s; see %s)", n,
+             timeout_ms, seen, env.dir);
+    return -1;
+}
+
+/* Every committed row published within timeout_ms of `after`. */
+static void expect_caught_up(const char *after, int timeout_ms)
+{
+    if (!h_wait_drained(&env, timeout_ms))
+        fail_msg("rows still unsent %d ms after %s (see %s)", timeout_ms, after, env.dir);
+}
+
+/* Every committed row in Kafka, once unless `dups_ok`, in per-key order. */
+static size_t check_kafka(bool dups_ok)
+{
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    size_t dups = h_check_db_matches_kafka(&env, &recs, dups_ok);
+    print_message("%zu records, %zu duplicates\n", recs.n, dups);
+    h_records_free(&recs);
+    return dups;
+}
+
+/* `outboxd status --json`'s relays: how many are active, and the slots
+ * they own between them (a bit each), which must not overlap. */
+static int status_slots(unsigned *slots)
+{
+    char ci[700], bs[600], out[16384];
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s", env.conninfo);
+    snprintf(bs, sizeof(bs), "kafka.bootstrap.servers=%s", env.bootstrap);
+    char *const argv[] = {"outboxd", "status", "--json", "-X", ci, "-X", bs, NULL};
+    char *const envp[] = {"PATH=/usr/bin:/bin", NULL};
+    h_run_outboxd(argv, envp, out, sizeof(out));
+    int active = 0;
+    *slots = 0;
+    for (const char *p = out; (p = strstr(p, "\"active\":true,\"slots\":[")); active++) {
+        p += strlen("\"active\":true,\"slots\":[");
+        while (*p >= '0' && *p <= '9') {
+            unsigned bit = 1u << strtol(p, (char **)&p, 10);
+            if (*slots & bit)
+                fail_msg("a slot has two owners in outboxd status: %s", out);
+            *slots |= bit;
+            if (*p == ',')
+                p++;
+        }
+    }
+    return active;
+}
+
+/* 1 -> 4 -> 2 relays under writers: joins and graceful leaves move slots
+ * within 2 s, and nothing is lost, repeated or reordered. */
+static void test_join_and_leave(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    relay_start(0);
+    wait_spread(1u, 15000);
+    struct writers ws;
+    writers_start(&ws);
+    h_sleep_ms(800);
+    for (int i = 1; i < N_RELAYS; i++)
+        relay_start(i);
+    int64_t took = wait_spread(0xf, 15000);
+    print_message("4 relays share the slots after %lld ms\n", (long long)took);
+    unsigned slots;
+    assert_int_equal(status_slots(&slots), 4);
+    assert_int_equal(slots, (1u << SHARDS) - 1);
+    h_sleep_ms(800);
+    assert_int_equal(h_relay_stop(relay(2), SIGTERM, 20000), 0);
+    assert_int_equal(h_relay_stop(relay(3), SIGTERM, 20000), 0);
+    took = wait_spread(0x3, 5000);
+    print_message("2 relays share the slots %lld ms after the leaves\n", (long long)took);
+    if (took > 2000)
+        fail_msg("the slots of the relays that left moved in %lld ms", (long long)took);
+    h_sleep_ms(800);
+    assert_true(writers_stop(&ws) > 0);
+    expect_caught_up("the joins and leaves", 15000);
+    assert_int_equal(h_relay_stop(relay(1), SIGTERM, 20000), 0);
+    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
+    assert_int_equal(check_kafka(false), 0);
+    assert_true(h_relay_events(relay(0), "slots_given_back", NULL) >= 1); /* to the joiners */
+}
+
+/* An owner killed (-9), another frozen (SIGSTOP) and its session cut, then
+ * a Postgres restart: the others take the slots over, recover them first,
+ * and every row is in Kafka once (a frozen relay's queued records are the
+ * zombie window: counted, never losses or reorders). */
+static void test_crash_and_freeze(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    for (int i = 0; i < 3; i++)
+        relay_start(i);
+    wait_spread(0x7, 15000);
+    struct writers ws;
+    writers_start(&ws);
+    h_sleep_ms(1000);
+    kill(relay(1)->relay_pid, SIGKILL);
+    assert_int_equal(h_relay_wait(relay(1), 10000), 128 + SIGKILL);
+    int64_t took = wait_spread(0x5, 5000);
+    print_message("a killed relay's slots moved in %lld ms\n", (long long)took);
+    h_sleep_ms(800);
+    /* Frozen, its session cut: the other takes its slots; it comes back. */
+    kill(relay(2)->relay_pid, SIGSTOP);
+    PGconn *c = h_connect(&env);
+    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                             " WHERE application_name = 'r2'") >= 1);
+    PQfinish(c);
+    h_sleep_ms(1500);
+    kill(relay(2)->relay_pid, SIGCONT);
+    wait_spread(0x5, 10000);
+    h_sleep_ms(500);
+    h_pg_restart(&env, "fast");
+    wait_spread(0x5, 15000);
+    h_sleep_ms(800);
+    assert_true(writers_stop(&ws) > 0);
+    expect_caught_up("the crash, the freeze and the restart", 20000);
+    assert_int_equal(h_relay_stop(relay(2), SIGTERM, 20000), 0);
+    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
+    check_kafka(true);
+}
+
+/* A rolling restart of every relay, one at a time, under writers: no
+ * duplicate at all (each leaves gracefully). */
+static void test_rolling_restart(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    for (int i = 0; i < 2; i++)
+        relay_start(i);
+    wait_spread(0x3, 15000);
+    struct writers ws;
+    writers_start(&ws);
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < 2; i++) {
+            h_sleep_ms(600);
+            assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+            wait_spread(0x3 & ~(1u << i), 5000);
+            relay_start(i);
+            wait_spread(0x3, 5000);
+        }
+    }
+    h_sleep_ms(500);
+    assert_true(writers_stop(&ws) > 0);
+    expect_caught_up("the rolling restart", 15000);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    assert_int_equal(check_kafka(false), 0);
+}
+
+/* A relay alone (relay.shards = 1) and sharded relays exclude each other,
+ * and two relays counting different slots publish nothing until they agree. */
+static void test_mixed_counts_refused(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    relay_start(0);
+    wait_spread(1u, 15000);
+    /* A relay alone stands by while sharded relays hold the relay lock. */
+    relays[1] = env;
+    relays[1].relay_pid = 0;
+    relays[1].http_port = h_free_port();
+    snprintf(relays[1].relay_name, sizeof(relays[1].relay_name), "alone");
+    h_relay_start(&relays[1], NULL, NULL);
+    h_wait_event(&relays[1], "standing_by", NULL, 1, 10000);
+    assert_int_equal(h_relay_stop(&relays[1], SIGTERM, 10000), 0);
+    /* Another count: both give every slot back and say why. */
+    relays[2] = env;
+    relays[2].relay_pid = 0;
+    relays[2].http_port = h_free_port();
+    snprintf(relays[2].relay_name, sizeof(relays[2].relay_name), "other");
+    h_relay_start(&relays[2], NULL, (const char *const[]){"relay.shards=4", NULL});
+    h_wait_log(&env, "runs with relay.shards = 4", 10000);
+    h_wait_log(&relays[2], "runs with relay.shards = 8", 10000);
+    int64_t deadline = h_now_ms() + 5000;
+    while (owned(0) != 0 && h_now_ms() < deadline)
+        h_sleep_ms(20);
+    assert_int_equal(owned(0), 0);
+    assert_int_equal(h_relay_stop(&relays[2], SIGTERM, 10000), 0);
+    wait_spread(1u, 5000); /* alone again: it takes them back */
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 10000), 0);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_join_and_leave, teardown_env),
+        cmocka_unit_test_teardown(test_crash_and_freeze, teardown_env),
+        cmocka_unit_test_teardown(test_rolling_restart, teardown_env),
+        cmocka_unit_test_teardown(test_mixed_counts_refused, teardown_env),
+    };
+    return H_RUN_SUITE(tests, argc, argv);
+}
