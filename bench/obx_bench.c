@@ -1031,9 +1031,29 @@ static double wait_spread(const int *ports, int n, int slots, double timeout_s)
     return now_s() - t0;
 }
 
+/* The CPU so far of the relays' Postgres backends (every session named
+ * outboxd) and of the relay processes pids[0..n). */
+static void shard_cpu(PGconn *c, const pid_t *pids, int n, double *backends, double *relays)
+{
+    PGresult *r = PQexec(c, "SELECT pid FROM pg_stat_activity WHERE application_name = 'outboxd'");
+    *backends = *relays = 0;
+    for (int i = 0; PQresultStatus(r) == PGRES_TUPLES_OK && i < PQntuples(r); i++)
+        *backends += backend_cpu_s((int)strtol(PQgetvalue(r, i, 0), NULL, 10));
+    PQclear(r);
+    for (int i = 0; i < n; i++) {
+        struct proc_stats st = {0};
+        proc_stats(pids[i], &st);
+        *relays += st.cpu_s;
+    }
+}
+
+struct shard_result {
+    double rows_per_s;
+    double machine_us, backends_us, relays_us; /* CPU per row: all, Postgres, outboxd */
+};
+
 /* N rows drained by n relays sharing `shards` slots (1: one relay alone). */
-static void shard_drain(const struct opts *o, int n, int shards, double *rows_per_s,
-                        double *machine_us)
+static void shard_drain(const struct opts *o, int n, int shards, struct shard_result *res)
 {
     PGconn *c = connect_db(o);
     const char *left_sql = left_sql_for(OBX_ON_SENT_MARK);
@@ -1051,13 +1071,18 @@ static void shard_drain(const struct opts *o, int n, int shards, double *rows_pe
     sleep(1);
     exec_ok(c, "BEGIN");
     prefill(c, o->rows, 200);
+    double b0, r0, b1, r1;
+    shard_cpu(c, pids, n, &b0, &r0);
     double m0 = machine_cpu_s(), t0 = now_s();
     exec_ok(c, "COMMIT");
     while (query_int(c, left_sql) > 0)
         usleep(5000);
     double t1 = now_s();
-    *machine_us = (machine_cpu_s() - m0) * 1e6 / o->rows;
-    *rows_per_s = o->rows / (t1 - t0);
+    res->machine_us = (machine_cpu_s() - m0) * 1e6 / o->rows;
+    shard_cpu(c, pids, n, &b1, &r1);
+    res->backends_us = (b1 - b0) * 1e6 / o->rows;
+    res->relays_us = (r1 - r0) * 1e6 / o->rows;
+    res->rows_per_s = o->rows / (t1 - t0);
     for (int i = 0; i < n; i++)
         stop_outboxd(pids[i]);
     PQfinish(c);
@@ -1132,31 +1157,44 @@ static void shard_table(const struct opts *o, int rounds)
         int relays, shards;
     } runs[] = {{1, 1}, {1, SHARD_SLOTS}, {2, SHARD_SLOTS}, {4, SHARD_SLOTS}};
     enum { N_RUNS = sizeof(runs) / sizeof(runs[0]) };
-    double rate[N_RUNS][16], cpu[N_RUNS][16];
-    if (rounds > 16)
-        rounds = 16;
+    enum { MAX_ROUNDS = 16 };
+    double rate[N_RUNS][MAX_ROUNDS], cpu[N_RUNS][MAX_ROUNDS], pg[N_RUNS][MAX_ROUNDS],
+        relays[N_RUNS][MAX_ROUNDS];
+    if (rounds > MAX_ROUNDS)
+        rounds = MAX_ROUNDS;
     for (int r = 0; r < rounds; r++) {
         for (int k = 0; k < N_RUNS; k++) {
             int i = (k + r) % N_RUNS; /* each round starts with another one */
-            shard_drain(o, runs[i].relays, runs[i].shards, &rate[i][r], &cpu[i][r]);
-            fprintf(stderr, "obx-bench: %d relays, relay.shards = %d: %.0f rows/s, %.1f us/row\n",
-                    runs[i].relays, runs[i].shards, rate[i][r], cpu[i][r]);
+            struct shard_result d;
+            shard_drain(o, runs[i].relays, runs[i].shards, &d);
+            rate[i][r] = d.rows_per_s;
+            cpu[i][r] = d.machine_us;
+            pg[i][r] = d.backends_us;
+            relays[i][r] = d.relays_us;
+            fprintf(stderr,
+                    "obx-bench: %d relays, relay.shards = %d: %.0f rows/s, %.1f us/row (Postgres "
+                    "backends %.1f, outboxd %.1f)\n",
+                    runs[i].relays, runs[i].shards, d.rows_per_s, d.machine_us, d.backends_us,
+                    d.relays_us);
         }
     }
-    double med_rate[N_RUNS], med_cpu[N_RUNS];
+    printf("| relays | relay.shards | drain (median of %d) | vs one relay alone | machine CPU per "
+           "row | its relays' backends | outboxd processes |\n"
+           "| --- | --- | --- | --- | --- | --- | --- |\n",
+           rounds);
+    double base = 0;
     for (int i = 0; i < N_RUNS; i++) {
         qsort(rate[i], (size_t)rounds, sizeof(double), compare_double);
         qsort(cpu[i], (size_t)rounds, sizeof(double), compare_double);
-        med_rate[i] = rate[i][rounds / 2];
-        med_cpu[i] = cpu[i][rounds / 2];
+        qsort(pg[i], (size_t)rounds, sizeof(double), compare_double);
+        qsort(relays[i], (size_t)rounds, sizeof(double), compare_double);
+        double med = rate[i][rounds / 2];
+        if (i == 0)
+            base = med;
+        printf("| %d | %d | %.0f rows/s (%.0f–%.0f) | %.2f | %.1f µs | %.1f µs | %.1f µs |\n",
+               runs[i].relays, runs[i].shards, med, rate[i][0], rate[i][rounds - 1], med / base,
+               cpu[i][rounds / 2], pg[i][rounds / 2], relays[i][rounds / 2]);
     }
-    printf("| relays | relay.shards | drain (median of %d) | vs one relay alone | machine CPU per "
-           "row |\n| --- | --- | --- | --- | --- |\n",
-           rounds);
-    for (int i = 0; i < N_RUNS; i++)
-        printf("| %d | %d | %.0f rows/s (%.0f–%.0f) | %.2f | %.1f µs |\n", runs[i].relays,
-               runs[i].shards, med_rate[i], rate[i][0], rate[i][rounds - 1],
-               med_rate[i] / med_rate[0], med_cpu[i]);
     double times[20];
     shard_handovers(o, times, 20);
     double leave[10], join[10];

@@ -113,6 +113,7 @@ struct schedule {
     uint64_t seed;
     int n_relays;
     const char *mode; /* relay.on_sent: mark, delete or log */
+    int shards;       /* relay.shards: above 1, every relay publishes its slots */
     int duration_ms;
     int n_faults;
     struct fault f[MAX_FAULTS];
@@ -149,13 +150,21 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
         f->at_ms = rnd_in(&r, 300, s->duration_ms - 500);
         f->dur_ms = rnd_in(&r, 200, 3000);
     }
+    /* Several active relays for half the schedules that can have them
+     * (mark and delete mode, two relays or more). Drawn apart, so that a
+     * seed still gives the schedule it gave before relay.shards existed,
+     * with only this added. */
+    struct rng sr = {seed ^ 0x5a17ed5eedULL};
+    s->shards = 1;
+    if (s->n_relays > 1 && strcmp(s->mode, "log") != 0 && rnd_in(&sr, 0, 1))
+        s->shards = rnd_in(&sr, 2, 6);
 }
 
 static void print_schedule(FILE *out, const struct schedule *s)
 {
-    fprintf(out, "schedule seed %llu: %d relay%s, %s mode, %d ms, %d faults:\n",
+    fprintf(out, "schedule seed %llu: %d relay%s, %s mode, relay.shards = %d, %d ms, %d faults:\n",
             (unsigned long long)s->seed, s->n_relays, s->n_relays > 1 ? "s" : "", s->mode,
-            s->duration_ms, s->n_faults);
+            s->shards, s->duration_ms, s->n_faults);
     for (int i = 0; i < s->n_faults; i++)
         fprintf(out, "  at %5d ms  %-20s relay %d  for %d ms\n", s->f[i].at_ms,
                 fault_names[s->f[i].kind], s->f[i].relay, s->f[i].dur_ms);
@@ -443,11 +452,16 @@ static void relay_start(struct run *x, int i)
     /* OBX_CHAOS_X="k=v;k=v": more -X for every relay (e.g. log.level=debug),
      * to look closer at a replayed finding. */
     static char extra[512];
-    char mode[32];
+    char mode[32], shards[32];
     snprintf(mode, sizeof(mode), "relay.on_sent=%s", x->s.mode);
-    const char *xargs[12] = {rl->conninfo, "relay.on_reject=dead_letter",
-                             "kafka.message.max.bytes=100000", mode, shutdown};
-    int n = 5;
+    snprintf(shards, sizeof(shards), "relay.shards=%d", x->s.shards);
+    const char *xargs[12] = {rl->conninfo,
+                             "relay.on_reject=dead_letter",
+                             "kafka.message.max.bytes=100000",
+                             mode,
+                             shutdown,
+                             shards};
+    int n = 6;
     /* A finite message timeout (issue 21.1): a record whose acknowledgement
      * comes later fails "possibly persisted"; its row holds its key until
      * the recovery pass has looked for it in Kafka. */
@@ -473,7 +487,8 @@ static void relay_wait_dead(struct relay *rl)
     rl->stopped = false;
 }
 
-/* The relay holding the relay lock, -1 if none (or Postgres is down). */
+/* The relay holding the relay lock (the first by pid, when relays with
+ * relay.shards share it), -1 if none (or Postgres is down). */
 static int active_relay(struct run *x)
 {
     if (x->pg_down)
@@ -484,7 +499,8 @@ static int active_relay(struct run *x)
         PGresult *r = PQexec(c, "SELECT a.application_name FROM pg_locks l"
                                 " JOIN pg_stat_activity a ON a.pid = l.pid"
                                 " WHERE l.locktype = 'advisory' AND l.granted"
-                                "   AND l.classid = 1868724338 AND l.objid = 0");
+                                "   AND l.classid = 1868724338 AND l.objid = 0"
+                                " ORDER BY l.pid LIMIT 1");
         for (int k = 0;
              PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && k < x->s.n_relays; k++)
             if (strcmp(PQgetvalue(r, 0, 0), x->relay[k].app) == 0)
@@ -1211,11 +1227,12 @@ static void test_chaos(void **state)
         t.seq_duplicates += run.seq.duplicates;
         fprintf(
             stderr,
-            "chaos: seed %llu: %d relays, %d faults, %zu rows committed (%zu uncertain), "
+            "chaos: seed %llu: %d relays%s, %d faults, %zu rows committed (%zu uncertain), "
             "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld time-out "
             "reports; broker refused %lu batches out of sequence, recognised %lu resent -> %s\n",
-            (unsigned long long)run.s.seed, run.s.n_relays, run.s.n_faults, run.committed,
-            run.uncertain, run.rolled_back, run.dead, run.records, run.duplicates,
+            (unsigned long long)run.s.seed, run.s.n_relays,
+            run.s.shards > 1 ? " sharing slots" : "", run.s.n_faults, run.committed, run.uncertain,
+            run.rolled_back, run.dead, run.records, run.duplicates,
             run.zombie_window ? " [zombie window]" : "", run.timed_out, run.seq.out_of_order,
             run.seq.duplicates, run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
