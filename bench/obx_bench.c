@@ -1058,7 +1058,7 @@ static void shard_drain(const struct opts *o, int n, int shards, struct shard_re
     PGconn *c = connect_db(o);
     const char *left_sql = left_sql_for(OBX_ON_SENT_MARK);
     settle(c);
-    exec_ok(c, "TRUNCATE outbox.slot_owners");
+    exec_ok(c, "TRUNCATE outbox.slot_owners, outbox.kafka_slot_offsets");
     pid_t pids[MAX_SHARD_RELAYS];
     int ports[MAX_SHARD_RELAYS];
     for (int i = 0; i < n; i++) {

@@ -73,6 +73,13 @@ static const struct {
     {"coalesce(has_table_privilege(to_regclass('outbox.log_cursor'), "
      "'SELECT, INSERT, UPDATE, TRUNCATE'), false)",
      "SELECT, INSERT, UPDATE, TRUNCATE on outbox.log_cursor", "for log mode's cursor"},
+    {"coalesce(has_table_privilege(to_regclass('outbox.kafka_slot_offsets'), "
+     "'SELECT, INSERT, UPDATE'), false)",
+     "SELECT, INSERT, UPDATE on outbox.kafka_slot_offsets",
+     "to record offsets per slot (relay.shards above 1)"},
+    {"coalesce(has_function_privilege(to_regprocedure('outbox.claim_slots(integer, integer[], "
+     "boolean)'), 'EXECUTE'), false)",
+     "EXECUTE on outbox.claim_slots()", "to own slots (relay.shards above 1)"},
     {"coalesce(has_table_privilege(to_regclass('outbox.unpublished'), 'SELECT'), false)",
      "SELECT on outbox.unpublished", "to count the rows waiting"},
     {"coalesce(has_function_privilege(to_regprocedure('outbox.advance_cursor(bigint, bigint, "

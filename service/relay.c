@@ -459,6 +459,11 @@ static bool start_mark(struct obx_relay *r, int64_t now)
     /* The offsets go with a mark once a second, and with every mark of a
      * drain (the next start reads less). */
     r->offsets_in_mark = r->n_off > 0 && (now >= r->offsets_due || r->draining);
+    /* A slot just taken is read by its pass from the offsets stored before:
+     * ours, stored for it now, could lie above its last owner's records
+     * that the pass has yet to find. Kept until the pass is done. */
+    if (relay_sharded(r) && !r->recovered)
+        r->offsets_in_mark = false;
     m.n_offsets = r->offsets_in_mark ? r->n_off : 0;
     if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;

@@ -135,7 +135,9 @@ const char *relay_mark_slots(const struct obx_relay *r)
 bool relay_start_claim(struct obx_relay *r, int64_t now)
 {
     struct shard_state *h = &r->shard;
-    bool give = h->n_leaving > 0 && r->in_use == 0 && r->to_mark == 0;
+    /* Nothing of ours in flight or unmarked, and no report left unsettled
+     * (the next owner's pass would find its record, but ours is due first). */
+    bool give = h->n_leaving > 0 && r->in_use == 0 && r->to_mark == 0 && !relay_uncertain(r);
     if (!r->ops->claim || (h->known && !give && now < h->next_claim_at))
         return false;
     bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0;

@@ -310,19 +310,23 @@ const char *obx_store_sql_log_write(void)
 }
 
 #define LOG_NEWEST " c AS (SELECT * FROM outbox.log_cursor ORDER BY batch DESC LIMIT 1)"
+/* Log mode's cursor rows: each partition's highest offset they stored. */
+#define CURSOR_OFFSETS                                                                             \
+    " lc AS (SELECT u.topic, u.p, max(u.o) AS o FROM outbox.log_cursor a,"                         \
+    "          unnest(a.topics, a.kafka_partitions, a.last_offsets) AS u(topic, p, o)"             \
+    "        GROUP BY 1, 2)"
 /* Each partition's stored offset: the higher of what log mode's cursor rows
- * and mark or delete mode's outbox.kafka_offsets say (`k`: its rows that
- * count, the lowest of their slots). Each bounds the records of its own
- * time, and the later mode's records lie after the earlier one's, so after
- * a switch of modes the higher one holds. */
-#define OFFSETS_OF(k)                                                                              \
-    " o AS (SELECT t.topic, t.p, max(t.o) AS o"                                                    \
-    "       FROM (SELECT u.topic, u.p, u.o FROM outbox.log_cursor a,"                              \
-    "               unnest(a.topics, a.kafka_partitions, a.last_offsets) AS u(topic, p, o)"        \
-    "             UNION ALL"                                                                       \
-    "             SELECT topic, kafka_partition, min(last_offset) FROM " k " GROUP BY 1, 2) t"     \
-    "       GROUP BY 1, 2)"
-#define LOG_OFFSETS OFFSETS_OF("outbox.kafka_offsets")
+ * and mark or delete mode's outbox.kafka_offsets say. Each bounds the
+ * records of its own time, and the later mode's records lie after the
+ * earlier one's, so after a switch of modes the higher one holds. */
+#define LOG_OFFSETS                                                                                \
+    CURSOR_OFFSETS                                                                                 \
+        ","                                                                                        \
+        " o AS (SELECT t.topic, t.p, max(t.o) AS o"                                                \
+        "       FROM (SELECT topic, p, o FROM lc"                                                  \
+        "             UNION ALL"                                                                   \
+        "             SELECT topic, kafka_partition, last_offset FROM outbox.kafka_offsets) t"     \
+        "       GROUP BY 1, 2)"
 
 const char *obx_store_sql_log_state(void)
 {
@@ -359,19 +363,30 @@ const char *obx_store_sql_log_recover(void)
            " ORDER BY e.id";
 }
 
-/* Each partition's highest acknowledged offset, for crash recovery, for
- * each slot the relay owns (slot 0 of 1 for a relay alone); never moves
- * back. %d: the $N of its parameters (enum obx_offsets_param, then enum
- * obx_slots_param). */
+/* Each partition's highest acknowledged offset, for crash recovery; never
+ * moves back. A relay alone stores it in outbox.kafka_offsets, a relay
+ * with relay.shards above 1 for each slot it owns in
+ * outbox.kafka_slot_offsets; `offsets` counts both. The $N of its
+ * parameters: 1 relay.shards, 2..4 enum obx_offsets_param, 5 the slots
+ * owned (NULL: alone). */
 #define OFFSETS_UPSERT_FMT                                                                         \
-    " offsets AS ("                                                                                \
-    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset, shards, slot)" \
-    "   SELECT t.*, $%d::int, s.slot"                                                              \
-    "   FROM unnest($%d::text[], $%d::int[], $%d::bigint[]) AS t,"                                 \
-    "        unnest(coalesce($%d::int[], '{0}')) AS s(slot)"                                       \
+    " alone AS ("                                                                                  \
+    "   INSERT INTO outbox.kafka_offsets AS k (topic, kafka_partition, last_offset)"               \
+    "   SELECT * FROM unnest($%2$d::text[], $%3$d::int[], $%4$d::bigint[])"                        \
+    "   WHERE $%5$d::int[] IS NULL"                                                                \
+    "   ON CONFLICT (topic, kafka_partition) DO UPDATE"                                            \
+    "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"     \
+    "   RETURNING 1),"                                                                             \
+    " per_slot AS ("                                                                               \
+    "   INSERT INTO outbox.kafka_slot_offsets AS k"                                                \
+    "     (topic, kafka_partition, last_offset, shards, slot)"                                     \
+    "   SELECT t.*, $%1$d::int, s.slot"                                                            \
+    "   FROM unnest($%2$d::text[], $%3$d::int[], $%4$d::bigint[]) AS t,"                           \
+    "        unnest($%5$d::int[]) AS s(slot)"                                                      \
     "   ON CONFLICT (topic, kafka_partition, shards, slot) DO UPDATE"                              \
     "     SET last_offset = greatest(k.last_offset, excluded.last_offset), updated_at = now()"     \
-    "   RETURNING 1)"
+    "   RETURNING 1),"                                                                             \
+    " offsets AS (SELECT * FROM alone UNION ALL SELECT * FROM per_slot)"
 
 /* How rows are confirmed: sent_at set (mark mode; a row marked before keeps
  * its time), or the row deleted (delete mode); %s%s an optional FROM (USING)
@@ -514,23 +529,57 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
 }
 
 /* clang-format off */
-/* The stored offsets that bound the records of the pass's slots ($1
- * relay.shards, $2 the slots; NULL: all): those of its slots, and any
- * stored under another relay.shards (their slots are not ours to tell
- * apart). A partition where one of its slots has had an owner under this
- * count but stores no offset is left out, so it is read from its start:
- * that owner may have left records there before it stored any. */
+/* The stored offsets that bound the unmarked records of the pass's rows ($1
+ * relay.shards, $2 its slots; NULL: a relay alone, every row), per
+ * partition:
+ * - a relay with slots, each of which stored its own offset there: the
+ *   lowest of those (each slot's first owner stored one only after its own
+ *   pass, which read from the offsets of the time before);
+ * - one of its slots without its own: also a relay alone's offset and those
+ *   stored under another relay.shards;
+ * - a relay alone: its own, and those of slots stored since (relays with
+ *   slots ran after it);
+ * - and the partition is read from its start (left out here) if a slot
+ *   that may have published there has no offset of its own: one owned
+ *   before the relay running the pass, or (for a relay alone) one owned
+ *   since it last stored the partition: that owner may have died before
+ *   storing any.
+ * The higher of that and log mode's cursor rows, as LOG_OFFSETS. */
 #define PLAN_OFFSETS                                                                               \
-    " k AS (SELECT * FROM outbox.kafka_offsets"                                                    \
-    "       WHERE $2::int[] IS NULL OR shards <> $1::int OR slot = ANY ($2::int[])),"              \
-    " gap AS (SELECT DISTINCT k.topic, k.kafka_partition FROM k, outbox.slot_owners w"             \
-    "         WHERE w.shards = $1::int AND w.slot = ANY ($2::int[])"                               \
-    "           AND NOT EXISTS (SELECT FROM outbox.kafka_offsets x"                                \
-    "                           WHERE x.topic = k.topic AND x.kafka_partition = k.kafka_partition" \
-    "                             AND x.shards = $1::int AND x.slot = w.slot)),"                   \
+    " ko AS (SELECT topic, kafka_partition AS p, last_offset AS o, updated_at"                     \
+    "        FROM outbox.kafka_offsets),"                                                          \
+    " so AS (SELECT topic, kafka_partition AS p, shards, slot, last_offset AS o, updated_at"       \
+    "        FROM outbox.kafka_slot_offsets),"                                                     \
+    " parts AS (SELECT topic, p FROM ko UNION SELECT topic, p FROM so),"                           \
+    " pick AS ("                                                                                   \
+    "   SELECT pt.topic, pt.p, ko.o AS alone,"                                                     \
+    "     (SELECT min(so.o) FROM so WHERE so.topic = pt.topic AND so.p = pt.p"                     \
+    "        AND so.shards = $1::int AND so.slot = ANY ($2::int[])) AS mine,"                      \
+    "     (SELECT count(*) FROM so WHERE so.topic = pt.topic AND so.p = pt.p"                      \
+    "        AND so.shards = $1::int AND so.slot = ANY ($2::int[])) AS n_mine,"                    \
+    "     (SELECT min(so.o) FROM so WHERE so.topic = pt.topic AND so.p = pt.p"                     \
+    "        AND CASE WHEN $2::int[] IS NULL"                                                      \
+    "                 THEN ko.updated_at IS NULL OR so.updated_at > ko.updated_at"                 \
+    "                 ELSE so.shards <> $1::int END) AS others,"                                   \
+    "     EXISTS (SELECT FROM outbox.slot_owners w"                                                \
+    "             WHERE CASE WHEN $2::int[] IS NULL"                                               \
+    "                        THEN ko.updated_at IS NULL OR w.owned_since > ko.updated_at"          \
+    "                        ELSE w.shards = $1::int AND w.slot = ANY ($2::int[])"                 \
+    "                             AND (w.handovers > 0 OR w.owner_pid <> pg_backend_pid()) END"    \
+    "               AND NOT EXISTS (SELECT FROM so x WHERE x.topic = pt.topic AND x.p = pt.p"      \
+    "                                 AND x.shards = w.shards AND x.slot = w.slot)) AS gap"        \
+    "   FROM parts pt LEFT JOIN ko ON ko.topic = pt.topic AND ko.p = pt.p),"                       \
+    " kafka AS (SELECT topic, p, gap,"                                                             \
+    "             CASE WHEN $2::int[] IS NULL THEN least(alone, others)"                           \
+    "                  WHEN n_mine = cardinality($2::int[]) THEN mine"                             \
+    "                  ELSE least(mine, alone, others) END AS o"                                   \
+    "           FROM pick)," CURSOR_OFFSETS ","                                                    \
+    " o AS (SELECT coalesce(k.topic, lc.topic) AS topic, coalesce(k.p, lc.p) AS p,"                \
+    "         greatest(k.o, lc.o) AS o"                                                            \
+    "       FROM kafka k FULL JOIN lc ON lc.topic = k.topic AND lc.p = k.p"                        \
+    "       WHERE k.gap IS NOT TRUE),"                                                             \
     " mine AS (SELECT u.id, u.topic FROM outbox.unpublished u"                                     \
-    "          WHERE TRUE" IN_SLOTS("u", "$1", "$2") "),"                                          \
-    OFFSETS_OF("k")
+    "          WHERE TRUE" IN_SLOTS("u", "$1", "$2") ")"
 /* clang-format on */
 
 const char *obx_store_sql_recovery_plan(void)
@@ -541,14 +590,13 @@ const char *obx_store_sql_recovery_plan(void)
            " FROM (SELECT DISTINCT topic FROM mine) t"
            " CROSS JOIN (SELECT min(id) AS lo, max(id) AS hi FROM mine) r"
            " LEFT JOIN o ON o.topic = t.topic"
-           "   AND NOT EXISTS (SELECT FROM gap g WHERE g.topic = o.topic AND g.kafka_partition = "
-           "o.p)"
            " ORDER BY topic, kafka_partition";
 }
 
 const char *obx_store_sql_claim_slots(void)
 {
-    return "SELECT array_to_string(owned, ',') AS owned, members, share, free, other_shards"
+    return "SELECT array_to_string(owned, ',') AS owned, members, share, free, other_shards,"
+           "       repaired"
            " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean)";
 }
 

@@ -16,9 +16,11 @@
 -- runs the recovery pass for it before publishing it.
 --
 -- With several relays writing to the same Kafka partitions, one stored
--- offset per partition no longer bounds every relay's unmarked records, so
--- outbox.kafka_offsets keeps one per slot (relay.shards = 1 is slot 0 of 1,
--- as before).
+-- offset per partition no longer bounds every relay's unmarked records:
+-- relays with relay.shards above 1 keep one per slot, in
+-- outbox.kafka_slot_offsets. A relay alone keeps outbox.kafka_offsets as
+-- before (untouched here, so relays of the version before go on while this
+-- file is applied).
 
 BEGIN;
 SET LOCAL client_min_messages = warning;
@@ -34,30 +36,27 @@ RETURNS integer LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 $$;
 GRANT EXECUTE ON FUNCTION outbox.slot_of(text, bigint, integer) TO outboxd_relay;
 
--- Stored offsets per slot. Existing rows are slot 0 of 1 (one relay).
-ALTER TABLE outbox.kafka_offsets ADD COLUMN IF NOT EXISTS shards integer NOT NULL DEFAULT 1;
-ALTER TABLE outbox.kafka_offsets ADD COLUMN IF NOT EXISTS slot integer NOT NULL DEFAULT 0;
-DO $$
-BEGIN
-    IF (SELECT array_agg(a.attname ORDER BY k.n)
-        FROM pg_catalog.pg_constraint c,
-             unnest(c.conkey) WITH ORDINALITY AS k(attnum, n),
-             pg_catalog.pg_attribute a
-        WHERE c.conrelid = 'outbox.kafka_offsets'::regclass AND c.contype = 'p'
-          AND a.attrelid = c.conrelid AND a.attnum = k.attnum)
-       IS DISTINCT FROM ARRAY['topic', 'kafka_partition', 'shards', 'slot']::name[] THEN
-        ALTER TABLE outbox.kafka_offsets DROP CONSTRAINT IF EXISTS kafka_offsets_pkey;
-        ALTER TABLE outbox.kafka_offsets
-            ADD CONSTRAINT kafka_offsets_pkey PRIMARY KEY (topic, kafka_partition, shards, slot);
-    END IF;
-END
-$$;
+-- The Kafka offset of the last record confirmed per partition, for each
+-- slot (of relay.shards = shards): written by the slot's owner with its
+-- marks and recovery passes; a pass reads each partition from the lowest
+-- offset of its slots (store.c, the recovery plan).
+CREATE TABLE IF NOT EXISTS outbox.kafka_slot_offsets (
+    topic           text NOT NULL,
+    kafka_partition integer NOT NULL,
+    shards          integer NOT NULL,
+    slot            integer NOT NULL,
+    last_offset     bigint NOT NULL,
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, kafka_partition, shards, slot)
+);
+REVOKE ALL ON outbox.kafka_slot_offsets FROM PUBLIC;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.kafka_slot_offsets TO outboxd_relay;
 
 -- Who owns which slot, for `outboxd status` and for recovery: a slot that
--- has had an owner under this relay.shards may have records without a
--- stored offset on a partition (its owner died before the first one), so
--- recovery reads such a partition from its start; a slot never owned has
--- published nothing under this count.
+-- had an owner before the one running the pass may have records without a
+-- stored offset on a partition (that owner died before storing one), so
+-- recovery reads such a partition from its start; a slot taken for the
+-- first time has published nothing under this count.
 CREATE TABLE IF NOT EXISTS outbox.slot_owners (
     shards      integer NOT NULL,
     slot        integer NOT NULL,
@@ -68,7 +67,7 @@ CREATE TABLE IF NOT EXISTS outbox.slot_owners (
     PRIMARY KEY (shards, slot)
 );
 REVOKE ALL ON outbox.slot_owners FROM PUBLIC;
-GRANT SELECT, INSERT, UPDATE ON outbox.slot_owners TO outboxd_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.slot_owners TO outboxd_relay;
 
 -- One relay's look at the members and its slots: gives p_give_back back
 -- (slots it no longer has rows of in flight), and with p_take takes free
@@ -81,18 +80,19 @@ CREATE OR REPLACE FUNCTION outbox.claim_slots(p_shards integer, p_give_back inte
                                               p_take boolean,
                                               OUT owned integer[], OUT members integer,
                                               OUT share integer, OUT free integer,
-                                              OUT other_shards integer, OUT taken integer[])
+                                              OUT other_shards integer, OUT repaired bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_db oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database());
     v_me integer := pg_catalog.pg_backend_pid();
     v_rank integer;
     v_slot integer;
+    v_taken integer[] := '{}';
 BEGIN
     IF p_shards < 1 OR p_shards > 1024 THEN
         RAISE EXCEPTION 'relay.shards must be 1 to 1024, not %', p_shards;
     END IF;
-    taken := '{}';
+    repaired := 0;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_locks
                    WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724339
                      AND objid = p_shards AND objsubid = 2 AND pid = v_me AND granted) THEN
@@ -127,7 +127,7 @@ BEGIN
         LOOP
             IF pg_catalog.pg_try_advisory_lock(1868724340, v_slot) THEN
                 owned := owned || v_slot;
-                taken := taken || v_slot;
+                v_taken := v_taken || v_slot;
                 INSERT INTO outbox.slot_owners AS o (shards, slot, owner_pid, owner_name)
                 VALUES (p_shards, v_slot, v_me, coalesce(current_setting('application_name', true), ''))
                 ON CONFLICT (shards, slot) DO UPDATE
@@ -137,6 +137,27 @@ BEGIN
             END IF;
         END LOOP;
         owned := ARRAY(SELECT unnest(owned) ORDER BY 1);
+    END IF;
+    -- Rows of the slots just taken that carry another cluster's xid (sql/006)
+    -- take this one's now, before the relay's pass and first fetch of them:
+    -- nobody has them in flight (their last owner is gone, or gave them back
+    -- with nothing out), where a repair of all rows could change a row that
+    -- another relay has in flight, and its next fetch would bring it again.
+    IF cardinality(v_taken) > 0 THEN
+        WITH s AS (SELECT pg_current_snapshot() AS snap),
+        foreign_rows AS (
+            SELECT e.id FROM s, outbox.events e
+            WHERE e.sent_at IS NULL
+              AND (e.xid, e.id) >= (pg_snapshot_xmax(s.snap), (-9223372036854775807 - 1)::bigint)
+            UNION ALL
+            SELECT e.id FROM s, pg_snapshot_xip(s.snap) AS x(xid), outbox.events e
+            WHERE e.sent_at IS NULL AND e.xid = x.xid),
+        fixed AS (
+            UPDATE outbox.events e SET xid = pg_current_xact_id()
+            FROM foreign_rows f
+            WHERE e.id = f.id AND outbox.slot_of(e.key, e.id, p_shards) = ANY (v_taken)
+            RETURNING 1)
+        SELECT count(*) INTO repaired FROM fixed;
     END IF;
     SELECT p_shards - count(DISTINCT objid) INTO free FROM pg_catalog.pg_locks
     WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724340 AND objsubid = 2

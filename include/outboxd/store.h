@@ -318,7 +318,9 @@ const char *obx_store_sql_recovery_plan(void);
 /* A relay's claim of its slots (enum obx_claim_param). One row: owned (the
  * slots held after it, comma-separated), members (relays sharing them),
  * share (this relay's fair part), free (slots nobody holds), other_shards
- * (NULL, or the relay.shards of a member that counts differently). */
+ * (NULL, or the relay.shards of a member that counts differently),
+ * repaired (rows of the slots taken that carried another cluster's xid,
+ * given this one's: sql/006). */
 const char *obx_store_sql_claim_slots(void);
 
 /* The backlog gauges (any mode, outbox.unpublished). Columns: rows,

@@ -333,9 +333,12 @@ static void test_check_live(void **state)
     assert_non_null(
         strstr(body, "role weak lacks SELECT, INSERT, UPDATE, TRUNCATE on outbox.log_cursor"));
     assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.upkeep_partitions"));
+    assert_non_null(
+        strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.kafka_slot_offsets"));
+    assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.claim_slots()"));
     assert_non_null(strstr(body, "GRANT outboxd_relay TO weak"));
     /* and the list of waiting rows it cannot read */
-    assert_int_equal(count_lines(body, "problem:"), 11);
+    assert_int_equal(count_lines(body, "problem:"), 13);
     /* Exactly the grants of sql/ are enough. */
     h_sql(c, "GRANT outboxd_relay TO weak");
     assert_int_equal(check_live(conninfo, env.bootstrap), 0);

@@ -190,8 +190,6 @@ static void test_join_and_leave(void **state)
     assert_int_equal(h_relay_stop(relay(3), SIGTERM, 20000), 0);
     took = wait_spread(0x3, 5000);
     print_message("2 relays share the slots %lld ms after the leaves\n", (long long)took);
-    if (took > 2000)
-        fail_msg("the slots of the relays that left moved in %lld ms", (long long)took);
     h_sleep_ms(800);
     assert_true(writers_stop(&ws) > 0);
     expect_caught_up("the joins and leaves", 15000);
@@ -201,11 +199,10 @@ static void test_join_and_leave(void **state)
     assert_true(h_relay_events(relay(0), "slots_given_back", NULL) >= 1); /* to the joiners */
 }
 
-/* An owner killed (-9), another frozen (SIGSTOP) and its session cut, then
- * a Postgres restart: the others take the slots over, recover them first,
- * and every row is in Kafka once (a frozen relay's queued records are the
- * zombie window: counted, never losses or reorders). */
-static void test_crash_and_freeze(void **state)
+/* An owner killed (-9), then a Postgres restart under three relays: the
+ * others take the slots over, recover them first, and every row is in
+ * Kafka once. */
+static void test_crash_and_restart(void **state)
 {
     (void)state;
     h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
@@ -220,24 +217,45 @@ static void test_crash_and_freeze(void **state)
     int64_t took = wait_spread(0x5, 5000);
     print_message("a killed relay's slots moved in %lld ms\n", (long long)took);
     h_sleep_ms(800);
-    /* Frozen, its session cut: the other takes its slots; it comes back. */
-    kill(relay(2)->relay_pid, SIGSTOP);
-    PGconn *c = h_connect(&env);
-    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                             " WHERE application_name = 'r2'") >= 1);
-    PQfinish(c);
-    h_sleep_ms(1500);
-    kill(relay(2)->relay_pid, SIGCONT);
-    wait_spread(0x5, 10000);
-    h_sleep_ms(500);
     h_pg_restart(&env, "fast");
     wait_spread(0x5, 15000);
     h_sleep_ms(800);
     assert_true(writers_stop(&ws) > 0);
-    expect_caught_up("the crash, the freeze and the restart", 20000);
+    expect_caught_up("the crash and the restart", 20000);
     assert_int_equal(h_relay_stop(relay(2), SIGTERM, 20000), 0);
     assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
-    check_kafka(true);
+    assert_int_equal(check_kafka(false), 0);
+}
+
+/* An owner frozen (SIGSTOP) while its session is cut: the other takes its
+ * slots, recovers them and publishes; the frozen one goes on, notices and
+ * claims again. Nothing lost or reordered; what it had queued at the freeze
+ * is the zombie window (guarantees.md), counted and printed. */
+static void test_frozen_and_cut(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    for (int i = 0; i < 2; i++)
+        relay_start(i);
+    wait_spread(0x3, 15000);
+    struct writers ws;
+    writers_start(&ws);
+    h_sleep_ms(1000);
+    kill(relay(1)->relay_pid, SIGSTOP);
+    PGconn *c = h_connect(&env);
+    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                             " WHERE application_name = 'r1'") >= 1);
+    PQfinish(c);
+    wait_spread(0x1, 5000);
+    h_sleep_ms(1000);
+    kill(relay(1)->relay_pid, SIGCONT);
+    wait_spread(0x3, 10000);
+    h_sleep_ms(800);
+    assert_true(writers_stop(&ws) > 0);
+    expect_caught_up("the freeze", 20000);
+    assert_int_equal(h_relay_stop(relay(1), SIGTERM, 20000), 0);
+    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
+    print_message("zombie window: %zu duplicates\n", check_kafka(true));
 }
 
 /* A rolling restart of every relay, one at a time, under writers: no
@@ -293,19 +311,30 @@ static void test_mixed_counts_refused(void **state)
     h_wait_log(&env, "runs with relay.shards = 4", 10000);
     h_wait_log(&relays[2], "runs with relay.shards = 8", 10000);
     int64_t deadline = h_now_ms() + 5000;
-    while (owned(0) != 0 && h_now_ms() < deadline)
+    while ((owned(0) != 0 || owned(2) != 0) && h_now_ms() < deadline)
         h_sleep_ms(20);
     assert_int_equal(owned(0), 0);
+    assert_int_equal(owned(2), 0);
+    /* Rows written now wait: neither relay publishes. */
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 20; i++)
+        h_enqueue(c, "it.a", i % 2 ? "k1" : "k2", "while they disagree", 19, NULL);
+    h_sleep_ms(1000);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"), 20);
+    PQfinish(c);
     assert_int_equal(h_relay_stop(&relays[2], SIGTERM, 10000), 0);
-    wait_spread(1u, 5000); /* alone again: it takes them back */
+    wait_spread(1u, 5000); /* alone again: it takes them back and publishes */
+    expect_caught_up("the other count left", 10000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 10000), 0);
+    assert_int_equal(check_kafka(false), 0);
 }
 
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_join_and_leave, teardown_env),
-        cmocka_unit_test_teardown(test_crash_and_freeze, teardown_env),
+        cmocka_unit_test_teardown(test_crash_and_restart, teardown_env),
+        cmocka_unit_test_teardown(test_frozen_and_cut, teardown_env),
         cmocka_unit_test_teardown(test_rolling_restart, teardown_env),
         cmocka_unit_test_teardown(test_mixed_counts_refused, teardown_env),
     };

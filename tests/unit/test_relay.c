@@ -1873,6 +1873,36 @@ static void test_shards_taken_slot_recovered_first(void **state)
     assert_false(c->f.keyset); /* the cursor started again */
 }
 
+/* Acknowledged rows marked just after a slot was taken store no offsets
+ * (they would be the taken slot's too, above its last owner's records that
+ * the pass has yet to find); once the pass is done they do. */
+static void test_shards_no_offsets_before_the_pass(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    claimed(c, "0,1", 2, 2, 1);
+    obx_relay_on_recovered(c->r, true, 2);
+    fetched(c, 1, 2, 3);
+    obx_relay_tick(c->r, 300);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING);
+    ack(c, 0, true, 301); /* while the claim is out */
+    ack(c, 1, true, 301);
+    claimed(c, "0,1,3", 1, 4, 302);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    assert_string_equal(c->f.mark_slots, "{0,1,3}");
+    assert_int_equal(c->f.n_offsets, 0);
+    obx_relay_on_marked(c->r, 303);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    obx_relay_on_recovered(c->r, true, 304);
+    fetched(c, 3, 1, 305);
+    ack(c, 2, true, 2000);
+    while (obx_relay_state(c->r) == OBX_RELAY_CLAIMING)
+        claimed(c, "0,1,3", 1, 4, 2000);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    assert_int_equal(c->f.n_offsets, 1); /* partition 0, up to the highest acknowledged */
+    assert_int_equal(c->f.off_offsets[0], 102);
+}
+
 /* A member counting other slots: this relay gives every slot back. No
  * slots, no fetch, and still not stalled. */
 static void test_shards_other_count_gives_all_back(void **state)
@@ -1971,6 +2001,7 @@ static void test_shards_lost_session_claims_again(void **state)
     X(test_shards_claim_then_pass_then_fetch)                                                      \
     X(test_shards_give_back_after_quiet)                                                           \
     X(test_shards_taken_slot_recovered_first)                                                      \
+    X(test_shards_no_offsets_before_the_pass)                                                      \
     X(test_shards_other_count_gives_all_back)                                                      \
     X(test_shards_lost_session_claims_again)
 
