@@ -19,11 +19,11 @@ FROM debian:12-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libpq5 librdkafka1 libuv1 libssl3 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --no-create-home --shell /usr/sbin/nologin outboxd
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin outboxd
 COPY --from=build /src/build/outboxd /usr/local/bin/outboxd
 COPY sql /usr/local/share/outboxd/sql
 COPY config/outboxd.conf /usr/local/share/outboxd/outboxd.conf.example
-USER outboxd
+USER 10001
 # /livez, /readyz, /metrics (set http.listen = 0.0.0.0:9187 to reach them).
 EXPOSE 9187
 ENTRYPOINT ["/usr/local/bin/outboxd"]

@@ -20,4 +20,10 @@ port=$(awk -F'[: ]+' '/^http.listen/ {print $NF}' config/compose/outboxd.conf)
 health=$(docker-compose -f docker-compose.yml config | awk '/^  outboxd:/ {o=1} o && /healthcheck:/ {h=1} h && /\/readyz/ {print; exit}')
 [[ "$health" == *"/dev/tcp/127.0.0.1/$port"* && "$health" == *"GET /readyz"* ]] ||
   { echo "compose: outboxd's health check does not ask /readyz on port $port: $health"; exit 1; }
+# Two relays share the slots: both run the same configuration, whose
+# relay.shards is above 1 (with 1 the second would only stand by).
+relays=$(docker-compose -f docker-compose.yml config | grep -c '/etc/outboxd/outboxd.conf')
+shards=$(awk -F'= *' '/^relay.shards/ {print $2}' config/compose/outboxd.conf)
+[[ "$relays" -ge 2 && "${shards:-1}" -gt 1 ]] ||
+  { echo "compose: expected two relays sharing slots, found $relays with relay.shards = ${shards:-1}"; exit 1; }
 echo "compose: valid"

@@ -305,7 +305,7 @@ static void test_terminate_during_mark(void **state)
     h_relay_start(&env, NULL, NULL);
     const char *mode = getenv("OBX_IT_ON_SENT");
     int pid =
-        relay_backend_waiting(c, mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH offsets");
+        relay_backend_waiting(c, mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH alone");
     assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
     h_sql(lock, "COMMIT");
     h_wait_metric_min(&env, "outboxd_postgres_reconnects_total", 1, 10000);

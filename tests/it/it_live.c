@@ -739,7 +739,7 @@ static void test_lost_in_every_state(void **state)
         h_sql(c, "LOCK TABLE outbox.log_cursor IN SHARE MODE"); /* log mode's cursor row */
         kill(env.relay_pid, SIGCONT);
         const char *mode = getenv("OBX_IT_ON_SENT");
-        wait_backend_on_lock("aa", mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH offsets");
+        wait_backend_on_lock("aa", mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH alone");
         cut_and_expect_notice(&env, "aa", cut, "marking");
         PQfinish(c);
         c = h_connect(&env);
