@@ -321,12 +321,12 @@ const char *obx_store_sql_log_write(void)
  * earlier one's, so after a switch of modes the higher one holds. */
 #define LOG_OFFSETS                                                                                \
     CURSOR_OFFSETS                                                                                 \
-        ","                                                                                        \
-        " o AS (SELECT t.topic, t.p, max(t.o) AS o"                                                \
-        "       FROM (SELECT topic, p, o FROM lc"                                                  \
-        "             UNION ALL"                                                                   \
-        "             SELECT topic, kafka_partition, last_offset FROM outbox.kafka_offsets) t"     \
-        "       GROUP BY 1, 2)"
+    ","                                                                                            \
+    " o AS (SELECT t.topic, t.p, max(t.o) AS o"                                                    \
+    "       FROM (SELECT topic, p, o FROM lc"                                                      \
+    "             UNION ALL"                                                                       \
+    "             SELECT topic, kafka_partition, last_offset FROM outbox.kafka_offsets) t"         \
+    "       GROUP BY 1, 2)"
 
 const char *obx_store_sql_log_state(void)
 {
@@ -531,53 +531,61 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
 /* clang-format off */
 /* The stored offsets that bound the unmarked records of the pass's rows ($1
  * relay.shards, $2 its slots; NULL: a relay alone, every row), per
- * partition:
+ * partition, each table read once by its primary key:
  * - a relay with slots, each of which stored its own offset there: the
  *   lowest of those (each slot's first owner stored one only after its own
  *   pass, which read from the offsets of the time before);
  * - one of its slots without its own: also a relay alone's offset and those
  *   stored under another relay.shards;
- * - a relay alone: its own, and those of slots stored since (relays with
- *   slots ran after it);
+ * - a relay alone: its own, and those of slots stored since it last stored
+ *   that partition (or wrote a cursor row, in log mode): relays with slots
+ *   ran after it;
  * - and the partition is read from its start (left out here) if a slot
- *   that may have published there has no offset of its own: one owned
- *   before the relay running the pass, or (for a relay alone) one owned
- *   since it last stored the partition: that owner may have died before
- *   storing any.
+ *   that may have published there has no offset of its own: one whose
+ *   owner before the relay running the pass did not give it back cleanly,
+ *   or (for a relay alone) one owned since it last stored: that owner may
+ *   have died before storing any.
  * The higher of that and log mode's cursor rows, as LOG_OFFSETS. */
 #define PLAN_OFFSETS                                                                               \
-    " ko AS (SELECT topic, kafka_partition AS p, last_offset AS o, updated_at"                     \
-    "        FROM outbox.kafka_offsets),"                                                          \
-    " so AS (SELECT topic, kafka_partition AS p, shards, slot, last_offset AS o, updated_at"       \
-    "        FROM outbox.kafka_slot_offsets),"                                                     \
-    " parts AS (SELECT topic, p FROM ko UNION SELECT topic, p FROM so),"                           \
+    " ko AS (SELECT k.topic, k.kafka_partition AS p, k.last_offset AS o,"                          \
+    "          greatest(k.updated_at, (SELECT max(written_at) FROM outbox.log_cursor)) AS at"      \
+    "        FROM outbox.kafka_offsets k),"                                                        \
+    " parts AS (SELECT topic, p, o, at FROM ko"                                                    \
+    "           UNION"                                                                             \
+    "           SELECT DISTINCT s.topic, s.kafka_partition, NULL::bigint,"                         \
+    "             (SELECT max(written_at) FROM outbox.log_cursor)"                                 \
+    "           FROM outbox.kafka_slot_offsets s"                                                  \
+    "           WHERE NOT EXISTS (SELECT FROM outbox.kafka_offsets k"                              \
+    "                             WHERE k.topic = s.topic AND k.kafka_partition = s.kafka_partition)),"\
     " pick AS ("                                                                                   \
-    "   SELECT pt.topic, pt.p, ko.o AS alone,"                                                     \
-    "     (SELECT min(so.o) FROM so WHERE so.topic = pt.topic AND so.p = pt.p"                     \
-    "        AND so.shards = $1::int AND so.slot = ANY ($2::int[])) AS mine,"                      \
-    "     (SELECT count(*) FROM so WHERE so.topic = pt.topic AND so.p = pt.p"                      \
-    "        AND so.shards = $1::int AND so.slot = ANY ($2::int[])) AS n_mine,"                    \
-    "     (SELECT min(so.o) FROM so WHERE so.topic = pt.topic AND so.p = pt.p"                     \
-    "        AND CASE WHEN $2::int[] IS NULL"                                                      \
-    "                 THEN ko.updated_at IS NULL OR so.updated_at > ko.updated_at"                 \
-    "                 ELSE so.shards <> $1::int END) AS others,"                                   \
-    "     EXISTS (SELECT FROM outbox.slot_owners w"                                                \
-    "             WHERE CASE WHEN $2::int[] IS NULL"                                               \
-    "                        THEN ko.updated_at IS NULL OR w.owned_since > ko.updated_at"          \
-    "                        ELSE w.shards = $1::int AND w.slot = ANY ($2::int[])"                 \
-    "                             AND (w.handovers > 0 OR w.owner_pid <> pg_backend_pid()) END"    \
-    "               AND NOT EXISTS (SELECT FROM so x WHERE x.topic = pt.topic AND x.p = pt.p"      \
-    "                                 AND x.shards = w.shards AND x.slot = w.slot)) AS gap"        \
-    "   FROM parts pt LEFT JOIN ko ON ko.topic = pt.topic AND ko.p = pt.p),"                       \
-    " kafka AS (SELECT topic, p, gap,"                                                             \
+    "   SELECT pt.topic, pt.p, pt.o AS alone,"                                                     \
+    "     min(s.last_offset) FILTER (WHERE s.shards = $1::int AND s.slot = ANY ($2::int[])) AS mine,"\
+    "     count(s.slot) FILTER (WHERE s.shards = $1::int AND s.slot = ANY ($2::int[])) AS n_mine,"  \
+    "     min(s.last_offset) FILTER (WHERE CASE WHEN $2::int[] IS NULL"                             \
+    "                                           THEN pt.at IS NULL OR s.updated_at > pt.at"        \
+    "                                           ELSE s.shards <> $1::int END) AS others"          \
+    "   FROM parts pt LEFT JOIN outbox.kafka_slot_offsets s"                                       \
+    "     ON s.topic = pt.topic AND s.kafka_partition = pt.p"                                      \
+    "   GROUP BY pt.topic, pt.p, pt.o, pt.at),"                                                    \
+    " gap AS (SELECT DISTINCT pt.topic, pt.p FROM parts pt, outbox.slot_owners w"                  \
+    "         WHERE CASE WHEN $2::int[] IS NULL THEN pt.at IS NULL OR w.owned_since > pt.at"       \
+    "                    ELSE w.shards = $1::int AND w.slot = ANY ($2::int[]) AND NOT w.taken_clean"\
+    "               END"                                                                           \
+    "           AND NOT EXISTS (SELECT FROM outbox.kafka_slot_offsets x"                           \
+    "                           WHERE x.topic = pt.topic AND x.kafka_partition = pt.p"             \
+    "                             AND x.shards = w.shards AND x.slot = w.slot)),"                  \
+    " kafka AS (SELECT topic, p,"                                                                  \
     "             CASE WHEN $2::int[] IS NULL THEN least(alone, others)"                           \
     "                  WHEN n_mine = cardinality($2::int[]) THEN mine"                             \
     "                  ELSE least(mine, alone, others) END AS o"                                   \
-    "           FROM pick)," CURSOR_OFFSETS ","                                                    \
+    "           FROM pick WHERE NOT EXISTS (SELECT FROM gap g"                                     \
+    "                                       WHERE g.topic = pick.topic AND g.p = pick.p)),"        \
+    CURSOR_OFFSETS ","                                                                             \
     " o AS (SELECT coalesce(k.topic, lc.topic) AS topic, coalesce(k.p, lc.p) AS p,"                \
     "         greatest(k.o, lc.o) AS o"                                                            \
     "       FROM kafka k FULL JOIN lc ON lc.topic = k.topic AND lc.p = k.p"                        \
-    "       WHERE k.gap IS NOT TRUE),"                                                             \
+    "       WHERE NOT EXISTS (SELECT FROM gap g WHERE g.topic = coalesce(k.topic, lc.topic)"       \
+    "                                             AND g.p = coalesce(k.p, lc.p))),"                \
     " mine AS (SELECT u.id, u.topic FROM outbox.unpublished u"                                     \
     "          WHERE TRUE" IN_SLOTS("u", "$1", "$2") ")"
 /* clang-format on */

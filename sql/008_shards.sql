@@ -50,7 +50,7 @@ CREATE TABLE IF NOT EXISTS outbox.kafka_slot_offsets (
     PRIMARY KEY (topic, kafka_partition, shards, slot)
 );
 REVOKE ALL ON outbox.kafka_slot_offsets FROM PUBLIC;
-GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.kafka_slot_offsets TO outboxd_relay;
+GRANT SELECT, INSERT, UPDATE ON outbox.kafka_slot_offsets TO outboxd_relay;
 
 -- Who owns which slot, for `outboxd status` and for recovery: a slot that
 -- had an owner before the one running the pass may have records without a
@@ -64,10 +64,15 @@ CREATE TABLE IF NOT EXISTS outbox.slot_owners (
     owner_name  text NOT NULL DEFAULT '',
     owned_since timestamptz NOT NULL DEFAULT now(),
     handovers   bigint NOT NULL DEFAULT 0,
+    -- The owner gave the slot back with nothing of it in flight or unmarked.
+    given_back  boolean NOT NULL DEFAULT false,
+    -- When the owner took it, the one before had given it back so (or there
+    -- was none): no record of the slot can be missing a stored offset.
+    taken_clean boolean NOT NULL DEFAULT true,
     PRIMARY KEY (shards, slot)
 );
 REVOKE ALL ON outbox.slot_owners FROM PUBLIC;
-GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.slot_owners TO outboxd_relay;
+GRANT SELECT, INSERT, UPDATE ON outbox.slot_owners TO outboxd_relay;
 
 -- One relay's look at the members and its slots: gives p_give_back back
 -- (slots it no longer has rows of in flight), and with p_take takes free
@@ -75,8 +80,12 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.slot_owners TO outboxd_relay;
 -- member lock for p_shards (taken here on the first call); ordered by pid,
 -- the first p_shards % members get one slot more. If a member runs with
 -- another relay.shards, other_shards names it and nothing is taken: two
--- counts would map a key to two owners.
-CREATE OR REPLACE FUNCTION outbox.claim_slots(p_shards integer, p_give_back integer[],
+-- counts would map a key to two owners. The slots it holds whose owner
+-- row is not yet this session's (taken now, or by a call that failed after
+-- taking the lock: advisory locks are not undone with it) are recorded in
+-- outbox.slot_owners, and their rows repaired (below).
+DROP FUNCTION IF EXISTS outbox.claim_slots(integer, integer[], boolean);
+CREATE FUNCTION outbox.claim_slots(p_shards integer, p_give_back integer[],
                                               p_take boolean,
                                               OUT owned integer[], OUT members integer,
                                               OUT share integer, OUT free integer,
@@ -85,9 +94,11 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_db oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database());
     v_me integer := pg_catalog.pg_backend_pid();
+    v_started timestamptz := (SELECT backend_start FROM pg_catalog.pg_stat_activity
+                              WHERE pid = pg_catalog.pg_backend_pid());
     v_rank integer;
     v_slot integer;
-    v_taken integer[] := '{}';
+    v_taken integer[];
 BEGIN
     IF p_shards < 1 OR p_shards > 1024 THEN
         RAISE EXCEPTION 'relay.shards must be 1 to 1024, not %', p_shards;
@@ -98,6 +109,10 @@ BEGIN
                      AND objid = p_shards AND objsubid = 2 AND pid = v_me AND granted) THEN
         PERFORM pg_catalog.pg_advisory_lock_shared(1868724339, p_shards);
     END IF;
+    -- Given back with nothing in flight or unmarked (the relay waits for
+    -- that): its next owner need not look for records without an offset.
+    UPDATE outbox.slot_owners SET given_back = true
+    WHERE shards = p_shards AND slot = ANY (coalesce(p_give_back, '{}')) AND owner_pid = v_me;
     PERFORM pg_catalog.pg_advisory_unlock(1868724340, s)
     FROM unnest(coalesce(p_give_back, '{}')) AS s
     WHERE EXISTS (SELECT FROM pg_catalog.pg_locks
@@ -127,16 +142,23 @@ BEGIN
         LOOP
             IF pg_catalog.pg_try_advisory_lock(1868724340, v_slot) THEN
                 owned := owned || v_slot;
-                v_taken := v_taken || v_slot;
-                INSERT INTO outbox.slot_owners AS o (shards, slot, owner_pid, owner_name)
-                VALUES (p_shards, v_slot, v_me, coalesce(current_setting('application_name', true), ''))
-                ON CONFLICT (shards, slot) DO UPDATE
-                    SET owner_pid = excluded.owner_pid, owner_name = excluded.owner_name,
-                        owned_since = now(), handovers = o.handovers + 1;
                 EXIT WHEN cardinality(owned) >= share;
             END IF;
         END LOOP;
         owned := ARRAY(SELECT unnest(owned) ORDER BY 1);
+    END IF;
+    v_taken := ARRAY(SELECT s FROM unnest(owned) AS s
+                     WHERE NOT EXISTS (SELECT FROM outbox.slot_owners o
+                                       WHERE o.shards = p_shards AND o.slot = s
+                                         AND o.owner_pid = v_me AND o.owned_since >= v_started));
+    IF cardinality(v_taken) > 0 THEN
+        INSERT INTO outbox.slot_owners AS o (shards, slot, owner_pid, owner_name)
+        SELECT p_shards, s, v_me, coalesce(current_setting('application_name', true), '')
+        FROM unnest(v_taken) AS s
+        ON CONFLICT (shards, slot) DO UPDATE
+            SET owner_pid = excluded.owner_pid, owner_name = excluded.owner_name,
+                owned_since = now(), handovers = o.handovers + 1,
+                taken_clean = o.given_back, given_back = false;
     END IF;
     -- Rows of the slots just taken that carry another cluster's xid (sql/006)
     -- take this one's now, before the relay's pass and first fetch of them:

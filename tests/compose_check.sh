@@ -7,7 +7,9 @@ set -euo pipefail
 src=$1 outboxd=$2
 cd "$src"
 docker-compose -f docker-compose.yml config -q
-conninfo=$(docker-compose -f docker-compose.yml config | awk '/OUTBOXD_POSTGRES_CONNINFO:/ {sub(/^[^:]*: */, ""); print}')
+# Read once: awk leaving early must not cut the pipe under docker-compose.
+cfg=$(docker-compose -f docker-compose.yml config)
+conninfo=$(awk '/OUTBOXD_POSTGRES_CONNINFO:/ {sub(/^[^:]*: */, ""); print; exit}' <<<"$cfg")
 [ -n "$conninfo" ] || { echo "compose: outboxd has no OUTBOXD_POSTGRES_CONNINFO"; exit 1; }
 env -i PATH="$PATH" OUTBOXD_POSTGRES_CONNINFO="$conninfo" \
   "$outboxd" --config config/compose/outboxd.conf --check
@@ -17,12 +19,12 @@ for f in sql/*.sql; do
 done
 # outboxd's health check asks /readyz on the port its configuration serves.
 port=$(awk -F'[: ]+' '/^http.listen/ {print $NF}' config/compose/outboxd.conf)
-health=$(docker-compose -f docker-compose.yml config | awk '/^  outboxd:/ {o=1} o && /healthcheck:/ {h=1} h && /\/readyz/ {print; exit}')
+health=$(awk '/^  outboxd:/ {o=1} o && /healthcheck:/ {h=1} h && /\/readyz/ {print; exit}' <<<"$cfg")
 [[ "$health" == *"/dev/tcp/127.0.0.1/$port"* && "$health" == *"GET /readyz"* ]] ||
   { echo "compose: outboxd's health check does not ask /readyz on port $port: $health"; exit 1; }
 # Two relays share the slots: both run the same configuration, whose
 # relay.shards is above 1 (with 1 the second would only stand by).
-relays=$(docker-compose -f docker-compose.yml config | grep -c '/etc/outboxd/outboxd.conf')
+relays=$(grep -c '/etc/outboxd/outboxd.conf' <<<"$cfg" || true)
 shards=$(awk -F'= *' '/^relay.shards/ {print $2}' config/compose/outboxd.conf)
 [[ "$relays" -ge 2 && "${shards:-1}" -gt 1 ]] ||
   { echo "compose: expected two relays sharing slots, found $relays with relay.shards = ${shards:-1}"; exit 1; }

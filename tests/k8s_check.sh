@@ -12,12 +12,16 @@ manifest=$src/config/kubernetes/outboxd.yaml
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 yamllint -d '{extends: default, rules: {line-length: {max: 250}, document-start: disable, comments: {min-spaces-from-content: 1}}}' "$manifest"
-python3 - "$manifest" "$src/config/prometheus/outboxd-alerts.yml" "$tmp" <<'PY'
+python3 - "$manifest" "$src/config/prometheus/outboxd-alerts.yml" "$tmp" "$src/Dockerfile" <<'PY'
 import sys, yaml
 manifest, alerts_path, tmp = sys.argv[1:4]
-docs = {d["kind"]: d for d in yaml.safe_load_all(open(manifest))}
 def fail(msg):
     sys.exit("k8s: " + msg)
+docs = {}
+for d in yaml.safe_load_all(open(manifest)):
+    if d["kind"] in docs:
+        fail("two documents of kind " + d["kind"])
+    docs[d["kind"]] = d
 for kind in ("ConfigMap", "Deployment", "PodDisruptionBudget", "PodMonitor", "PrometheusRule"):
     if kind not in docs:
         fail("no " + kind)
@@ -37,9 +41,18 @@ for probe, path in (("livenessProbe", "/livez"), ("readinessProbe", "/readyz")):
     g = c[probe]["httpGet"]
     if g["path"] != path or ports.get(g["port"], g["port"]) != port:
         fail("%s asks %s on %s, outboxd serves %s on %d" % (probe, g["path"], g["port"], path, port))
+mount = c["volumeMounts"][0]
+volume = [v for v in pod["volumes"] if v["name"] == mount["name"]]
 if c["args"][:2] != ["--config", "/etc/outboxd/outboxd.conf"] or \
-        c["volumeMounts"][0]["mountPath"] != "/etc/outboxd":
+        mount["mountPath"] != "/etc/outboxd" or not volume or \
+        volume[0]["configMap"]["name"] != docs["ConfigMap"]["metadata"]["name"]:
     fail("the container does not read the ConfigMap's outboxd.conf")
+uid = open(sys.argv[4]).read().split("\nUSER ")[1].split()[0]
+if str(pod["securityContext"].get("runAsUser")) != uid:
+    fail("runAsUser is not the image's user (Dockerfile: USER %s)" % uid)
+if docs["PodMonitor"]["spec"].get("jobLabel") != "app.kubernetes.io/name" or \
+        dep["template"]["metadata"]["labels"].get("app.kubernetes.io/name") != "outboxd":
+    fail('the PodMonitor does not name the job "outboxd", which the alert rules select')
 timeout = settings.get("shutdown.timeout", "30s")
 secs = int(timeout[:-1]) * {"s": 1, "m": 60}[timeout[-1]]
 if pod["terminationGracePeriodSeconds"] <= secs:
