@@ -135,9 +135,13 @@ const char *relay_mark_slots(const struct obx_relay *r)
 bool relay_start_claim(struct obx_relay *r, int64_t now)
 {
     struct shard_state *h = &r->shard;
-    /* Nothing of ours in flight or unmarked, and no report left unsettled
-     * (the next owner's pass would find its record, but ours is due first). */
-    bool give = h->n_leaving > 0 && r->in_use == 0 && r->to_mark == 0 && !relay_uncertain(r);
+    /* Nothing of ours in flight or unmarked, no report left unsettled and
+     * the pass over our slots done: the slots go back clean (given_back),
+     * and their next owner need not look for records of a last owner that
+     * died before storing an offset (ours is a slot we took after such an
+     * owner until our pass has looked). */
+    bool give = h->n_leaving > 0 && r->in_use == 0 && r->to_mark == 0 && !relay_uncertain(r) &&
+                r->recovered;
     if (!r->ops->claim || (h->known && !give && now < h->next_claim_at))
         return false;
     bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0;

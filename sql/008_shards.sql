@@ -71,6 +71,9 @@ CREATE TABLE IF NOT EXISTS outbox.slot_owners (
     taken_clean boolean NOT NULL DEFAULT true,
     PRIMARY KEY (shards, slot)
 );
+-- (A database that ran an earlier draft of this file has the table without them.)
+ALTER TABLE outbox.slot_owners ADD COLUMN IF NOT EXISTS given_back boolean NOT NULL DEFAULT false;
+ALTER TABLE outbox.slot_owners ADD COLUMN IF NOT EXISTS taken_clean boolean NOT NULL DEFAULT true;
 REVOKE ALL ON outbox.slot_owners FROM PUBLIC;
 GRANT SELECT, INSERT, UPDATE ON outbox.slot_owners TO outboxd_relay;
 
@@ -150,7 +153,8 @@ BEGIN
     v_taken := ARRAY(SELECT s FROM unnest(owned) AS s
                      WHERE NOT EXISTS (SELECT FROM outbox.slot_owners o
                                        WHERE o.shards = p_shards AND o.slot = s
-                                         AND o.owner_pid = v_me AND o.owned_since >= v_started));
+                                         AND o.owner_pid = v_me AND o.owned_since >= v_started
+                                         AND NOT o.given_back));
     IF cardinality(v_taken) > 0 THEN
         INSERT INTO outbox.slot_owners AS o (shards, slot, owner_pid, owner_name)
         SELECT p_shards, s, v_me, coalesce(current_setting('application_name', true), '')

@@ -25,7 +25,7 @@ health=$(awk '/^  outboxd:/ {o=1} o && /healthcheck:/ {h=1} h && /\/readyz/ {pri
 # Two relays share the slots: both run the same configuration, whose
 # relay.shards is above 1 (with 1 the second would only stand by).
 relays=$(grep -c '/etc/outboxd/outboxd.conf' <<<"$cfg" || true)
-shards=$(awk -F'= *' '/^relay.shards/ {print $2}' config/compose/outboxd.conf)
+shards=$(awk -F'= *' '/^relay.shards/ {print $2+0}' config/compose/outboxd.conf)
 [[ "$relays" -ge 2 && "${shards:-1}" -gt 1 ]] ||
   { echo "compose: expected two relays sharing slots, found $relays with relay.shards = ${shards:-1}"; exit 1; }
 echo "compose: valid"

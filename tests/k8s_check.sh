@@ -47,7 +47,11 @@ if c["args"][:2] != ["--config", "/etc/outboxd/outboxd.conf"] or \
         mount["mountPath"] != "/etc/outboxd" or not volume or \
         volume[0]["configMap"]["name"] != docs["ConfigMap"]["metadata"]["name"]:
     fail("the container does not read the ConfigMap's outboxd.conf")
-uid = open(sys.argv[4]).read().split("\nUSER ")[1].split()[0]
+import re
+users = re.findall(r"^USER\s+(\S+)", open(sys.argv[4]).read(), re.M)
+if not users:
+    fail("the Dockerfile names no USER")
+uid = users[-1]
 if str(pod["securityContext"].get("runAsUser")) != uid:
     fail("runAsUser is not the image's user (Dockerfile: USER %s)" % uid)
 if docs["PodMonitor"]["spec"].get("jobLabel") != "app.kubernetes.io/name" or \

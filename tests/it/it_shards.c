@@ -336,6 +336,10 @@ static void test_mixed_counts_refused(void **state)
     PQfinish(c);
     assert_int_equal(h_relay_stop(&relays[2], SIGTERM, 10000), 0);
     wait_spread(1u, 5000); /* alone again: it takes them back and publishes */
+    c = h_connect(&env);   /* taken back, recorded as taken: no longer "given back" */
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.slot_owners WHERE given_back"), 0);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.slot_owners WHERE taken_clean"), 8);
+    PQfinish(c);
     expect_caught_up("the other count left", 10000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 10000), 0);
     assert_int_equal(check_kafka(false), 0);

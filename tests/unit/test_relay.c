@@ -1903,6 +1903,34 @@ static void test_shards_no_offsets_before_the_pass(void **state)
     assert_int_equal(c->f.off_offsets[0], 102);
 }
 
+/* Slots taken after an owner that did not give them back cleanly are not
+ * given back (as clean) before the pass over them has succeeded: the next
+ * owner would trust that no record of theirs lacks a stored offset. */
+static void test_shards_no_give_back_before_the_pass(void **state)
+{
+    struct ctx *c = *state;
+    shards_ready(c, 0);
+    claimed(c, "0,1,2,3", 1, 4, 1);
+    obx_relay_on_recovered(c->r, false, 2); /* the pass failed (Kafka down) */
+    obx_relay_tick(c->r, 600);              /* after the back-off: the claim first */
+    claimed(c, "0,1,2,3", 2, 2, 600);       /* a relay joined: two to give back */
+    for (int64_t t = 601; t < 3000; t += 100) {
+        obx_relay_tick(c->r, t);
+        if (obx_relay_state(c->r) == OBX_RELAY_CLAIMING) {
+            assert_string_equal(c->f.give_back, "{}");
+            claimed(c, "0,1,2,3", 2, 2, t);
+        }
+        if (obx_relay_state(c->r) == OBX_RELAY_RECOVERING && t < 2000)
+            obx_relay_on_recovered(c->r, false, t); /* still failing */
+    }
+    if (obx_relay_state(c->r) == OBX_RELAY_RECOVERING)
+        obx_relay_on_recovered(c->r, true, 3000);
+    for (int64_t t = 3001; t < 4000 && obx_relay_state(c->r) != OBX_RELAY_CLAIMING; t += 100)
+        obx_relay_tick(c->r, t);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING);
+    assert_string_equal(c->f.give_back, "{2,3}"); /* once the pass is done */
+}
+
 /* A member counting other slots: this relay gives every slot back. No
  * slots, no fetch, and still not stalled. */
 static void test_shards_other_count_gives_all_back(void **state)
@@ -1911,7 +1939,11 @@ static void test_shards_other_count_gives_all_back(void **state)
     shards_ready(c, 0);
     struct obx_claim a = {.owned = "0,1", .members = 2, .share = 2, .other_shards = 8};
     obx_relay_on_claimed(c->r, &a, 1);
-    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING); /* nothing out: at once */
+    /* Taken: their pass first, then back at once (nothing out). */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_RECOVERING);
+    assert_int_equal(c->f.fetches, 0);
+    obx_relay_on_recovered(c->r, true, 1);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_CLAIMING);
     assert_string_equal(c->f.give_back, "{0,1}");
     claimed(c, "", 2, 2, 2);
     assert_string_equal(obx_relay_owned_slots(c->r), "");
@@ -2002,6 +2034,7 @@ static void test_shards_lost_session_claims_again(void **state)
     X(test_shards_give_back_after_quiet)                                                           \
     X(test_shards_taken_slot_recovered_first)                                                      \
     X(test_shards_no_offsets_before_the_pass)                                                      \
+    X(test_shards_no_give_back_before_the_pass)                                                    \
     X(test_shards_other_count_gives_all_back)                                                      \
     X(test_shards_lost_session_claims_again)
 
