@@ -189,7 +189,7 @@ static void test_join_and_leave(void **state)
     wait_spread(1u, 15000);
     struct writers ws;
     writers_start(&ws);
-    h_sleep_ms(800);
+    h_sleep_ms(500);
     for (int i = 1; i < N_RELAYS; i++)
         relay_start(i);
     int64_t took = wait_spread(0xf, 15000);
@@ -197,12 +197,12 @@ static void test_join_and_leave(void **state)
     unsigned slots;
     assert_int_equal(status_slots(&slots), 4);
     assert_int_equal(slots, (1u << SHARDS) - 1);
-    h_sleep_ms(800);
+    h_sleep_ms(500);
     assert_int_equal(h_relay_stop(relay(2), SIGTERM, 20000), 0);
     assert_int_equal(h_relay_stop(relay(3), SIGTERM, 20000), 0);
     took = wait_spread(0x3, 5000);
     print_message("2 relays share the slots %lld ms after the leaves\n", (long long)took);
-    h_sleep_ms(800);
+    h_sleep_ms(500);
     assert_true(writers_stop(&ws) > 0);
     expect_caught_up("the joins and leaves", 15000);
     assert_int_equal(h_relay_stop(relay(1), SIGTERM, 20000), 0);
@@ -223,15 +223,15 @@ static void test_crash_and_restart(void **state)
     wait_spread(0x7, 15000);
     struct writers ws;
     writers_start(&ws);
-    h_sleep_ms(1000);
+    h_sleep_ms(600);
     kill(relay(1)->relay_pid, SIGKILL);
     assert_int_equal(h_relay_wait(relay(1), 10000), 128 + SIGKILL);
     int64_t took = wait_spread(0x5, 5000);
     print_message("a killed relay's slots moved in %lld ms\n", (long long)took);
-    h_sleep_ms(800);
+    h_sleep_ms(500);
     h_pg_restart(&env, "fast");
     wait_spread(0x5, 15000);
-    h_sleep_ms(800);
+    h_sleep_ms(500);
     assert_true(writers_stop(&ws) > 0);
     expect_caught_up("the crash and the restart", 20000);
     assert_int_equal(h_relay_stop(relay(2), SIGTERM, 20000), 0);
@@ -252,7 +252,7 @@ static void test_frozen_and_cut(void **state)
     wait_spread(0x3, 15000);
     struct writers ws;
     writers_start(&ws);
-    h_sleep_ms(1000);
+    h_sleep_ms(600);
     kill(relay(1)->relay_pid, SIGSTOP);
     PGconn *c = h_connect(&env);
     assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
@@ -262,7 +262,7 @@ static void test_frozen_and_cut(void **state)
     h_sleep_ms(1000);
     kill(relay(1)->relay_pid, SIGCONT);
     wait_spread(0x3, 10000);
-    h_sleep_ms(800);
+    h_sleep_ms(500);
     assert_true(writers_stop(&ws) > 0);
     expect_caught_up("the freeze", 20000);
     assert_int_equal(h_relay_stop(relay(1), SIGTERM, 20000), 0);
@@ -283,14 +283,14 @@ static void test_rolling_restart(void **state)
     writers_start(&ws);
     for (int round = 0; round < 2; round++) {
         for (int i = 0; i < 2; i++) {
-            h_sleep_ms(600);
+            h_sleep_ms(400);
             assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
             wait_spread(0x3 & ~(1u << i), 5000);
             relay_start(i);
             wait_spread(0x3, 5000);
         }
     }
-    h_sleep_ms(500);
+    h_sleep_ms(300);
     assert_true(writers_stop(&ws) > 0);
     expect_caught_up("the rolling restart", 15000);
     for (int i = 0; i < 2; i++)
