@@ -77,6 +77,43 @@ ALTER TABLE outbox.slot_owners ADD COLUMN IF NOT EXISTS taken_clean boolean NOT 
 REVOKE ALL ON outbox.slot_owners FROM PUBLIC;
 GRANT SELECT, INSERT, UPDATE ON outbox.slot_owners TO outboxd_relay;
 
+-- sql/006's repair, limited to the rows of some slots (p_slots NULL: every
+-- row). A relay alone repairs every row when it takes the relay lock; a
+-- relay with slots repairs those of the slots it takes (claim_slots),
+-- since another relay may have a row of its own slots in flight, and a row
+-- given a new xid would come back to that relay's next fetch. One
+-- implementation: repair_writer_xids() now calls this one.
+CREATE OR REPLACE FUNCTION outbox.repair_writer_xids(p_shards integer, p_slots integer[])
+RETURNS bigint
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH s AS (SELECT pg_current_snapshot() AS snap),
+    foreign_rows AS (
+        -- Two index ranges of (xid, id): xids not begun, xids running.
+        SELECT e.id, e.key FROM s, outbox.events e
+        WHERE e.sent_at IS NULL
+          AND (e.xid, e.id) >= (pg_snapshot_xmax(s.snap), (-9223372036854775807 - 1)::bigint)
+        UNION ALL
+        SELECT e.id, e.key FROM s, pg_snapshot_xip(s.snap) AS x(xid), outbox.events e
+        WHERE e.sent_at IS NULL AND e.xid = x.xid),
+    fixed AS (
+        UPDATE outbox.events e SET xid = pg_current_xact_id()
+        FROM foreign_rows f
+        WHERE e.id = f.id
+          AND (p_slots IS NULL OR outbox.slot_of(f.key, f.id, p_shards) = ANY (p_slots))
+        RETURNING 1)
+    SELECT count(*) FROM fixed;
+$$;
+REVOKE ALL ON FUNCTION outbox.repair_writer_xids(integer, integer[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.repair_writer_xids(integer, integer[]) TO outboxd_relay;
+CREATE OR REPLACE FUNCTION outbox.repair_writer_xids() RETURNS bigint
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox.repair_writer_xids(1, NULL) $$;
+
 -- One relay's look at the members and its slots: gives p_give_back back
 -- (slots it no longer has rows of in flight), and with p_take takes free
 -- slots up to its fair share. Members are the sessions holding the shared
@@ -164,26 +201,12 @@ BEGIN
                 owned_since = now(), handovers = o.handovers + 1,
                 taken_clean = o.given_back, given_back = false;
     END IF;
-    -- Rows of the slots just taken that carry another cluster's xid (sql/006)
-    -- take this one's now, before the relay's pass and first fetch of them:
-    -- nobody has them in flight (their last owner is gone, or gave them back
-    -- with nothing out), where a repair of all rows could change a row that
-    -- another relay has in flight, and its next fetch would bring it again.
+    -- Rows of the slots just taken that carry another cluster's xid take
+    -- this one's now, before the relay's pass and first fetch of them:
+    -- nobody has them in flight (their last owner is gone, or gave them
+    -- back with nothing out).
     IF cardinality(v_taken) > 0 THEN
-        WITH s AS (SELECT pg_current_snapshot() AS snap),
-        foreign_rows AS (
-            SELECT e.id FROM s, outbox.events e
-            WHERE e.sent_at IS NULL
-              AND (e.xid, e.id) >= (pg_snapshot_xmax(s.snap), (-9223372036854775807 - 1)::bigint)
-            UNION ALL
-            SELECT e.id FROM s, pg_snapshot_xip(s.snap) AS x(xid), outbox.events e
-            WHERE e.sent_at IS NULL AND e.xid = x.xid),
-        fixed AS (
-            UPDATE outbox.events e SET xid = pg_current_xact_id()
-            FROM foreign_rows f
-            WHERE e.id = f.id AND outbox.slot_of(e.key, e.id, p_shards) = ANY (v_taken)
-            RETURNING 1)
-        SELECT count(*) INTO repaired FROM fixed;
+        repaired := outbox.repair_writer_xids(p_shards, v_taken);
     END IF;
     SELECT p_shards - count(DISTINCT objid) INTO free FROM pg_catalog.pg_locks
     WHERE locktype = 'advisory' AND database = v_db AND classid = 1868724340 AND objsubid = 2

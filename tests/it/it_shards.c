@@ -179,16 +179,38 @@ static int status_slots(unsigned *slots)
     return active;
 }
 
+/* The start of a scenario: Postgres and the broker, relays 0..n-1 sharing
+ * the slots, and (ws not NULL) writers. */
+static void start_sharing(int n, struct writers *ws)
+{
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    for (int i = 0; i < n; i++)
+        relay_start(i);
+    wait_spread((1u << n) - 1, 15000);
+    if (ws)
+        writers_start(ws);
+}
+
+/* The end of one: the writers stop, every row is published within 20 s of
+ * `after`, the relays in `which` (a bit each) stop cleanly, and Kafka holds
+ * every row in key order. Returns the duplicates (only `dups_ok` allows). */
+static size_t finish_sharing(struct writers *ws, const char *after, unsigned which, bool dups_ok)
+{
+    assert_true(writers_stop(ws) > 0);
+    expect_caught_up(after, 20000);
+    for (int i = N_RELAYS - 1; i >= 0; i--)
+        if (which & (1u << i))
+            assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    return check_kafka(dups_ok);
+}
+
 /* 1 -> 4 -> 2 relays under writers: joins and graceful leaves move slots
  * within 2 s, and nothing is lost, repeated or reordered. */
 static void test_join_and_leave(void **state)
 {
     (void)state;
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    relay_start(0);
-    wait_spread(1u, 15000);
     struct writers ws;
-    writers_start(&ws);
+    start_sharing(1, &ws);
     h_sleep_ms(500);
     for (int i = 1; i < N_RELAYS; i++)
         relay_start(i);
@@ -203,11 +225,7 @@ static void test_join_and_leave(void **state)
     took = wait_spread(0x3, 5000);
     print_message("2 relays share the slots %lld ms after the leaves\n", (long long)took);
     h_sleep_ms(500);
-    assert_true(writers_stop(&ws) > 0);
-    expect_caught_up("the joins and leaves", 15000);
-    assert_int_equal(h_relay_stop(relay(1), SIGTERM, 20000), 0);
-    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
-    assert_int_equal(check_kafka(false), 0);
+    assert_int_equal(finish_sharing(&ws, "the joins and leaves", 0x3, false), 0);
     assert_true(h_relay_events(relay(0), "slots_given_back", NULL) >= 1); /* to the joiners */
 }
 
@@ -217,12 +235,8 @@ static void test_join_and_leave(void **state)
 static void test_crash_and_restart(void **state)
 {
     (void)state;
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    for (int i = 0; i < 3; i++)
-        relay_start(i);
-    wait_spread(0x7, 15000);
     struct writers ws;
-    writers_start(&ws);
+    start_sharing(3, &ws);
     h_sleep_ms(600);
     kill(relay(1)->relay_pid, SIGKILL);
     assert_int_equal(h_relay_wait(relay(1), 10000), 128 + SIGKILL);
@@ -232,11 +246,7 @@ static void test_crash_and_restart(void **state)
     h_pg_restart(&env, "fast");
     wait_spread(0x5, 15000);
     h_sleep_ms(500);
-    assert_true(writers_stop(&ws) > 0);
-    expect_caught_up("the crash and the restart", 20000);
-    assert_int_equal(h_relay_stop(relay(2), SIGTERM, 20000), 0);
-    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
-    assert_int_equal(check_kafka(false), 0);
+    assert_int_equal(finish_sharing(&ws, "the crash and the restart", 0x5, false), 0);
 }
 
 /* An owner frozen (SIGSTOP) while its session is cut: the other takes its
@@ -246,12 +256,8 @@ static void test_crash_and_restart(void **state)
 static void test_frozen_and_cut(void **state)
 {
     (void)state;
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    for (int i = 0; i < 2; i++)
-        relay_start(i);
-    wait_spread(0x3, 15000);
     struct writers ws;
-    writers_start(&ws);
+    start_sharing(2, &ws);
     h_sleep_ms(600);
     kill(relay(1)->relay_pid, SIGSTOP);
     PGconn *c = h_connect(&env);
@@ -263,11 +269,7 @@ static void test_frozen_and_cut(void **state)
     kill(relay(1)->relay_pid, SIGCONT);
     wait_spread(0x3, 10000);
     h_sleep_ms(500);
-    assert_true(writers_stop(&ws) > 0);
-    expect_caught_up("the freeze", 20000);
-    assert_int_equal(h_relay_stop(relay(1), SIGTERM, 20000), 0);
-    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
-    print_message("zombie window: %zu duplicates\n", check_kafka(true));
+    print_message("zombie window: %zu duplicates\n", finish_sharing(&ws, "the freeze", 0x3, true));
 }
 
 /* A rolling restart of every relay, one at a time, under writers: no
@@ -275,12 +277,8 @@ static void test_frozen_and_cut(void **state)
 static void test_rolling_restart(void **state)
 {
     (void)state;
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    for (int i = 0; i < 2; i++)
-        relay_start(i);
-    wait_spread(0x3, 15000);
     struct writers ws;
-    writers_start(&ws);
+    start_sharing(2, &ws);
     for (int round = 0; round < 2; round++) {
         for (int i = 0; i < 2; i++) {
             h_sleep_ms(400);
@@ -291,11 +289,7 @@ static void test_rolling_restart(void **state)
         }
     }
     h_sleep_ms(300);
-    assert_true(writers_stop(&ws) > 0);
-    expect_caught_up("the rolling restart", 15000);
-    for (int i = 0; i < 2; i++)
-        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
-    assert_int_equal(check_kafka(false), 0);
+    assert_int_equal(finish_sharing(&ws, "the rolling restart", 0x3, false), 0);
 }
 
 /* A relay alone (relay.shards = 1) and sharded relays exclude each other,
@@ -303,9 +297,7 @@ static void test_rolling_restart(void **state)
 static void test_mixed_counts_refused(void **state)
 {
     (void)state;
-    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    relay_start(0);
-    wait_spread(1u, 15000);
+    start_sharing(1, NULL);
     /* A relay alone stands by while sharded relays hold the relay lock. */
     relays[1] = env;
     relays[1].relay_pid = 0;
