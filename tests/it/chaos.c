@@ -11,7 +11,8 @@
  * system's own timing differs from run to run, which is the point of
  * trying many). OBX_RELAY_BINARY=path tests another outboxd binary.
  *
- * Each schedule: 1-3 relays on one outbox, 3 writers (single rows, same-key
+ * Each schedule: 1-3 relays on one outbox (and up to 2 more that join for a
+ * while: the join faults), 3 writers (single rows, same-key
  * bursts, rollbacks, late commits held open for seconds, tombstones, NULL
  * and unicode keys and headers, rows near and above message.max.bytes), and
  * faults drawn on a timeline so that they overlap. Then everything is healed
@@ -36,6 +37,7 @@
 #include <cmocka.h>
 
 #define MAX_RELAYS        3
+#define MAX_GUESTS        2 /* relays that join a running schedule (F_JOIN) */
 #define WRITERS           3
 #define MAX_FAULTS        12
 #define DRAIN_DEADLINE_MS 30000
@@ -88,17 +90,30 @@ enum fault_kind {
     F_SLOW_ACKS,      /* one broker or all answer 1.7-4 s late, for dur: later than the
                        * relays' finite kafka.message.timeout.ms in such schedules, so
                        * records time out in flight, possibly stored */
+    F_JOIN,           /* one more relay joins for dur, then leaves on SIGTERM (with
+                       * relay.shards: slots handed to it and back) */
+    F_JOIN_CRASH,     /* one more relay joins for dur, then dies by kill -9 */
     F_COUNT
 };
 
-static const char *const fault_names[F_COUNT] = {"kill9",           "stop",
-                                                 "terminate",       "freeze-cut",
-                                                 "pg-restart-fast", "pg-restart-immediate",
-                                                 "pg-down",         "brokers-down",
-                                                 "broker-down",     "produce-errors",
-                                                 "reject-errors",   "rtt",
-                                                 "sigterm",         "sighup",
-                                                 "takeover",        "slow-acks"};
+static const char *const fault_names[F_COUNT] = {"kill9",
+                                                 "stop",
+                                                 "terminate",
+                                                 "freeze-cut",
+                                                 "pg-restart-fast",
+                                                 "pg-restart-immediate",
+                                                 "pg-down",
+                                                 "brokers-down",
+                                                 "broker-down",
+                                                 "produce-errors",
+                                                 "reject-errors",
+                                                 "rtt",
+                                                 "sigterm",
+                                                 "sighup",
+                                                 "takeover",
+                                                 "slow-acks",
+                                                 "join",
+                                                 "join-crash"};
 
 /* Faults drawn unless --faults says otherwise: all of them. */
 static const unsigned default_faults = (1u << F_COUNT) - 1;
@@ -111,7 +126,8 @@ struct fault {
 
 struct schedule {
     uint64_t seed;
-    int n_relays;
+    int n_relays;     /* started with the schedule; relay[n_relays..] are guests */
+    int n_guests;     /* relays that join later, one for each join fault */
     const char *mode; /* relay.on_sent: mark, delete or log */
     int shards;       /* relay.shards: above 1, every relay publishes its slots */
     int duration_ms;
@@ -121,7 +137,8 @@ struct schedule {
 
 /* How often each kind is drawn, relative to the others. Lost sessions (cut
  * while frozen, or terminated under a running relay) weigh most: they are
- * where the timing bugs of relays live. */
+ * where the timing bugs of relays live. The join faults are drawn apart
+ * (gen_schedule), 0 here. */
 static const int fault_weight[F_COUNT] = {
     [F_KILL9] = 2,       [F_STOP] = 1,           [F_TERMINATE] = 3,     [F_FREEZE_CUT] = 3,
     [F_PG_FAST] = 1,     [F_PG_IMMEDIATE] = 1,   [F_PG_DOWN] = 1,       [F_BROKERS_DOWN] = 1,
@@ -158,13 +175,37 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
     s->shards = 1;
     if (s->n_relays > 1 && strcmp(s->mode, "log") != 0 && rnd_in(&sr, 0, 1))
         s->shards = rnd_in(&sr, 2, 6);
+    /* Relays joining and leaving: in a third of the schedules one or two
+     * more relays join for a while (with relay.shards, slots move to them
+     * and back; without, they stand by). Drawn apart too, and appended. */
+    unsigned joins = enabled & (1u << F_JOIN | 1u << F_JOIN_CRASH);
+    struct rng jr = {seed ^ 0x701e5eedULL};
+    int draw = rnd_in(&jr, 0, 5);
+    int n_joins = !joins ? 0 : draw < 4 ? 0 : draw - 3;
+    for (int j = 0; j < n_joins && j < MAX_GUESTS && s->n_faults < MAX_FAULTS; j++) {
+        struct fault *f = &s->f[s->n_faults++];
+        bool crash =
+            joins == (1u << F_JOIN_CRASH) || (joins != (1u << F_JOIN) && rnd_in(&jr, 0, 2) == 0);
+        f->kind = crash ? F_JOIN_CRASH : F_JOIN;
+        f->relay = s->n_relays + s->n_guests++;
+        f->at_ms = rnd_in(&jr, 300, s->duration_ms - 1500);
+        f->dur_ms = rnd_in(&jr, 800, 4000);
+    }
+}
+
+/* Every relay of the schedule, the guests included. */
+static int relays_of(const struct schedule *s)
+{
+    return s->n_relays + s->n_guests;
 }
 
 static void print_schedule(FILE *out, const struct schedule *s)
 {
-    fprintf(out, "schedule seed %llu: %d relay%s, %s mode, relay.shards = %d, %d ms, %d faults:\n",
-            (unsigned long long)s->seed, s->n_relays, s->n_relays > 1 ? "s" : "", s->mode,
-            s->shards, s->duration_ms, s->n_faults);
+    fprintf(out,
+            "schedule seed %llu: %d relay%s (%d joining), %s mode, relay.shards = %d, %d ms, %d "
+            "faults:\n",
+            (unsigned long long)s->seed, s->n_relays, s->n_relays > 1 ? "s" : "", s->n_guests,
+            s->mode, s->shards, s->duration_ms, s->n_faults);
     for (int i = 0; i < s->n_faults; i++)
         fprintf(out, "  at %5d ms  %-20s relay %d  for %d ms\n", s->f[i].at_ms,
                 fault_names[s->f[i].kind], s->f[i].relay, s->f[i].dur_ms);
@@ -372,7 +413,7 @@ struct relay {
 struct run {
     struct schedule s;
     struct h_env env;
-    struct relay relay[MAX_RELAYS];
+    struct relay relay[MAX_RELAYS + MAX_GUESTS];
     struct writer writers[WRITERS];
     atomic_int stop_writers;
     bool pg_down;
@@ -407,7 +448,7 @@ static void finding(struct run *x, const char *fmt, ...)
 /* The sessions of relay i (or all, i < 0) were cut now. */
 static void expect_notice(struct run *x, int i)
 {
-    for (int k = 0; k < x->s.n_relays; k++) {
+    for (int k = 0; k < relays_of(&x->s); k++) {
         struct relay *rl = &x->relay[k];
         if ((i >= 0 && k != i) || !rl->alive || rl->expect_notice)
             continue;
@@ -423,7 +464,7 @@ static void expect_notice(struct run *x, int i)
 static void check_notices(struct run *x)
 {
     int64_t now = h_now_ms();
-    for (int k = 0; k < x->s.n_relays; k++) {
+    for (int k = 0; k < relays_of(&x->s); k++) {
         struct relay *rl = &x->relay[k];
         if (!rl->expect_notice || now < rl->notice_due)
             continue;
@@ -502,7 +543,7 @@ static int active_relay(struct run *x)
                                 "   AND l.classid = 1868724338 AND l.objid = 0"
                                 " ORDER BY l.pid LIMIT 1");
         for (int k = 0;
-             PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && k < x->s.n_relays; k++)
+             PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && k < relays_of(&x->s); k++)
             if (strcmp(PQgetvalue(r, 0, 0), x->relay[k].app) == 0)
                 found = k;
         PQclear(r);
@@ -536,10 +577,29 @@ static int terminate_sessions(struct run *x, const char *app)
  * over, the frozen one becomes a zombie when it goes on. */
 static void session_cut(struct run *x, int i)
 {
-    if (x->s.n_relays > 1 && (i < 0 ? true : x->relay[i].stopped))
-        for (int k = 0; k < x->s.n_relays; k++)
+    if (relays_of(&x->s) > 1 && (i < 0 ? true : x->relay[i].stopped))
+        for (int k = 0; k < relays_of(&x->s); k++)
             if (x->relay[k].stopped && (i < 0 || k == i))
                 x->zombie_window = true;
+}
+
+/* SIGTERM to relay i, which must stop within its shutdown.timeout.
+ * A signal that comes before the process reaches main() (the loader still
+ * mapping libraries) kills any program: wait for this start's first line,
+ * as a supervisor's stop would come after its start. By its words, not its
+ * event: chaos also runs older binaries (OBX_RELAY_BINARY). */
+static void relay_sigterm(struct run *x, int i)
+{
+    struct relay *rl = &x->relay[i];
+    int64_t wait_until = h_now_ms() + 5000;
+    while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts && h_now_ms() < wait_until)
+        h_sleep_ms(10);
+    int64_t t0 = h_now_ms();
+    int rc = h_relay_stop(&rl->env, SIGTERM, (SHUTDOWN_S + 3) * 1000);
+    rl->alive = false;
+    if (rc != 0)
+        finding(x, "relay %d: SIGTERM gave exit %d after %lld ms", i, rc,
+                (long long)(h_now_ms() - t0));
 }
 
 /* One step of the timeline: phase 0 starts a fault, phase 1 ends it. */
@@ -559,24 +619,24 @@ static void apply(struct run *x, const struct fault *f, int phase)
         }
         break;
     case F_SIGTERM:
-        if (phase == 0 && rl->alive && !rl->stopped) {
-            /* A signal that comes before the process reaches main() (the
-             * loader still mapping libraries) kills any program: wait for
-             * this start's first line, as a supervisor's stop would come
-             * after its start. By its words, not its event: chaos also
-             * runs older binaries (OBX_RELAY_BINARY). */
-            int64_t wait_until = h_now_ms() + 5000;
-            while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts &&
-                   h_now_ms() < wait_until)
-                h_sleep_ms(10);
-            int64_t t0 = h_now_ms();
-            int rc = h_relay_stop(&rl->env, SIGTERM, (SHUTDOWN_S + 3) * 1000);
-            rl->alive = false;
-            if (rc != 0)
-                finding(x, "relay %d: SIGTERM gave exit %d after %lld ms", f->relay, rc,
-                        (long long)(h_now_ms() - t0));
-        } else if (phase == 1 && !rl->alive) {
+        if (phase == 0 && rl->alive && !rl->stopped)
+            relay_sigterm(x, f->relay);
+        else if (phase == 1 && !rl->alive)
             relay_start(x, f->relay);
+        break;
+    case F_JOIN:
+    case F_JOIN_CRASH:
+        /* A guest of its own: nothing else starts or stops it, but a
+         * takeover may have killed and restarted it if it held the lock. */
+        if (phase == 0 && !rl->alive) {
+            relay_start(x, f->relay);
+        } else if (phase == 1 && rl->alive && !rl->stopped) {
+            if (f->kind == F_JOIN) {
+                relay_sigterm(x, f->relay);
+            } else {
+                kill(rl->env.relay_pid, SIGKILL);
+                relay_wait_dead(rl);
+            }
         }
         break;
     case F_STOP:
@@ -651,8 +711,9 @@ static void apply(struct run *x, const struct fault *f, int phase)
         break;
     case F_SIGHUP:
         if (phase == 0 && rl->alive && !rl->stopped) {
-            /* As for SIGTERM: not before the process reached main() (found
-             * by chaos_bounded seed 79381173: exit 129 72 ms after a restart). */
+            /* As for SIGTERM (relay_sigterm): not before the process reached
+             * main() (chaos_bounded seed 79381173: exit 129 72 ms after a
+             * restart). */
             int64_t wait_until = h_now_ms() + 5000;
             while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts &&
                    h_now_ms() < wait_until)
@@ -801,7 +862,8 @@ static void run_timeline(struct run *x)
     }
 }
 
-/* Ends every fault: a relay of each slot runs, Postgres and brokers are up. */
+/* Ends every fault: each relay the schedule started with runs, Postgres and
+ * brokers are up. A guest still there goes on running; one gone stays gone. */
 static void heal(struct run *x)
 {
     struct h_env *e = &x->env;
@@ -812,13 +874,13 @@ static void heal(struct run *x)
     h_broker_cmd(e, "up all");
     h_broker_cmd(e, "rtt all 0");
     h_broker_cmd(e, "clear-errors 0");
-    for (int i = 0; i < x->s.n_relays; i++) {
+    for (int i = 0; i < relays_of(&x->s); i++) {
         struct relay *rl = &x->relay[i];
         if (rl->alive && rl->stopped) {
             kill(rl->env.relay_pid, SIGCONT);
             rl->stopped = false;
         }
-        if (!rl->alive)
+        if (!rl->alive && i < x->s.n_relays)
             relay_start(x, i);
     }
 }
@@ -1112,7 +1174,7 @@ static void run_schedule(struct run *x)
         if (x->s.f[i].kind == F_SLOW_ACKS)
             x->slow_acks = true;
     h_env_start_with(&x->env, topic_spec, H_PG_TCP);
-    for (int i = 0; i < x->s.n_relays; i++) {
+    for (int i = 0; i < relays_of(&x->s); i++) {
         struct relay *rl = &x->relay[i];
         rl->env = x->env;
         rl->env.broker_in = rl->env.broker_out = NULL; /* the master's */
@@ -1124,7 +1186,8 @@ static void run_schedule(struct run *x)
         snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=%s", x->env.conninfo, app);
         memcpy(rl->app, app, sizeof(app));
         memcpy(rl->conninfo, ci, sizeof(ci));
-        relay_start(x, i);
+        if (i < x->s.n_relays) /* guests join with their fault */
+            relay_start(x, i);
     }
     atomic_store(&x->stop_writers, 0);
     for (int i = 0; i < WRITERS; i++) {
@@ -1151,7 +1214,7 @@ static void run_schedule(struct run *x)
     }
     for (;;) { /* the last cuts' expectations */
         bool pending = false;
-        for (int i = 0; i < x->s.n_relays; i++)
+        for (int i = 0; i < relays_of(&x->s); i++)
             pending = pending || x->relay[i].expect_notice;
         if (!pending || h_now_ms() - healed > DRAIN_DEADLINE_MS)
             break;
@@ -1160,7 +1223,7 @@ static void run_schedule(struct run *x)
     }
     if (!drained(x))
         finding(x, "stall: rows still unsent %d ms after healing", DRAIN_DEADLINE_MS);
-    for (int i = 0; i < x->s.n_relays; i++) {
+    for (int i = 0; i < relays_of(&x->s); i++) {
         struct relay *rl = &x->relay[i];
         if (!rl->alive)
             continue;
@@ -1173,11 +1236,11 @@ static void run_schedule(struct run *x)
     }
     check(x);
     h_broker_seq_stats(&x->env, &x->seq);
-    for (int i = 0; i < x->s.n_relays; i++)
+    for (int i = 0; i < relays_of(&x->s); i++)
         x->timed_out += h_relay_log_count(&x->relay[i].env, "Local: Message timed out");
     if (x->seq.unchecked)
         finding(x, "the broker passed %lu Produce requests unchecked", x->seq.unchecked);
-    for (int i = 0; i < x->s.n_relays; i++)
+    for (int i = 0; i < relays_of(&x->s); i++)
         scan_log(x, i);
 }
 
@@ -1227,14 +1290,14 @@ static void test_chaos(void **state)
         t.seq_duplicates += run.seq.duplicates;
         fprintf(
             stderr,
-            "chaos: seed %llu: %d relays%s, %d faults, %zu rows committed (%zu uncertain), "
+            "chaos: seed %llu: %d relays%s%s, %d faults, %zu rows committed (%zu uncertain), "
             "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld time-out "
             "reports; broker refused %lu batches out of sequence, recognised %lu resent -> %s\n",
             (unsigned long long)run.s.seed, run.s.n_relays,
-            run.s.shards > 1 ? " sharing slots" : "", run.s.n_faults, run.committed, run.uncertain,
-            run.rolled_back, run.dead, run.records, run.duplicates,
-            run.zombie_window ? " [zombie window]" : "", run.timed_out, run.seq.out_of_order,
-            run.seq.duplicates, run.n_findings ? "FINDINGS" : "ok");
+            run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
+            run.s.n_faults, run.committed, run.uncertain, run.rolled_back, run.dead, run.records,
+            run.duplicates, run.zombie_window ? " [zombie window]" : "", run.timed_out,
+            run.seq.out_of_order, run.seq.duplicates, run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
         if (run.n_findings) {
             t.failed++;
@@ -1244,7 +1307,7 @@ static void test_chaos(void **state)
             fprintf(stderr, "  logs kept in %s\n", run.env.dir);
         }
         bool keep = run.n_findings > 0;
-        for (int i = 0; i < MAX_RELAYS; i++)
+        for (int i = 0; i < MAX_RELAYS + MAX_GUESTS; i++)
             if (run.relay[i].alive && run.relay[i].env.relay_pid > 0) {
                 kill(run.relay[i].env.relay_pid, SIGKILL);
                 h_relay_wait(&run.relay[i].env, 5000);

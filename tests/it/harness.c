@@ -607,14 +607,30 @@ bool h_recv_notify(int fd, char *buf, size_t len, int timeout_ms)
 
 int h_free_port(void)
 {
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof(a);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 ||
-        getsockname(fd, (struct sockaddr *)&a, &len) != 0)
-        fail_msg("cannot find a free port: %s", strerror(errno));
-    close(fd);
-    return ntohs(a.sin_port);
+    /* The kernel may give the port it just gave again once the probe is
+     * closed: two relays of one chaos schedule got the same http.listen
+     * (seed 847965). So not one of the last few handed out. */
+    static int recent[16];
+    static unsigned n_recent;
+    for (int attempt = 0; attempt < 100; attempt++) {
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        socklen_t len = sizeof(a);
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 ||
+            getsockname(fd, (struct sockaddr *)&a, &len) != 0)
+            fail_msg("cannot find a free port: %s", strerror(errno));
+        close(fd);
+        int port = ntohs(a.sin_port);
+        bool seen = false;
+        for (unsigned i = 0; i < n_recent && i < 16; i++)
+            seen = seen || recent[i] == port;
+        if (!seen) {
+            recent[n_recent++ % 16] = port;
+            return port;
+        }
+    }
+    fail_msg("cannot find a free port: the kernel keeps giving the same ones");
+    return -1;
 }
 
 int h_http_raw(int port, const char *request, size_t request_len, char *body, size_t body_len,
