@@ -200,6 +200,7 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
         .recovery_records_read = obx_recovery_records_read(p->recovery),
         .recovery_partitions_left = obx_recovery_partitions_left(p->recovery),
     };
+    g.slot_count = obx_maint_slot_backlog(p->maint, &g.slot_backlog_rows, &g.slot_lag_ms);
     obx_metrics_render(body, &g);
 }
 

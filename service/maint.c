@@ -54,6 +54,13 @@ struct obx_maint {
     char last_error[256]; /* last one logged, and when */
     int64_t last_error_at;
 
+    /* relay.shards above 1: the count by slot too (a backlog and a lag for
+     * each of `shards` slots; slots with no unsent row have 0 and 0). */
+    int shards;
+    int64_t *slot_rows_out, *slot_lag_ms_out; /* the worker's */
+    int64_t *slot_rows, *slot_lag_ms;         /* published; valid while slots_known */
+    bool slots_known;
+
     int64_t backlog; /* published on the loop thread */
     double lag;
     int64_t round_purged;
@@ -61,6 +68,14 @@ struct obx_maint {
 };
 
 static void count_from_start(struct obx_maint *m);
+
+static void free_slot_counts(struct obx_maint *m)
+{
+    obx_free(m->slot_rows_out);
+    obx_free(m->slot_lag_ms_out);
+    obx_free(m->slot_rows);
+    obx_free(m->slot_lag_ms);
+}
 
 int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats,
                   struct obx_maint **out)
@@ -82,6 +97,22 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->reclaim_ms = cfg->retention_ms;
     m->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
     m->stats_spacing_ms = OBX_MAINT_STATS_MS;
+    /* Log mode refuses relay.shards above 1 (config.c): its count is the
+     * view's, not by slot. */
+    m->shards = m->log_mode ? 1 : cfg->shards;
+    if (m->shards > 1) {
+        size_t n = (size_t)m->shards;
+        m->slot_rows_out = obx_calloc(n, sizeof(int64_t));
+        m->slot_lag_ms_out = obx_calloc(n, sizeof(int64_t));
+        m->slot_rows = obx_calloc(n, sizeof(int64_t));
+        m->slot_lag_ms = obx_calloc(n, sizeof(int64_t));
+        if (!m->slot_rows_out || !m->slot_lag_ms_out || !m->slot_rows || !m->slot_lag_ms) {
+            free_slot_counts(m);
+            obx_free(m->conninfo);
+            obx_free(m);
+            return -1;
+        }
+    }
     count_from_start(m);
     m->with_stats = with_stats;
     m->backlog = -1;
@@ -89,6 +120,7 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->work.data = m;
     atomic_init(&m->stop, false);
     if (uv_mutex_init(&m->cancel_lock) != 0) {
+        free_slot_counts(m);
         obx_free(m->conninfo);
         obx_free(m);
         return -1;
@@ -176,6 +208,33 @@ static void run_log_stats(struct obx_maint *m)
     PQclear(res);
 }
 
+/* by_slot of the backlog count: "slot rows oldest-ms", comma-separated
+ * (store.c). False if it does not parse or names a slot out of range. */
+static bool read_by_slot(struct obx_maint *m, const char *text)
+{
+    memset(m->slot_rows_out, 0, (size_t)m->shards * sizeof(int64_t));
+    memset(m->slot_lag_ms_out, 0, (size_t)m->shards * sizeof(int64_t));
+    const char *p = text;
+    while (*p) {
+        char *end;
+        long long slot = strtoll(p, &end, 10);
+        if (end == p || *end != ' ' || slot < 0 || slot >= m->shards)
+            return false;
+        p = end + 1;
+        long long rows = strtoll(p, &end, 10);
+        if (end == p || *end != ' ')
+            return false;
+        p = end + 1;
+        long long lag_ms = strtoll(p, &end, 10);
+        if (end == p || (*end != ',' && *end != '\0'))
+            return false;
+        m->slot_rows_out[slot] = rows;
+        m->slot_lag_ms_out[slot] = lag_ms;
+        p = *end ? end + 1 : end;
+    }
+    return true;
+}
+
 static void run_stats(struct obx_maint *m)
 {
     uint64_t t0 = uv_hrtime();
@@ -184,10 +243,12 @@ static void run_stats(struct obx_maint *m)
         m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);
         return;
     }
-    char floor[24];
+    char floor[24], shards[16];
     snprintf(floor, sizeof(floor), "%lld", (long long)m->count_floor);
-    const char *params[OBX_BACKLOG_NPARAMS] = {
-        [OBX_BACKLOG_FLOOR] = floor, [OBX_BACKLOG_XMIN] = m->count_xmin};
+    snprintf(shards, sizeof(shards), "%d", m->shards);
+    const char *params[OBX_BACKLOG_NPARAMS] = {[OBX_BACKLOG_FLOOR] = floor,
+                                               [OBX_BACKLOG_XMIN] = m->count_xmin,
+                                               [OBX_BACKLOG_SHARDS] = shards};
     PGresult *res = PQexecParams(m->conn, obx_store_sql_backlog_since(), OBX_BACKLOG_NPARAMS, NULL,
                                  params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1 ||
@@ -199,6 +260,10 @@ static void run_stats(struct obx_maint *m)
         m->lag_out = strtod(obx_store_col(res, 0, "oldest_seconds"), NULL);
         m->count_floor = strtoll(obx_store_col(res, 0, "next_floor"), NULL, 10);
         snprintf(m->count_xmin, sizeof(m->count_xmin), "%s", obx_store_col(res, 0, "next_xmin"));
+        if (m->shards > 1 && !read_by_slot(m, obx_store_col(res, 0, "by_slot"))) {
+            snprintf(m->error, sizeof(m->error), "backlog query: by_slot does not parse");
+            count_from_start(m);
+        }
     }
     PQclear(res);
     m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);
@@ -291,6 +356,7 @@ static void free_maint(struct obx_maint *m)
 {
     disconnect(m);
     uv_mutex_destroy(&m->cancel_lock);
+    free_slot_counts(m);
     obx_free(m->conninfo);
     obx_free(m);
 }
@@ -316,6 +382,7 @@ static void after_work_cb(uv_work_t *w, int status)
         if (m->job_stats) { /* unknown rather than stale */
             m->backlog = -1;
             m->lag = -1;
+            m->slots_known = false;
         }
         m->stats_due = now + m->stats_spacing_ms;
         if (m->job_purge)
@@ -347,6 +414,11 @@ static void after_work_cb(uv_work_t *w, int status)
     if (m->job_stats) {
         m->backlog = m->backlog_out;
         m->lag = m->lag_out;
+        if (m->shards > 1) {
+            memcpy(m->slot_rows, m->slot_rows_out, (size_t)m->shards * sizeof(int64_t));
+            memcpy(m->slot_lag_ms, m->slot_lag_ms_out, (size_t)m->shards * sizeof(int64_t));
+            m->slots_known = true;
+        }
         int64_t spacing = 20 * m->stats_ms;
         m->stats_spacing_ms = spacing > OBX_MAINT_STATS_MS ? spacing : OBX_MAINT_STATS_MS;
         m->stats_due = now + m->stats_spacing_ms;
@@ -394,6 +466,23 @@ int64_t obx_maint_backlog(const struct obx_maint *m)
 double obx_maint_lag_seconds(const struct obx_maint *m)
 {
     return m->lag;
+}
+
+void obx_maint_forget_stats(struct obx_maint *m)
+{
+    m->backlog = -1;
+    m->lag = -1;
+    m->slots_known = false;
+    m->stats_due = 0; /* count at once if the job comes back */
+}
+
+int obx_maint_slot_backlog(const struct obx_maint *m, const int64_t **rows, const int64_t **lag_ms)
+{
+    if (!m->slots_known)
+        return 0;
+    *rows = m->slot_rows;
+    *lag_ms = m->slot_lag_ms;
+    return m->shards;
 }
 
 void obx_maint_close(struct obx_maint *m)

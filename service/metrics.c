@@ -226,6 +226,18 @@ static void render_rows(struct obx_buf *out, const struct obx_metrics_gauges *g)
     if (g->lag_seconds >= 0)
         simple(out, "outboxd_outbox_lag_seconds", "gauge",
                "Age of the oldest unsent row (0 when none is waiting).", g->lag_seconds);
+    if (g->slot_count > 0) {
+        header(out, "outboxd_slot_backlog_rows", "gauge",
+               "Unsent rows of each slot (relay.shards; counted by the owner of slot 0).");
+        for (int i = 0; i < g->slot_count; i++)
+            obx_buf_printf(out, "outboxd_slot_backlog_rows{slot=\"%d\"} %lld\n", i,
+                           (long long)g->slot_backlog_rows[i]);
+        header(out, "outboxd_slot_lag_seconds", "gauge",
+               "Age of the oldest unsent row of each slot (0 when none is waiting).");
+        for (int i = 0; i < g->slot_count; i++)
+            obx_buf_printf(out, "outboxd_slot_lag_seconds{slot=\"%d\"} %.3f\n", i,
+                           (double)g->slot_lag_ms[i] / 1000.0);
+    }
     histogram(out, "outboxd_commit_to_ack_seconds",
               "From the row's created_at (its insert) to Kafka's acknowledgement.", g->ack_latency);
     histogram(out, "outboxd_fetch_batch_rows", "Rows returned by each fetch.", g->batch_rows);

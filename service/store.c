@@ -641,33 +641,52 @@ const char *obx_store_sql_backlog(void)
  * Each part asks for the order of the index it must read (the session
  * plans with enable_sort off). Rows the newest cursor row covers are not
  * counted (NOT_COVERED). Columns: rows (unpublished), oldest_seconds (age of
- * the lowest-id one), next_floor, next_xmin (text). */
+ * the lowest-id one), next_floor, next_xmin (text), and with $3 (shards)
+ * above 1 by_slot: "slot rows oldest-ms" for each slot with unsent rows,
+ * comma-separated in slot order (NULL when none, or $3 is 1). */
 /* clang-format off */
 const char *obx_store_sql_backlog_since(void)
 {
     return "WITH" LOG_NEWEST ","
            " above AS ("
-           "   SELECT id, created_at FROM outbox.events e"
+           "   SELECT id, key, created_at FROM outbox.events e"
            "   WHERE sent_at IS NULL AND id >= $1::bigint" NOT_COVERED("e")
            "   ORDER BY id),"
            " below AS ("
-           "   SELECT id, created_at FROM outbox.events e"
+           "   SELECT id, key, created_at FROM outbox.events e"
            "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
            "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT ") AND id < $1::bigint" NOT_COVERED("e")
            "   ORDER BY xid, id),"
            " oldest AS ("
            "   SELECT id, created_at FROM (SELECT * FROM below UNION ALL"
            "                               (SELECT * FROM above LIMIT 1)) o"
-           "   ORDER BY id LIMIT 1)"
+           "   ORDER BY id LIMIT 1),"
+           " by_slot AS ("
+           "   SELECT outbox.slot_of(u.key, u.id, $3::int) AS slot, count(*) AS n,"
+           "          min(u.created_at) AS oldest"
+           "   FROM (SELECT * FROM above UNION ALL SELECT * FROM below) u"
+           "   WHERE $3::int > 1 GROUP BY 1)"
            " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) AS rows,"
            "        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM oldest),"
            "                 0) AS oldest_seconds,"
            "        coalesce((SELECT id FROM oldest),"
            "                 (SELECT max(id) + 1 FROM outbox.events WHERE id >= $1::bigint),"
            "                 $1::bigint) AS next_floor,"
-           "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin";
+           "        pg_snapshot_xmin(pg_current_snapshot())::text AS next_xmin,"
+           "        (SELECT string_agg(concat_ws(' ', slot, n,"
+           "                  greatest(0, floor(extract(epoch FROM now() - oldest) * 1000))::bigint),"
+           "                  ',' ORDER BY slot) FROM by_slot) AS by_slot";
 }
 /* clang-format on */
+
+const char *obx_store_sql_waiting_by_slot(void)
+{
+    /* $1: relay.shards. Only slots with unsent rows. */
+    return "SELECT outbox.slot_of(key, id, $1::int) AS slot, count(*) AS rows,"
+           "       coalesce(extract(epoch FROM now() - min(created_at)), 0)::bigint"
+           "         AS oldest_seconds"
+           " FROM outbox.unpublished GROUP BY 1 ORDER BY 1";
+}
 
 const char *obx_store_sql_waiting(void)
 {
@@ -879,7 +898,9 @@ static const struct obx_store_param claim_types[OBX_CLAIM_NPARAMS] = {
     [OBX_CLAIM_GIVE_BACK] = {"slots given back", "int[]"},
     [OBX_CLAIM_TAKE] = {"take", "boolean"}};
 static const struct obx_store_param backlog_types[OBX_BACKLOG_NPARAMS] = {
-    [OBX_BACKLOG_FLOOR] = {"floor", "bigint"}, [OBX_BACKLOG_XMIN] = {"xmin", "xid8"}};
+    [OBX_BACKLOG_FLOOR] = {"floor", "bigint"},
+    [OBX_BACKLOG_XMIN] = {"xmin", "xid8"},
+    [OBX_BACKLOG_SHARDS] = {"shards", "int"}};
 static const struct obx_store_param purge_types[OBX_PURGE_NPARAMS] = {
     [OBX_PURGE_AFTER] = {"after id", "bigint"},
     [OBX_PURGE_BATCH] = {"batch size", "int"},

@@ -320,6 +320,7 @@ static void read_relay_view(const struct obx_config *cfg, struct relay_view *v)
 /* What `outboxd status` reads from Postgres, and what is wrong. */
 struct status_data {
     PGresult *sessions, *backlog, *topics, *dead, *xmin, *slot, *tuples;
+    PGresult *by_slot; /* relay.shards above 1: unsent rows by slot; else NULL */
     struct relay_view rv;
     long long unsent, n_dead;
     double lag;
@@ -339,6 +340,14 @@ static bool status_read(PGconn *c, const struct obx_tool_args *t, const struct o
     d->tuples = run(c, t->tool, obx_store_sql_events_tuples(), 0, NULL, PGRES_TUPLES_OK);
     if (!d->sessions || !d->backlog || !d->topics || !d->dead || !d->xmin || !d->slot || !d->tuples)
         return false;
+    if (cfg->shards > 1) {
+        char shards[16];
+        snprintf(shards, sizeof(shards), "%d", cfg->shards);
+        const char *v[] = {shards};
+        d->by_slot = run(c, t->tool, obx_store_sql_waiting_by_slot(), 1, v, PGRES_TUPLES_OK);
+        if (!d->by_slot)
+            return false;
+    }
     read_relay_view(cfg, &d->rv);
     d->unsent = strtoll(obx_store_col(d->backlog, 0, "rows"), NULL, 10);
     d->lag = strtod(obx_store_col(d->backlog, 0, "oldest_seconds"), NULL);
@@ -368,6 +377,7 @@ static void status_free(struct status_data *d)
     PQclear(d->xmin);
     PQclear(d->slot);
     PQclear(d->tuples);
+    PQclear(d->by_slot);
 }
 
 /* The part of `status --json` that Postgres's own views say. */
@@ -425,7 +435,16 @@ static void status_json(FILE *o, const struct status_data *d)
         json_str(o, obx_store_col(d->topics, i, "topic"));
         fprintf(o, ":%s", obx_store_col(d->topics, i, "rows"));
     }
-    fprintf(o, "},\"dead_letters\":%lld", d->n_dead);
+    fputc('}', o);
+    if (d->by_slot) {
+        fputs(",\"unsent_by_slot\":{", o);
+        for (int i = 0; i < PQntuples(d->by_slot); i++)
+            fprintf(o, "%s\"%s\":{\"rows\":%s,\"oldest_seconds\":%s}", i ? "," : "",
+                    obx_store_col(d->by_slot, i, "slot"), obx_store_col(d->by_slot, i, "rows"),
+                    obx_store_col(d->by_slot, i, "oldest_seconds"));
+        fputc('}', o);
+    }
+    fprintf(o, ",\"dead_letters\":%lld", d->n_dead);
     const struct relay_view *rv = &d->rv;
     if (rv->reachable)
         fprintf(o,
@@ -465,6 +484,12 @@ static void status_text_rows(const struct status_data *d)
                obx_store_col(d->topics, i, "rows"));
     if (PQntuples(d->topics) > 10)
         printf("  (%d more topics)\n", PQntuples(d->topics) - 10);
+    for (int i = 0; d->by_slot && i < PQntuples(d->by_slot); i++) {
+        human_age(strtoll(obx_store_col(d->by_slot, i, "oldest_seconds"), NULL, 10), age,
+                  sizeof(age));
+        printf("  slot %-4s %s rows, oldest waiting %s\n", obx_store_col(d->by_slot, i, "slot"),
+               obx_store_col(d->by_slot, i, "rows"), age);
+    }
     human_age(strtoll(obx_store_col(d->dead, 0, "newest_seconds"), NULL, 10), age, sizeof(age));
     printf("dead letters: %lld%s%s%s\n", d->n_dead, d->n_dead ? " (newest " : "",
            d->n_dead ? age : "", d->n_dead ? " ago; outboxd dead list)" : "");

@@ -44,6 +44,13 @@ void obx_maint_tick(struct obx_maint *m, int64_t now);
 /* Unsent rows and the age of the oldest (by id) in seconds; -1 until known. */
 int64_t obx_maint_backlog(const struct obx_maint *m);
 double obx_maint_lag_seconds(const struct obx_maint *m);
+/* With relay.shards above 1, the same by slot: sets *rows and *lag_ms
+ * (arrays indexed by slot; age of the oldest unsent row in milliseconds)
+ * and returns relay.shards; 0 while not known (or relay.shards is 1). */
+int obx_maint_slot_backlog(const struct obx_maint *m, const int64_t **rows, const int64_t **lag_ms);
+/* The job went to another relay (the lock or slot 0 lost): the figures
+ * above become unknown rather than stale. */
+void obx_maint_forget_stats(struct obx_maint *m);
 /* Asks a running job to stop after its current statement; closes the
  * connection and frees once no job runs. */
 void obx_maint_close(struct obx_maint *m);

@@ -76,6 +76,10 @@ struct obx_metrics_gauges {
     uint64_t rows_dead_lettered;
     int64_t backlog_rows; /* -1 = not known yet */
     double lag_seconds;   /* age of the oldest unsent row; < 0 = not known */
+    /* The same by slot (relay.shards above 1, on the relay that counts the
+     * backlog: the owner of slot 0): slot_count entries, 0 = not known. */
+    int slot_count;
+    const int64_t *slot_backlog_rows, *slot_lag_ms;
     bool postgres_connected;
     bool kafka_connected;
     bool ready;

@@ -137,8 +137,9 @@ enum obx_claim_param {
 
 /* The backlog count from where the last one left off. */
 enum obx_backlog_param {
-    OBX_BACKLOG_FLOOR, /* bigint */
-    OBX_BACKLOG_XMIN,  /* xid8 */
+    OBX_BACKLOG_FLOOR,  /* bigint */
+    OBX_BACKLOG_XMIN,   /* xid8 */
+    OBX_BACKLOG_SHARDS, /* int: relay.shards; above 1, by_slot is counted too */
     OBX_BACKLOG_NPARAMS
 };
 /* Retention's round. */
@@ -343,6 +344,9 @@ const char *obx_store_sql_backlog_since(void);
 #define OBX_STORE_PARTITIONS_AHEAD 2
 
 /* Unpublished rows per topic (--check, status). Columns: topic, rows. */
+/* `outboxd status` with relay.shards above 1: unsent rows by slot ($1 the
+ * shards): slot, rows, oldest_seconds. */
+const char *obx_store_sql_waiting_by_slot(void);
 const char *obx_store_sql_waiting(void);
 
 /* Retention: $1 cursor (last id looked at), $2 batch size, $3 period in ms.

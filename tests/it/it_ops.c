@@ -798,10 +798,13 @@ static void test_dashboard(void **state)
 {
     (void)state;
     h_env_start(&env, (const char *const[]){"it.a:2", NULL});
-    h_relay_start(&env, NULL, NULL);
+    /* With relay.shards (mark mode: log mode refuses it), which exports
+     * every metric a relay alone does and the slots' too. */
+    h_relay_start(&env, NULL, (const char *const[]){"relay.shards=2", "relay.on_sent=mark", NULL});
     wait_http("/readyz", 200, "ready", 15000);
     /* The backlog gauges appear once the maintenance connection measured. */
     wait_http("/metrics", 200, "# TYPE outboxd_outbox_lag_seconds", 15000);
+    wait_http("/metrics", 200, "# TYPE outboxd_slot_lag_seconds", 15000);
     int dashboard = check_names_in(OBX_SOURCE_DIR "/config/grafana/outboxd-dashboard.json", body);
     int rules = check_names_in(OBX_SOURCE_DIR "/config/prometheus/outboxd-alerts.yml", body);
     print_message("dashboard: %d metric references, alert rules: %d, all exported\n", dashboard,

@@ -114,9 +114,40 @@ static void test_histogram(void **state)
     obx_free(out);
 }
 
+/* relay.shards: the backlog by slot, one series each, the lag in seconds;
+ * none while unknown (slot_count 0). */
+static void test_backlog_by_slot(void **state)
+{
+    (void)state;
+    const int64_t rows[3] = {0, 12, 0}, lag_ms[3] = {0, 2500, 0};
+    struct obx_metrics_gauges g = {.published = &published,
+                                   .publish_errors = &publish_errors,
+                                   .backlog_rows = 12,
+                                   .lag_seconds = 2.5,
+                                   .slot_count = 3,
+                                   .slot_backlog_rows = rows,
+                                   .slot_lag_ms = lag_ms};
+    char *out = render(&g);
+    assert_non_null(strstr(out, "# TYPE outboxd_slot_backlog_rows gauge\n"));
+    assert_non_null(strstr(out, "outboxd_slot_backlog_rows{slot=\"0\"} 0\n"));
+    assert_non_null(strstr(out, "outboxd_slot_backlog_rows{slot=\"1\"} 12\n"));
+    assert_non_null(strstr(out, "outboxd_slot_backlog_rows{slot=\"2\"} 0\n"));
+    assert_non_null(strstr(out, "outboxd_slot_lag_seconds{slot=\"1\"} 2.500\n"));
+    assert_non_null(strstr(out, "outboxd_slot_lag_seconds{slot=\"2\"} 0.000\n"));
+    assert_null(strstr(out, "{slot=\"3\"}"));
+    obx_free(out);
+
+    g.slot_count = 0;
+    out = render(&g);
+    assert_null(strstr(out, "outboxd_slot_backlog_rows"));
+    assert_null(strstr(out, "outboxd_slot_lag_seconds"));
+    obx_free(out);
+}
+
 #define TESTS(X)                                                                                   \
     X(test_counters_by_label)                                                                      \
     X(test_label_cap)                                                                              \
-    X(test_histogram)
+    X(test_histogram)                                                                              \
+    X(test_backlog_by_slot)
 
 OBX_FIXTURE_MAIN(TESTS)
