@@ -59,7 +59,8 @@ struct obx_maint {
     int shards;
     int64_t *slot_rows_out, *slot_lag_ms_out; /* the worker's */
     int64_t *slot_rows, *slot_lag_ms;         /* published; valid while slots_known */
-    bool slots_known;
+    bool slots_ok_out;                        /* the worker read them */
+    bool slots_known, slots_warned;
 
     int64_t backlog; /* published on the loop thread */
     double lag;
@@ -260,10 +261,8 @@ static void run_stats(struct obx_maint *m)
         m->lag_out = strtod(obx_store_col(res, 0, "oldest_seconds"), NULL);
         m->count_floor = strtoll(obx_store_col(res, 0, "next_floor"), NULL, 10);
         snprintf(m->count_xmin, sizeof(m->count_xmin), "%s", obx_store_col(res, 0, "next_xmin"));
-        if (m->shards > 1 && !read_by_slot(m, obx_store_col(res, 0, "by_slot"))) {
-            snprintf(m->error, sizeof(m->error), "backlog query: by_slot does not parse");
-            count_from_start(m);
-        }
+        /* Not m->error: the totals hold, and retention must go on. */
+        m->slots_ok_out = m->shards > 1 && read_by_slot(m, obx_store_col(res, 0, "by_slot"));
     }
     PQclear(res);
     m->stats_ms = (int64_t)((uv_hrtime() - t0) / 1000000);
@@ -414,10 +413,17 @@ static void after_work_cb(uv_work_t *w, int status)
     if (m->job_stats) {
         m->backlog = m->backlog_out;
         m->lag = m->lag_out;
-        if (m->shards > 1) {
+        if (m->shards > 1 && m->slots_ok_out) {
             memcpy(m->slot_rows, m->slot_rows_out, (size_t)m->shards * sizeof(int64_t));
             memcpy(m->slot_lag_ms, m->slot_lag_ms_out, (size_t)m->shards * sizeof(int64_t));
             m->slots_known = true;
+            m->slots_warned = false;
+        } else if (m->shards > 1) {
+            m->slots_known = false;
+            if (!m->slots_warned)
+                obx_warn("maintenance: the backlog by slot did not parse; "
+                         "outboxd_slot_backlog_rows and outboxd_slot_lag_seconds are left out");
+            m->slots_warned = true;
         }
         int64_t spacing = 20 * m->stats_ms;
         m->stats_spacing_ms = spacing > OBX_MAINT_STATS_MS ? spacing : OBX_MAINT_STATS_MS;

@@ -643,17 +643,21 @@ const char *obx_store_sql_backlog(void)
  * counted (NOT_COVERED). Columns: rows (unpublished), oldest_seconds (age of
  * the lowest-id one), next_floor, next_xmin (text), and with $3 (shards)
  * above 1 by_slot: "slot rows oldest-ms" for each slot with unsent rows,
- * comma-separated in slot order (NULL when none, or $3 is 1). */
+ * comma-separated in slot order (NULL when none, or $3 is 1); a slot's
+ * oldest is its earliest created_at, where oldest_seconds is the lowest
+ * id's. The slot is computed only with $3 above 1: a relay alone keeps
+ * nothing more per unsent row. */
+#define SLOT_IF_SHARDED " CASE WHEN $3::int > 1 THEN outbox.slot_of(key, id, $3::int) END AS slot"
 /* clang-format off */
 const char *obx_store_sql_backlog_since(void)
 {
     return "WITH" LOG_NEWEST ","
            " above AS ("
-           "   SELECT id, key, created_at FROM outbox.events e"
+           "   SELECT id, created_at," SLOT_IF_SHARDED " FROM outbox.events e"
            "   WHERE sent_at IS NULL AND id >= $1::bigint" NOT_COVERED("e")
            "   ORDER BY id),"
            " below AS ("
-           "   SELECT id, key, created_at FROM outbox.events e"
+           "   SELECT id, created_at," SLOT_IF_SHARDED " FROM outbox.events e"
            "   WHERE $1::bigint > " MIN_BIGINT " AND sent_at IS NULL" /* none at first */
            "     AND (xid, id) >= ($2::xid8, " MIN_BIGINT ") AND id < $1::bigint" NOT_COVERED("e")
            "   ORDER BY xid, id),"
@@ -662,8 +666,7 @@ const char *obx_store_sql_backlog_since(void)
            "                               (SELECT * FROM above LIMIT 1)) o"
            "   ORDER BY id LIMIT 1),"
            " by_slot AS ("
-           "   SELECT outbox.slot_of(u.key, u.id, $3::int) AS slot, count(*) AS n,"
-           "          min(u.created_at) AS oldest"
+           "   SELECT u.slot, count(*) AS n, min(u.created_at) AS oldest"
            "   FROM (SELECT * FROM above UNION ALL SELECT * FROM below) u"
            "   WHERE $3::int > 1 GROUP BY 1)"
            " SELECT (SELECT count(*) FROM above) + (SELECT count(*) FROM below) AS rows,"

@@ -484,12 +484,15 @@ static void status_text_rows(const struct status_data *d)
                obx_store_col(d->topics, i, "rows"));
     if (PQntuples(d->topics) > 10)
         printf("  (%d more topics)\n", PQntuples(d->topics) - 10);
-    for (int i = 0; d->by_slot && i < PQntuples(d->by_slot); i++) {
+    for (int i = 0; d->by_slot && i < PQntuples(d->by_slot) && i < 16; i++) {
         human_age(strtoll(obx_store_col(d->by_slot, i, "oldest_seconds"), NULL, 10), age,
                   sizeof(age));
         printf("  slot %-4s %s rows, oldest waiting %s\n", obx_store_col(d->by_slot, i, "slot"),
                obx_store_col(d->by_slot, i, "rows"), age);
     }
+    if (d->by_slot && PQntuples(d->by_slot) > 16)
+        printf("  (%d more slots with unsent rows; --json lists them all)\n",
+               PQntuples(d->by_slot) - 16);
     human_age(strtoll(obx_store_col(d->dead, 0, "newest_seconds"), NULL, 10), age, sizeof(age));
     printf("dead letters: %lld%s%s%s\n", d->n_dead, d->n_dead ? " (newest " : "",
            d->n_dead ? age : "", d->n_dead ? " ago; outboxd dead list)" : "");

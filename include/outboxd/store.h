@@ -343,10 +343,10 @@ const char *obx_store_sql_backlog_since(void);
 /* How many partitions the upkeep keeps ahead of the last id drawn. */
 #define OBX_STORE_PARTITIONS_AHEAD 2
 
-/* Unpublished rows per topic (--check, status). Columns: topic, rows. */
 /* `outboxd status` with relay.shards above 1: unsent rows by slot ($1 the
  * shards): slot, rows, oldest_seconds. */
 const char *obx_store_sql_waiting_by_slot(void);
+/* Unpublished rows per topic (--check, status). Columns: topic, rows. */
 const char *obx_store_sql_waiting(void);
 
 /* Retention: $1 cursor (last id looked at), $2 batch size, $3 period in ms.

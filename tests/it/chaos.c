@@ -398,6 +398,7 @@ struct relay {
     char app[24];
     char conninfo[700];
     bool alive, stopped;
+    bool cut_frozen; /* its session was cut while it was frozen (a zombie-to-be) */
     int starts;
     /* G5, checked while the schedule runs: after its session was cut, a
      * running relay must say so (a disconnect line) within NOTICE_MS, or
@@ -574,13 +575,21 @@ static int terminate_sessions(struct run *x, const char *app)
 }
 
 /* A session of a relay ended: if it was frozen and another relay can take
- * over, the frozen one becomes a zombie when it goes on. */
+ * over, the frozen one becomes a zombie when it goes on. Another relay: one
+ * the schedule started with (dead ones are restarted), or a guest there
+ * now; a guest that joins later opens the window then (F_JOIN). */
 static void session_cut(struct run *x, int i)
 {
-    if (relays_of(&x->s) > 1 && (i < 0 ? true : x->relay[i].stopped))
-        for (int k = 0; k < relays_of(&x->s); k++)
-            if (x->relay[k].stopped && (i < 0 || k == i))
-                x->zombie_window = true;
+    for (int k = 0; k < relays_of(&x->s); k++) {
+        if (!x->relay[k].stopped || (i >= 0 && k != i))
+            continue;
+        x->relay[k].cut_frozen = true;
+        bool other = x->s.n_relays > 1;
+        for (int g = x->s.n_relays; g < relays_of(&x->s); g++)
+            other = other || (g != k && x->relay[g].alive);
+        if (other)
+            x->zombie_window = true;
+    }
 }
 
 /* SIGTERM to relay i, which must stop within its shutdown.timeout.
@@ -629,7 +638,13 @@ static void apply(struct run *x, const struct fault *f, int phase)
         /* A guest of its own: nothing else starts or stops it, but a
          * takeover may have killed and restarted it if it held the lock. */
         if (phase == 0 && !rl->alive) {
+            /* Its port now: one found free at the schedule's start may
+             * have gone to another socket since. */
+            rl->env.http_port = h_free_port();
             relay_start(x, f->relay);
+            for (int k = 0; k < relays_of(&x->s); k++)
+                if (x->relay[k].cut_frozen) /* it may take the zombie's place */
+                    x->zombie_window = true;
         } else if (phase == 1 && rl->alive && !rl->stopped) {
             if (f->kind == F_JOIN) {
                 relay_sigterm(x, f->relay);

@@ -428,7 +428,7 @@ static void backlog_since(PGconn *c, struct since *s)
     char floor[24];
     snprintf(floor, sizeof(floor), "%lld", (long long)s->floor);
     const char *v[OBX_BACKLOG_NPARAMS] = {
-        [OBX_BACKLOG_FLOOR] = floor, [OBX_BACKLOG_XMIN] = s->xmin};
+        [OBX_BACKLOG_FLOOR] = floor, [OBX_BACKLOG_XMIN] = s->xmin, [OBX_BACKLOG_SHARDS] = "1"};
     PGresult *r =
         PQexecParams(c, obx_store_sql_backlog_since(), OBX_BACKLOG_NPARAMS, NULL, v, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
@@ -640,7 +640,7 @@ static void test_foreign_writer_xids(void **state)
           "INSERT INTO outbox.events (topic, key, payload, xid)"
           " SELECT 'it.x', 'r' || g, 'restored'::bytea, '%lld'::xid8 FROM generate_series(1, %d) g",
           (long long)ahead, FOREIGN * ROUNDS);
-    h_sql(c, "ALTER TABLE outbox.events ENABLE TRIGGER own_xid");
+    h_sql(c, "ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER own_xid"); /* as sql/006 left it */
     h_relay_start(&env, NULL, NULL);
     for (int k = 0; k < OWN; k++)
         h_enqueue(c, "it.x", "own", "own", 3, NULL);

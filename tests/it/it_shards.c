@@ -485,7 +485,7 @@ static void test_foreign_xids_repaired_by_claim(void **state)
         "INSERT INTO outbox.events (topic, key, payload, xid)"
         " SELECT 'it.b', 'r' || g, 'restored'::bytea, '%lld'::xid8 FROM generate_series(1, 100) g",
         (long long)ahead);
-    h_sql(c, "ALTER TABLE outbox.events ENABLE TRIGGER own_xid");
+    h_sql(c, "ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER own_xid"); /* as sql/006 left it */
     relay_start(0);
     relay_start(1);
     wait_spread(0x3, 15000);
