@@ -167,14 +167,6 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
         f->at_ms = rnd_in(&r, 300, s->duration_ms - 500);
         f->dur_ms = rnd_in(&r, 200, 3000);
     }
-    /* Several active relays for half the schedules that can have them
-     * (mark and delete mode, two relays or more). Drawn apart, so that a
-     * seed still gives the schedule it gave before relay.shards existed,
-     * with only this added. */
-    struct rng sr = {seed ^ 0x5a17ed5eedULL};
-    s->shards = 1;
-    if (s->n_relays > 1 && strcmp(s->mode, "log") != 0 && rnd_in(&sr, 0, 1))
-        s->shards = rnd_in(&sr, 2, 6);
     /* Relays joining and leaving: in a third of the schedules one or two
      * more relays join for a while (with relay.shards, slots move to them
      * and back; without, they stand by). Drawn apart too, and appended. */
@@ -191,6 +183,14 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
         f->at_ms = rnd_in(&jr, 300, s->duration_ms - 1500);
         f->dur_ms = rnd_in(&jr, 800, 4000);
     }
+    /* Several active relays for half the schedules that can have them
+     * (mark and delete mode, two relays or more, or one joined by others).
+     * Drawn apart, so that a seed still gives the schedule it gave before
+     * relay.shards existed, with only this added. */
+    struct rng sr = {seed ^ 0x5a17ed5eedULL};
+    s->shards = 1;
+    if ((s->n_relays > 1 || s->n_guests > 0) && strcmp(s->mode, "log") != 0 && rnd_in(&sr, 0, 1))
+        s->shards = rnd_in(&sr, 2, 6);
 }
 
 /* Every relay of the schedule, the guests included. */
@@ -597,7 +597,7 @@ static void session_cut(struct run *x, int i)
  * mapping libraries) kills any program: wait for this start's first line,
  * as a supervisor's stop would come after its start. By its words, not its
  * event: chaos also runs older binaries (OBX_RELAY_BINARY). */
-static void relay_sigterm(struct run *x, int i)
+static void relay_sigterm(struct run *x, int i, const char *when)
 {
     struct relay *rl = &x->relay[i];
     int64_t wait_until = h_now_ms() + 5000;
@@ -607,7 +607,7 @@ static void relay_sigterm(struct run *x, int i)
     int rc = h_relay_stop(&rl->env, SIGTERM, (SHUTDOWN_S + 3) * 1000);
     rl->alive = false;
     if (rc != 0)
-        finding(x, "relay %d: SIGTERM gave exit %d after %lld ms", i, rc,
+        finding(x, "relay %d: SIGTERM%s gave exit %d after %lld ms", i, when, rc,
                 (long long)(h_now_ms() - t0));
 }
 
@@ -629,7 +629,7 @@ static void apply(struct run *x, const struct fault *f, int phase)
         break;
     case F_SIGTERM:
         if (phase == 0 && rl->alive && !rl->stopped)
-            relay_sigterm(x, f->relay);
+            relay_sigterm(x, f->relay, "");
         else if (phase == 1 && !rl->alive)
             relay_start(x, f->relay);
         break;
@@ -647,7 +647,7 @@ static void apply(struct run *x, const struct fault *f, int phase)
                     x->zombie_window = true;
         } else if (phase == 1 && rl->alive && !rl->stopped) {
             if (f->kind == F_JOIN) {
-                relay_sigterm(x, f->relay);
+                relay_sigterm(x, f->relay, "");
             } else {
                 kill(rl->env.relay_pid, SIGKILL);
                 relay_wait_dead(rl);
@@ -1238,17 +1238,9 @@ static void run_schedule(struct run *x)
     }
     if (!drained(x))
         finding(x, "stall: rows still unsent %d ms after healing", DRAIN_DEADLINE_MS);
-    for (int i = 0; i < relays_of(&x->s); i++) {
-        struct relay *rl = &x->relay[i];
-        if (!rl->alive)
-            continue;
-        int64_t t0 = h_now_ms();
-        int rc = h_relay_stop(&rl->env, SIGTERM, (SHUTDOWN_S + 3) * 1000);
-        rl->alive = false;
-        if (rc != 0)
-            finding(x, "relay %d: SIGTERM at the end gave exit %d after %lld ms", i, rc,
-                    (long long)(h_now_ms() - t0));
-    }
+    for (int i = 0; i < relays_of(&x->s); i++)
+        if (x->relay[i].alive)
+            relay_sigterm(x, i, " at the end");
     check(x);
     h_broker_seq_stats(&x->env, &x->seq);
     for (int i = 0; i < relays_of(&x->s); i++)
