@@ -277,7 +277,7 @@ static void on_housekeeping(uv_timer_t *t)
      * relay.shards, the job of the one that owns slot 0. */
     if (obx_pg_usable(a->pg) && obx_relay_maintains(a->relay))
         obx_maint_tick(a->maint, now);
-    else if (!obx_relay_maintains(a->relay) || obx_pg_standby(a->pg))
+    else /* standing by, reconnecting, or slot 0 owned by another */
         obx_maint_forget_stats(a->maint);
     obx_health_tick(&a->health, now);
 }

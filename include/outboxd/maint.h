@@ -48,8 +48,8 @@ double obx_maint_lag_seconds(const struct obx_maint *m);
  * (arrays indexed by slot; age of the oldest unsent row in milliseconds)
  * and returns relay.shards; 0 while not known (or relay.shards is 1). */
 int obx_maint_slot_backlog(const struct obx_maint *m, const int64_t **rows, const int64_t **lag_ms);
-/* The job went to another relay (slot 0 given up, or the relay lock lost:
- * standing by): the figures above become unknown rather than stale. */
+/* The job is not this relay's now (standing by, reconnecting, or slot 0
+ * owned by another): the figures above become unknown rather than stale. */
 void obx_maint_forget_stats(struct obx_maint *m);
 /* Asks a running job to stop after its current statement; closes the
  * connection and frees once no job runs. */

@@ -398,7 +398,9 @@ struct relay {
     char app[24];
     char conninfo[700];
     bool alive, stopped;
-    bool cut_frozen; /* its session was cut while it was frozen (a zombie-to-be) */
+    /* Its session was cut while it was frozen: a zombie until this process
+     * has noticed (expect_notice cleared) or is gone. */
+    bool cut_frozen;
     int starts;
     /* G5, checked while the schedule runs: after its session was cut, a
      * running relay must say so (a disconnect line) within NOTICE_MS, or
@@ -519,6 +521,7 @@ static void relay_start(struct run *x, int i)
     rl->alive = true;
     rl->stopped = false;
     rl->expect_notice = false;
+    rl->cut_frozen = false;
     rl->starts++;
 }
 
@@ -527,6 +530,7 @@ static void relay_wait_dead(struct relay *rl)
     h_relay_wait(&rl->env, 10000);
     rl->alive = false;
     rl->stopped = false;
+    rl->cut_frozen = false; /* what it had queued died with it */
 }
 
 /* The relay holding the relay lock (the first by pid, when relays with
@@ -642,9 +646,11 @@ static void apply(struct run *x, const struct fault *f, int phase)
              * have gone to another socket since. */
             rl->env.http_port = h_free_port();
             relay_start(x, f->relay);
-            for (int k = 0; k < relays_of(&x->s); k++)
-                if (x->relay[k].cut_frozen) /* it may take the zombie's place */
-                    x->zombie_window = true;
+            for (int k = 0; k < relays_of(&x->s); k++) {
+                struct relay *z = &x->relay[k];
+                if (z->cut_frozen && (z->stopped || z->expect_notice))
+                    x->zombie_window = true; /* it may take the zombie's place */
+            }
         } else if (phase == 1 && rl->alive && !rl->stopped) {
             if (f->kind == F_JOIN) {
                 relay_sigterm(x, f->relay, "");
