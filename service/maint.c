@@ -57,7 +57,7 @@ struct obx_maint {
     /* relay.shards above 1: the count by slot too (a backlog and a lag for
      * each of `shards` slots; slots with no unsent row have 0 and 0). */
     int shards;
-    int64_t *slot_rows_out, *slot_lag_ms_out; /* the worker's */
+    int64_t *slot_rows_out, *slot_lag_ms_out; /* the worker's (one allocation, all four) */
     int64_t *slot_rows, *slot_lag_ms;         /* published; valid while slots_known */
     bool slots_ok_out;                        /* the worker read them */
     bool slots_known, slots_warned;
@@ -69,14 +69,6 @@ struct obx_maint {
 };
 
 static void count_from_start(struct obx_maint *m);
-
-static void free_slot_counts(struct obx_maint *m)
-{
-    obx_free(m->slot_rows_out);
-    obx_free(m->slot_lag_ms_out);
-    obx_free(m->slot_rows);
-    obx_free(m->slot_lag_ms);
-}
 
 int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats,
                   struct obx_maint **out)
@@ -103,16 +95,14 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->shards = m->log_mode ? 1 : cfg->shards;
     if (m->shards > 1) {
         size_t n = (size_t)m->shards;
-        m->slot_rows_out = obx_calloc(n, sizeof(int64_t));
-        m->slot_lag_ms_out = obx_calloc(n, sizeof(int64_t));
-        m->slot_rows = obx_calloc(n, sizeof(int64_t));
-        m->slot_lag_ms = obx_calloc(n, sizeof(int64_t));
-        if (!m->slot_rows_out || !m->slot_lag_ms_out || !m->slot_rows || !m->slot_lag_ms) {
-            free_slot_counts(m);
+        if (!(m->slot_rows_out = obx_calloc(4 * n, sizeof(int64_t)))) {
             obx_free(m->conninfo);
             obx_free(m);
             return -1;
         }
+        m->slot_lag_ms_out = m->slot_rows_out + n;
+        m->slot_rows = m->slot_rows_out + 2 * n;
+        m->slot_lag_ms = m->slot_rows_out + 3 * n;
     }
     count_from_start(m);
     m->with_stats = with_stats;
@@ -121,7 +111,7 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->work.data = m;
     atomic_init(&m->stop, false);
     if (uv_mutex_init(&m->cancel_lock) != 0) {
-        free_slot_counts(m);
+        obx_free(m->slot_rows_out);
         obx_free(m->conninfo);
         obx_free(m);
         return -1;
@@ -355,7 +345,7 @@ static void free_maint(struct obx_maint *m)
 {
     disconnect(m);
     uv_mutex_destroy(&m->cancel_lock);
-    free_slot_counts(m);
+    obx_free(m->slot_rows_out);
     obx_free(m->conninfo);
     obx_free(m);
 }

@@ -596,17 +596,23 @@ static void session_cut(struct run *x, int i)
     }
 }
 
-/* SIGTERM to relay i, which must stop within its shutdown.timeout.
- * A signal that comes before the process reaches main() (the loader still
- * mapping libraries) kills any program: wait for this start's first line,
- * as a supervisor's stop would come after its start. By its words, not its
- * event: chaos also runs older binaries (OBX_RELAY_BINARY). */
-static void relay_sigterm(struct run *x, int i, const char *when)
+/* Before a signal: a signal that comes before the process reaches main()
+ * (the loader still mapping libraries) kills any program, so wait for this
+ * start's first line, as a supervisor's signal would come after its start
+ * (chaos_bounded seed 79381173: exit 129 72 ms after a restart). By its
+ * words, not its event: chaos also runs older binaries (OBX_RELAY_BINARY). */
+static void wait_started(struct relay *rl)
 {
-    struct relay *rl = &x->relay[i];
     int64_t wait_until = h_now_ms() + 5000;
     while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts && h_now_ms() < wait_until)
         h_sleep_ms(10);
+}
+
+/* SIGTERM to relay i, which must stop within its shutdown.timeout. */
+static void relay_sigterm(struct run *x, int i, const char *when)
+{
+    struct relay *rl = &x->relay[i];
+    wait_started(rl);
     int64_t t0 = h_now_ms();
     int rc = h_relay_stop(&rl->env, SIGTERM, (SHUTDOWN_S + 3) * 1000);
     rl->alive = false;
@@ -732,13 +738,7 @@ static void apply(struct run *x, const struct fault *f, int phase)
         break;
     case F_SIGHUP:
         if (phase == 0 && rl->alive && !rl->stopped) {
-            /* As for SIGTERM (relay_sigterm): not before the process reached
-             * main() (chaos_bounded seed 79381173: exit 129 72 ms after a
-             * restart). */
-            int64_t wait_until = h_now_ms() + 5000;
-            while (h_relay_log_count(&rl->env, "starting: batch") < rl->starts &&
-                   h_now_ms() < wait_until)
-                h_sleep_ms(10);
+            wait_started(rl);
             kill(rl->env.relay_pid, SIGHUP);
         }
         break;
