@@ -60,8 +60,8 @@
  *    drain, PAIRS pairs in alternating order. Prints rates, their ratio
  *    (b)/(a) and the CPU per row of the relay's backend and of outboxd
  *    (steadier than rates on a few shared cores).
- * OBX_BENCH_SHARDS=ROUNDS (--rows N)
- *    Several active relays (relay.shards, mark mode): the drain of N rows
+ * OBX_BENCH_SHARDS=ROUNDS (--rows N) [OBX_BENCH_SHARDS_MODE=mark|delete|log]
+ *    Several active relays (relay.shards, mark mode by default): the drain of N rows
  *    by one relay alone (relay.shards = 1), and by 1, 2 and 4 relays
  *    sharing 8 slots, in a rotating order each round; the median rate and
  *    machine CPU per row of each over ROUNDS rounds. Then 20 handovers
@@ -994,12 +994,15 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
 #define SHARD_SLOTS      8
 #define MAX_SHARD_RELAYS 4
 
-/* A relay in mark mode with relay.shards = `shards`, /metrics on `port`. */
+/* The mode of the relays sharing slots (OBX_BENCH_SHARDS_MODE). */
+static int shard_on_sent = OBX_ON_SENT_MARK;
+
+/* A relay with relay.shards = `shards`, /metrics on `port`. */
 static pid_t spawn_shard_relay(const struct opts *o, int shards, int port)
 {
     char sh[32];
     snprintf(sh, sizeof(sh), "relay.shards=%d", shards);
-    return spawn_relay(o, OBX_ON_SENT_MARK, NULL, port, sh);
+    return spawn_relay(o, shard_on_sent, NULL, port, sh);
 }
 
 /* Each relay's outboxd_slots_owned and outboxd_recovering: true once the
@@ -1056,7 +1059,7 @@ struct shard_result {
 static void shard_drain(const struct opts *o, int n, int shards, struct shard_result *res)
 {
     PGconn *c = connect_db(o);
-    const char *left_sql = left_sql_for(OBX_ON_SENT_MARK);
+    const char *left_sql = left_sql_for(shard_on_sent);
     settle(c);
     exec_ok(c, "TRUNCATE outbox.slot_owners, outbox.kafka_slot_offsets");
     pid_t pids[MAX_SHARD_RELAYS];
@@ -1144,7 +1147,7 @@ static void shard_handovers(const struct opts *o, double *times, int n_times)
     }
     atomic_store(&w.stop, 1);
     pthread_join(t, NULL);
-    while (query_int(c, left_sql_for(OBX_ON_SENT_MARK)) > 0)
+    while (query_int(c, left_sql_for(shard_on_sent)) > 0)
         usleep(5000);
     stop_outboxd(a);
     stop_outboxd(b);
@@ -1178,10 +1181,10 @@ static void shard_table(const struct opts *o, int rounds)
                     d.relays_us);
         }
     }
-    printf("| relays | relay.shards | drain (median of %d) | vs one relay alone | machine CPU per "
-           "row | its relays' backends | outboxd processes |\n"
+    printf("%s mode\n\n| relays | relay.shards | drain (median of %d) | vs one relay alone | "
+           "machine CPU per row | its relays' backends | outboxd processes |\n"
            "| --- | --- | --- | --- | --- | --- | --- |\n",
-           rounds);
+           mode_name(shard_on_sent), rounds);
     double base = 0;
     for (int i = 0; i < N_RUNS; i++) {
         qsort(rate[i], (size_t)rounds, sizeof(double), compare_double);
@@ -2045,6 +2048,9 @@ int main(int argc, char **argv)
         return 0;
     }
     if (getenv("OBX_BENCH_SHARDS")) {
+        const char *mode = getenv("OBX_BENCH_SHARDS_MODE");
+        if (mode && *mode)
+            shard_on_sent = mode_of("OBX_BENCH_SHARDS_MODE", mode);
         long rounds = strtol(getenv("OBX_BENCH_SHARDS"), NULL, 10);
         shard_table(&o, rounds < 1 ? 3 : (int)rounds);
         return 0;

@@ -62,8 +62,8 @@ static const struct key_def keys[] = {
     {"relay.shards", KEY_INT, OFF(shards), "1", 1, 1024, NULL, 0,
      "slots the keys hash into: every relay of the outbox with the same value owns a fair "
      "share of them and publishes their rows, so relays added or removed take or give back "
-     "slots within a second; 1 = one active relay, the others stand by (mark and delete "
-     "modes; see doc/operations.md, Several active relays)"},
+     "slots within a second; 1 = one active relay, the others stand by (every mode; see "
+     "doc/operations.md, Several active relays)"},
     {"relay.batch_size", KEY_INT, OFF(batch_size), "1000", 1, 100000, NULL, 0,
      "most rows read by one fetch"},
     {"relay.fetch_max_bytes", KEY_INT, OFF(fetch_max_bytes), "8388608", 1024, 1073741824, NULL, 0,
@@ -566,13 +566,6 @@ int obx_config_validate(const struct obx_config *cfg, char *err, size_t errlen)
         snprintf(err, errlen,
                  "record.cloudevents_source is required when record.format = cloudevents "
                  "(a URI-reference naming the producer, e.g. /orders)");
-        return -1;
-    }
-    if (cfg->shards > 1 && cfg->on_sent == OBX_ON_SENT_LOG) {
-        snprintf(err, errlen,
-                 "relay.shards = %d needs relay.on_sent = mark or delete: log mode keeps one "
-                 "cursor for the whole outbox, so it runs one active relay (relay.shards = 1)",
-                 cfg->shards);
         return -1;
     }
     if (cfg->batch_size > cfg->max_in_flight) {

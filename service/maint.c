@@ -90,9 +90,7 @@ int obx_maint_new(uv_loop_t *loop, const struct obx_config *cfg, bool with_stats
     m->reclaim_ms = cfg->retention_ms;
     m->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
     m->stats_spacing_ms = OBX_MAINT_STATS_MS;
-    /* Log mode refuses relay.shards above 1 (config.c): its count is the
-     * view's, not by slot. */
-    m->shards = m->log_mode ? 1 : cfg->shards;
+    m->shards = cfg->shards;
     if (m->shards > 1) {
         size_t n = (size_t)m->shards;
         if (!(m->slot_rows_out = obx_calloc(4 * n, sizeof(int64_t)))) {
@@ -186,15 +184,22 @@ static void count_from_start(struct obx_maint *m)
     snprintf(m->count_xmin, sizeof(m->count_xmin), "0");
 }
 
+static bool read_by_slot(struct obx_maint *m, const char *text);
+
 /* Log mode: the stored cursor bounds the count (outbox.unpublished). */
 static void run_log_stats(struct obx_maint *m)
 {
-    PGresult *res = PQexec(m->conn, obx_store_sql_backlog());
+    char shards[16];
+    snprintf(shards, sizeof(shards), "%d", m->shards);
+    const char *params[1] = {shards};
+    PGresult *res =
+        PQexecParams(m->conn, obx_store_sql_backlog_log(), 1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
         set_error(m, "backlog query failed");
     } else {
         m->backlog_out = strtoll(obx_store_col(res, 0, "rows"), NULL, 10);
         m->lag_out = strtod(obx_store_col(res, 0, "oldest_seconds"), NULL);
+        m->slots_ok_out = m->shards > 1 && read_by_slot(m, obx_store_col(res, 0, "by_slot"));
     }
     PQclear(res);
 }

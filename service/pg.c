@@ -1142,7 +1142,7 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
     if (keyset)
         return start_prepared(pg, &req, STMT_FETCH_KEYSET, OBX_FETCH_NPARAMS, values, 1);
     const char *in_flight = values[OBX_FETCH_AFTER];
-    if (f->log) {
+    if (f->log && !f->by_slot) {
         /* From the stored cursor: its hwm (after_id) and snapshot as the
          * keyset fetch's. */
         values[OBX_FETCH_AFTER] = pg->after_text;
@@ -1156,7 +1156,10 @@ int obx_pg_send_fetch(struct obx_pg *pg, const struct obx_fetch *f, obx_pg_rows_
         }
         return start_statement(pg, &req, false, sql, OBX_FETCH_LOG_NPARAMS, values, 1);
     }
-    const char *sql = obx_store_sql_fetch(&pg->fetch_sql, in_flight);
+    /* By slot, the statement reads the cursor rows itself; it takes the
+     * full fetch's parameters. */
+    const char *sql = f->log ? obx_store_sql_fetch_log_exact(&pg->fetch_sql, in_flight)
+                             : obx_store_sql_fetch(&pg->fetch_sql, in_flight);
     if (!sql) {
         obx_error("postgres: out of memory building the fetch");
         return -1;
@@ -1258,6 +1261,7 @@ static int send_log_write(struct obx_pg *pg, const struct obx_mark *m, obx_pg_do
         offsets_params(pg, m, OBX_CURSOR_OFFSETS, values) != 0 ||
         dead_params(pg, m, OBX_CURSOR_DEAD, values) != 0)
         return -1;
+    slots_params(pg, m->shards, m->owned_slots, OBX_CURSOR_SLOTS, values);
     struct pg_request req = {.done = done, .arg = arg, .tx = TX_NONE};
     return start_mark_statement(pg, req, STMT_MARK, OBX_CURSOR_NPARAMS, values, 0);
 }

@@ -73,8 +73,8 @@ struct found {
 /* Log mode: what the stored cursor says, as read at the pass's start, and
  * the records found for rows it does not cover (all owned). */
 struct log_read {
-    bool has_cursor;
-    int64_t batch, hwm;
+    bool has_cursor, about_slots;
+    int64_t batch, hwm, max_hwm;
     char *snap;
     struct obx_log_held *held;
     size_t n_held;
@@ -314,6 +314,8 @@ static void finish(struct obx_recovery *rec, bool ok)
             .n_off = l->n_off,
             .found = l->found,
             .n_found = l->n_found,
+            .max_hwm = l->max_hwm,
+            .about_slots = l->about_slots,
         };
         if (rec->cb.log_state(&st, rec->arg) != 0) {
             obx_error("recovery: out of memory taking the stored cursor");
@@ -846,6 +848,10 @@ static int read_log_state(struct log_read *l, const PGresult *res)
                 return -1;
             l->off_partitions[l->n_off] = (int32_t)strtol(b, NULL, 10);
             l->off_offsets[l->n_off++] = strtoll(c, NULL, 10);
+            break;
+        case 'x':
+            l->max_hwm = strtoll(a, NULL, 10);
+            l->about_slots = b[0] == 't';
             break;
         default:
             break;

@@ -335,6 +335,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         if (!relay_log_held_out(r))
             return false;
         f->log = true;
+        f->by_slot = r->log.by_slot;
         f->after_id = r->log.stored_hwm;
         f->snapshot = r->log.stored_snap;
         f->held = r->log.held_out;

@@ -170,6 +170,10 @@ struct log_state {
     size_t n_offs, cap_offs;
     bool restart_next; /* the write in flight empties the table */
     bool loaded;       /* this session has read the stored cursor */
+    /* Cursor rows are about slots (relay.shards above 1, or written so
+     * before): the full fetch tests each row against the newest row about
+     * its own slot, and stored_hwm is the highest of any row's. */
+    bool by_slot;
 };
 
 /* A refused row under relay.on_reject = retry, or a row whose whole batch
@@ -232,13 +236,19 @@ struct shard_state {
     int n_owned, n_leaving;
     int members, share, free, other_shards;
     bool giving; /* the claim in flight gives `leaving` back */
+    /* Log mode: free slots to take beyond ours. A relay in log mode takes
+     * slots only with nothing in flight or unstored (its cursor then
+     * starts again from the rows about every slot it owns), so it stops
+     * fetching until then. */
+    bool want_take;
     int64_t next_claim_at;
-    int64_t warned_at; /* the last warning about another relay.shards */
-    uint64_t moves;    /* slots taken or given back */
-    char *fetch_text;  /* "{0,3}": owned but not leaving, for the fetches */
-    char *mark_text;   /* "{0,3}": owned, for the stored offsets */
-    char *give_text;   /* "{5}": leaving, for the claim */
-    char *list_text;   /* "0,3": owned, for status */
+    int64_t next_quick_claim_at; /* the soonest claim that skips the wait */
+    int64_t warned_at;           /* the last warning about another relay.shards */
+    uint64_t moves;              /* slots taken or given back */
+    char *fetch_text;            /* "{0,3}": owned but not leaving, for the fetches */
+    char *mark_text;             /* "{0,3}": owned, for the stored offsets */
+    char *give_text;             /* "{5}": leaving, for the claim */
+    char *list_text;             /* "0,3": owned, for status */
     size_t text_cap;
 };
 
@@ -400,6 +410,8 @@ void relay_shards_free(struct obx_relay *r);
 bool relay_sharded(const struct obx_relay *r);
 void relay_shards_lost(struct obx_relay *r);
 bool relay_shards_hold_fetch(const struct obx_relay *r);
+bool relay_shards_want_quiet(const struct obx_relay *r);
+bool relay_log_unclaimed(const struct obx_relay *r);
 bool relay_start_claim(struct obx_relay *r, int64_t now);
 void relay_claim_failed(struct obx_relay *r);
 const char *relay_fetch_slots(const struct obx_relay *r);

@@ -431,7 +431,7 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     struct log_state *l = &r->log;
     if (!l->has_ready || l->ready_seq <= l->stored_seq || l->ready_seq == l->looked_seq)
         return false;
-    if (!r->draining && now - l->ready_since < LOG_WRITE_DELAY_MS &&
+    if (!r->draining && !relay_shards_want_quiet(r) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
         r->to_mark < (size_t)r->set.batch_size)
         return false;
     size_t n_cov = 0, n_dead = 0;
@@ -471,6 +471,8 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
                          .also_sent = l->also_out,
                          .n_also = l->n_also_out,
                          .restart = restart,
+                         .shards = r->set.shards,
+                         .owned_slots = relay_mark_slots(r),
                          .topics = r->off_topics,
                          .partitions = r->off_partitions,
                          .offsets = r->off_offsets,
@@ -497,6 +499,16 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     }
     relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
     return true;
+}
+
+/* Every row in flight is acknowledged and no claim can store them (the
+ * fetches that handed them out made none): only a fetch that makes one
+ * can. */
+bool relay_log_unclaimed(const struct obx_relay *r)
+{
+    const struct log_state *l = &r->log;
+    return r->set.log_mode && r->to_mark > 0 && r->in_use == r->to_mark &&
+           !(l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq);
 }
 
 /* The cursor row in flight committed: it is the stored cursor now. */
@@ -573,12 +585,21 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     l->stored_send = 0;
     l->stored_batch = st->has_cursor ? st->batch : 0;
     l->stored_hwm = st->hwm;
-    l->writes = 0; /* the next write empties the table when it is due */
+    l->by_slot = relay_sharded(r) || st->about_slots;
+    if (l->by_slot && st->has_cursor && st->max_hwm > l->stored_hwm)
+        l->stored_hwm = st->max_hwm; /* see cursor_advance */
+    l->writes = 0;                   /* the next write empties the table when it is due */
     obx_free(l->stored_snap);
     l->stored_snap = NULL;
     if (st->has_cursor && !(l->stored_snap = obx_strdup(st->snapshot)))
         return -1;
-    for (size_t i = 0; i < st->n_held; i++) {
+    /* By slot, the full fetch reads every cursor row's held keys itself;
+     * with slots, the offsets are each slot's (kafka_slot_offsets), and
+     * the first row stores all of ours for the slots it is about. */
+    size_t n_held = l->by_slot ? 0 : st->n_held;
+    size_t n_also = l->by_slot ? 0 : st->n_also;
+    size_t n_off = relay_sharded(r) ? 0 : st->n_off;
+    for (size_t i = 0; i < n_held; i++) {
         const struct obx_log_held *h = &st->held[i];
         int64_t t = relay_topic_index(r, h->topic);
         if (t < 0)
@@ -594,10 +615,10 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     }
     /* Rows of held keys published since: their keys are not stored, so
      * they are listed while any rule lives. */
-    for (size_t i = 0; i < st->n_also; i++)
+    for (size_t i = 0; i < n_also; i++)
         if (!also_add(l, st->also_sent[i], 0, 0))
             return -1;
-    for (size_t i = 0; i < st->n_off; i++) {
+    for (size_t i = 0; i < n_off; i++) {
         int64_t t = relay_topic_index(r, st->off_topics[i]);
         struct log_offset *o = t < 0 ? NULL : log_offset_of(r, (uint32_t)t, st->off_partitions[i]);
         if (!o)

@@ -12,6 +12,12 @@
  * pass for the slots it takes before it fetches them (a crashed owner's
  * records that landed are found there, as after a takeover of the relay
  * lock).
+ *
+ * In log mode "unmarked" means acknowledged but not yet in a stored cursor
+ * row, and a relay also takes slots only when quiet: its cursor rows are
+ * about every slot it owns (sql/009), so the claims of its fetches must be
+ * too, and after a take it starts its cursor again from the rows about each
+ * slot (relay_log.c, obx_relay_on_log_state).
  */
 #include "relay_int.h"
 #include "outboxd/alloc.h"
@@ -57,7 +63,10 @@ static void shards_texts(struct obx_relay *r)
 {
     struct shard_state *h = &r->shard;
     int n = r->set.shards;
-    write_set(h->fetch_text, h->text_cap, h->owned, h->leaving, n, true);
+    /* Log mode fetches the slots it will give back too: the claims its
+     * fetches make must be about every slot of the cursor rows it writes
+     * (mark_text), and it gives them back only once nothing is in flight. */
+    write_set(h->fetch_text, h->text_cap, h->owned, r->set.log_mode ? NULL : h->leaving, n, true);
     write_set(h->mark_text, h->text_cap, h->owned, NULL, n, true);
     write_set(h->give_text, h->text_cap, h->leaving, NULL, n, true);
     write_set(h->list_text, h->text_cap, h->owned, NULL, n, false);
@@ -107,7 +116,7 @@ void relay_shards_lost(struct obx_relay *r)
     memset(h->leaving, 0, (size_t)r->set.shards * sizeof(bool));
     h->n_owned = h->n_leaving = 0;
     h->members = h->share = 0;
-    h->known = h->giving = false;
+    h->known = h->giving = h->want_take = false;
     shards_texts(r);
 }
 
@@ -116,7 +125,28 @@ void relay_shards_lost(struct obx_relay *r)
 bool relay_shards_hold_fetch(const struct obx_relay *r)
 {
     const struct shard_state *h = &r->shard;
-    return relay_sharded(r) && (!h->known || h->n_leaving > 0 || h->n_owned == 0);
+    if (!relay_sharded(r))
+        return false;
+    if (!h->known || h->n_owned == 0)
+        return true;
+    /* Log mode: acknowledged rows that no claim covers are stored only
+     * after a fetch that makes one, so one goes (its rows are of every
+     * slot owned, leaving ones too: see shards_texts). */
+    return (h->n_leaving > 0 || h->want_take) && !relay_log_unclaimed(r);
+}
+
+/* Slots wait to be given back or taken: what is in flight should be stored
+ * at once, not after the delay that gathers acknowledgements. */
+bool relay_shards_want_quiet(const struct obx_relay *r)
+{
+    return relay_sharded(r) && (r->shard.n_leaving > 0 || r->shard.want_take);
+}
+
+/* Nothing of ours in flight, unmarked or unstored, and no report left
+ * unsettled. */
+static bool quiet(const struct obx_relay *r)
+{
+    return r->in_use == 0 && r->to_mark == 0 && !relay_uncertain(r);
 }
 
 const char *relay_fetch_slots(const struct obx_relay *r)
@@ -140,11 +170,15 @@ bool relay_start_claim(struct obx_relay *r, int64_t now)
      * and their next owner need not look for records of a last owner that
      * died before storing an offset (ours is a slot we took after such an
      * owner until our pass has looked). */
-    bool give = h->n_leaving > 0 && r->in_use == 0 && r->to_mark == 0 && !relay_uncertain(r) &&
-                r->recovered;
-    if (!r->ops->claim || (h->known && !give && now < h->next_claim_at))
+    bool give = h->n_leaving > 0 && quiet(r) && r->recovered;
+    /* Log mode takes only when quiet (see want_take), and then at once. */
+    bool may_take = !r->set.log_mode || quiet(r);
+    bool quick = give || (h->want_take && may_take && now >= h->next_quick_claim_at);
+    if (!r->ops->claim || (h->known && !quick && now < h->next_claim_at))
         return false;
-    bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0;
+    bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0 && may_take;
+    if (take && h->want_take)
+        h->next_quick_claim_at = now + CLAIM_EVERY_MS / 5; /* a lost race does not spin */
     if (r->ops->claim(r->io, r->set.shards, give ? h->give_text : "{}", take) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
@@ -235,6 +269,10 @@ static void apply_owned(struct obx_relay *r, int64_t now)
                   taken, h->list_text, h->n_owned, r->set.shards, h->members);
         relay_cursor_clear(r, "slots taken");
         r->recovered = false; /* the pass for them goes before their rows */
+        /* Log mode took them quiet: the pass reads the cursor rows about
+         * every slot now owned, and this relay's cursor starts from them. */
+        if (r->set.log_mode)
+            r->log.loaded = false;
     }
     (void)now;
 }
@@ -259,6 +297,8 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
     h->free = c->free;
     h->other_shards = c->other_shards;
     apply_owned(r, now);
+    h->want_take = r->set.log_mode && h->other_shards == 0 && h->n_leaving == 0 && !r->draining &&
+                   h->n_owned < h->share && h->free > 0;
     if (h->other_shards != 0) {
         if (now - h->warned_at >= OTHER_SHARDS_WARN_MS) {
             obx_error("relay: another relay of this outbox runs with relay.shards = %d, this one "

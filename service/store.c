@@ -22,6 +22,7 @@ static const char *const migrations[] = {
     [6] = "sql/006_writer_xid.sql",
     [7] = "sql/007_partitions.sql",
     [8] = "sql/008_shards.sql",
+    [9] = "sql/009_log_slots.sql",
 };
 /* clang-format on */
 
@@ -271,14 +272,15 @@ static const char SQL_FETCH_LOG[] =
     "  ORDER BY e.id LIMIT $2::int)) b";
 /* clang-format on */
 
-const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
+/* `text` with the ids in flight (array text) put where IDS stands. */
+static const char *fill_in_flight(struct obx_buf *sql, const char *text, const char *in_flight)
 {
     obx_buf_reset(sql);
     for (const char *c = in_flight; *c; c++) { /* as in obx_store_sql_fetch */
         if (*c != '{' && *c != '}' && *c != ',' && *c != '-' && (*c < '0' || *c > '9'))
             return NULL;
     }
-    for (const char *p = SQL_FETCH_LOG, *q; *p; p = q + 1) {
+    for (const char *p = text, *q; *p; p = q + 1) {
         q = strchr(p, IDS[0]);
         if (!q) {
             obx_buf_puts(sql, p);
@@ -292,13 +294,92 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
     return sql->oom ? NULL : sql->data;
 }
 
+const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
+{
+    return fill_in_flight(sql, SQL_FETCH_LOG, in_flight);
+}
+
+/* Whether the newest cursor row about row t's slot (under that cursor
+ * row's own count, sql/009) covers it: at or below its hwm, seen committed
+ * by its snapshot, not a row of a key it holds unless listed as published.
+ * A relay alone reads the rows of an index probe of a small table until one
+ * is about t's slot: the first, unless relays with slots wrote the newest. */
+#define COVERED(t)                                                                                 \
+    " EXISTS (SELECT FROM (SELECT lc.hwm, lc.snap, lc.held_topics, lc.held_keys, lc.held_from,"    \
+    "                             lc.also_sent FROM outbox.log_cursor lc"                          \
+    "                      WHERE lc.slots IS NULL"                                                 \
+    "                         OR outbox.slot_of(" t ".key, " t ".id, lc.shards) = ANY (lc.slots)"  \
+    "                      ORDER BY lc.batch DESC LIMIT 1) cov"                                    \
+    "         WHERE " t ".id <= cov.hwm AND pg_visible_in_snapshot(" t ".xid, cov.snap)"           \
+    "           AND NOT (" HELD_ROW(t, "cov.held_topics", "cov.held_keys", "cov.held_from",        \
+                                    "cov.also_sent") "))"
+#define NOT_COVERED_EXACT(t) " AND NOT" COVERED(t)
+/* An exact fetch's conditions on table t: not in flight, not held back, of
+ * the relay's slots, not covered. */
+#define EXACT_ROW(t)                                                                               \
+    NOT_IN_FLIGHT(t)                                                                               \
+    FETCH_HELD_BACK(t, "$2", "$3", "$4") IN_SLOTS(t, "$6", "$7") NOT_COVERED_EXACT(t)
+
+/* clang-format off */
+/* Log mode's full fetch when cursor rows are about slots (relays with
+ * relay.shards above 1, or a relay alone after them): each row is tested
+ * against the newest cursor row about its own slot (COVERED), and only
+ * rows that may fail the test are read: from the floor of the relay's
+ * slots' cursors (outbox.log_floor: the lowest hwm, a snapshot that saw
+ * only what all of theirs saw, every held key), ids above it, rows of the
+ * writers it saw running or not yet begun, rows of its held keys; every
+ * unsent row of the slots while one has no cursor row. The parts do not
+ * overlap, and each gives its lowest ids first: the answer is the lowest
+ * $1 uncovered rows not in flight, as the other full fetches. Parameters
+ * as the full fetch of mark mode ($1 limit, $2..$4 held back, $5 most
+ * payload bytes, $6 shards, $7 slots); a relay alone passes no slots, and
+ * its floor is over the slots of the newest row. */
+static const char SQL_FETCH_LOG_EXACT[] =
+    "WITH f AS (SELECT * FROM outbox.log_floor(CASE WHEN $7::int[] IS NOT NULL THEN $6::int END,"
+    "                                         $7::int[]))"
+    " " FETCH_SELECT FETCH_SNAPSHOT_ROW
+    " (" FETCH_COLUMNS("e", "$5")
+    "  FROM ((SELECT a.* FROM outbox.events a"
+    "         WHERE a.sent_at IS NULL"
+    "           AND a.id > coalesce((SELECT hwm FROM f), " MIN_BIGINT ")" EXACT_ROW("a")
+    "         ORDER BY a.id LIMIT $1::int)"
+    "        UNION ALL"
+    "        (SELECT l.* FROM f, pg_snapshot_xip(f.snap) AS x(xid),"
+    "           LATERAL (SELECT * FROM outbox.events l"
+    "                    WHERE l.sent_at IS NULL AND l.xid >= x.xid"
+    "                      AND (l.xid, l.id) <= (x.xid, f.hwm)" EXACT_ROW("l")
+    "                    ORDER BY l.xid, l.id LIMIT $1::int) l"
+    "         WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"
+    "         ORDER BY l.id + 0 LIMIT $1::int)"
+    "        UNION ALL"
+    "        (SELECT n.* FROM f, outbox.events n"
+    "         WHERE n.sent_at IS NULL AND n.id <= f.hwm"
+    "           AND (n.xid, n.id) >= (pg_snapshot_xmax(f.snap), " MIN_BIGINT ")"
+    "           AND n.xid < pg_snapshot_xmax(pg_current_snapshot())" EXACT_ROW("n")
+    "         ORDER BY n.xid, n.id)"
+    "        UNION ALL"
+    "        (SELECT k.* FROM f, outbox.events k"
+    "         WHERE k.sent_at IS NULL AND k.id <= f.hwm"
+    "           AND k.id >= coalesce((SELECT min(h) FROM unnest(f.held_from) h), f.hwm + 1)"
+    "           AND pg_visible_in_snapshot(k.xid, f.snap)"
+    "           AND" HELD_ROW("k", "f.held_topics", "f.held_keys", "f.held_from", "f.also_sent")
+                EXACT_ROW("k")
+    "         ORDER BY k.id LIMIT $1::int)) e"
+    "  ORDER BY e.id LIMIT $1::int)) b";
+/* clang-format on */
+
+const char *obx_store_sql_fetch_log_exact(struct obx_buf *sql, const char *in_flight)
+{
+    return fill_in_flight(sql, SQL_FETCH_LOG_EXACT, in_flight);
+}
+
 const char *obx_store_sql_log_write(void)
 {
     /* The cursor row, and the dead letters it covers copied out of the log
      * (the rows themselves stay: nothing in log mode updates or deletes). */
     return "WITH c AS (SELECT outbox.advance_cursor($1::bigint, $2::bigint, $3::pg_snapshot,"
            "                 $4::text[], $5::text[], $6::bigint[], $7::bigint[], $8::text[],"
-           "                 $9::int[], $10::bigint[], $11::boolean) AS n),"
+           "                 $9::int[], $10::bigint[], $11::boolean, $14::int, $15::int[]) AS n),"
            " dead AS ("
            "   INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at,"
            "                                    reason)"
@@ -333,7 +414,8 @@ const char *obx_store_sql_log_state(void)
     /* One result, a kind per row: 'c' the newest cursor row (batch, hwm,
      * snapshot), 'h' a held key (topic, key, from id), 'a' a row of a held
      * key published since (id), 'o' a partition's stored offset (topic,
-     * partition, offset). No 'c' row: no cursor yet. */
+     * partition, offset), 'x' the highest hwm of any cursor row and
+     * whether any is about slots (sql/009). No 'c' row: no cursor yet. */
     return "WITH" LOG_NEWEST "," LOG_OFFSETS
            " SELECT 'c' AS kind, c.batch::text AS a, c.hwm::text AS b, c.snap::text AS c FROM c"
            " UNION ALL"
@@ -342,7 +424,10 @@ const char *obx_store_sql_log_state(void)
            " UNION ALL"
            " SELECT 'a', a.id::text, NULL, NULL FROM c, unnest(c.also_sent) AS a(id)"
            " UNION ALL"
-           " SELECT 'o', o.topic, o.p::text, o.o::text FROM o";
+           " SELECT 'o', o.topic, o.p::text, o.o::text FROM o"
+           " UNION ALL"
+           " SELECT 'x', max(hwm)::text, bool_or(slots IS NOT NULL)::text, NULL"
+           " FROM outbox.log_cursor HAVING count(*) > 0";
 }
 
 const char *obx_store_sql_log_recover(void)
@@ -617,16 +702,38 @@ const char *obx_store_sql_backlog(void)
            " FROM outbox.unpublished";
 }
 
+/* Log mode's backlog count: the view's rows, and with $1 (relay.shards)
+ * above 1 by_slot as obx_store_sql_backlog_since's (NULL otherwise). */
+const char *obx_store_sql_backlog_log(void)
+{
+    return "WITH u AS (SELECT created_at,"
+           "                  CASE WHEN $1::int > 1 THEN outbox.slot_of(key, id, $1::int) END AS "
+           "slot"
+           "           FROM outbox.unpublished),"
+           " s AS (SELECT slot, count(*) AS n, min(created_at) AS oldest FROM u GROUP BY 1)"
+           " SELECT coalesce(sum(n), 0)::bigint AS rows,"
+           "        coalesce(extract(epoch FROM now() - min(oldest))::float8, 0) AS oldest_seconds,"
+           "        string_agg(concat_ws(' ', slot, n,"
+           "                     greatest(0, floor(extract(epoch FROM now() - oldest) * "
+           "1000))::bigint),"
+           "                   ',' ORDER BY slot) FILTER (WHERE slot IS NOT NULL) AS by_slot"
+           " FROM s";
+}
+
 /* Not covered by the newest cursor row of log mode (none: every row is
  * uncovered): at or below its hwm, seen committed by its snapshot, and not
- * a row of a key it holds (unless listed as published since). Mark and
+ * a row of a key it holds (unless listed as published since). When the
+ * newest row is about slots (sql/009), by the newest row about the row's
+ * own slot (COVERED). Mark and
  * delete mode after log mode leave such rows unsent in outbox.events until
  * their partition is reclaimed: they are published all the same. */
 #define NOT_COVERED(t)                                                                             \
-    " AND NOT EXISTS (SELECT FROM c WHERE " t ".id <= c.hwm"                                       \
-    "     AND pg_visible_in_snapshot(" t ".xid, c.snap)"                                           \
-    "     AND NOT (" HELD_ROW(t, "c.held_topics", "c.held_keys", "c.held_from",                    \
-                              "c.also_sent") "))"
+    " AND CASE WHEN (SELECT c.slots IS NULL FROM c) IS NOT FALSE"                                  \
+    "     THEN NOT EXISTS (SELECT FROM c WHERE " t ".id <= c.hwm"                                  \
+    "         AND pg_visible_in_snapshot(" t ".xid, c.snap)"                                       \
+    "         AND NOT (" HELD_ROW(t, "c.held_topics", "c.held_keys", "c.held_from",                \
+                                  "c.also_sent") "))"                                              \
+                                                 "     ELSE NOT" COVERED(t) " END"
 
 /* The backlog gauges again, from where the last count left off: $1 the
  * lowest unsent id it saw (its "floor"), $2 the xmin of its snapshot. A row
@@ -892,7 +999,8 @@ static const struct obx_store_param cursor_types[OBX_CURSOR_NPARAMS] = {
     HELD_TYPES(OBX_CURSOR_HELD),
     OFFSETS_TYPES(OBX_CURSOR_OFFSETS),
     [OBX_CURSOR_RESTART] = {"restart", "boolean"},
-    DEAD_TYPES(OBX_CURSOR_DEAD)};
+    DEAD_TYPES(OBX_CURSOR_DEAD),
+    SLOTS_TYPES(OBX_CURSOR_SLOTS)};
 static const struct obx_store_param recover_types[OBX_RECOVER_NPARAMS] = {
     RECOVER_MATCH_TYPES, OFFSETS_TYPES(OBX_RECOVER_OFFSETS), SLOTS_TYPES(OBX_RECOVER_SLOTS)};
 static const struct obx_store_param plan_types[OBX_PLAN_NPARAMS] = {SLOTS_TYPES(OBX_PLAN_SLOTS)};
@@ -926,7 +1034,7 @@ static const struct obx_store_param replay_types[OBX_REPLAY_NPARAMS] = {
 int obx_store_statements(int on_sent, struct obx_store_statement *out)
 {
     static char mark[8192], mark_plain[4096], mark_fetch[16384], recover[8192];
-    static struct obx_buf full, log;
+    static struct obx_buf full, log, log_exact;
     int n = 0;
 #define ADD(label, text, types, count)                                                             \
     out[n++] = (struct obx_store_statement){label, text, types, count}
@@ -934,6 +1042,8 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out)
     ADD("full fetch", obx_store_sql_fetch(&full, "{1,2}"), fetch_types + OBX_FETCH_FULL_FIRST,
         OBX_FETCH_FULL_NPARAMS);
     ADD("log fetch", obx_store_sql_fetch_log(&log, "{1,2}"), fetch_types, OBX_FETCH_LOG_NPARAMS);
+    ADD("log fetch by slot", obx_store_sql_fetch_log_exact(&log_exact, "{1,2}"),
+        fetch_types + OBX_FETCH_FULL_FIRST, OBX_FETCH_FULL_NPARAMS);
     ADD("cursor row", obx_store_sql_log_write(), cursor_types, OBX_CURSOR_NPARAMS);
     ADD("mark", obx_store_sql_mark(on_sent, mark, sizeof(mark)), mark_types, OBX_MARK_NPARAMS);
     ADD("plain mark", obx_store_sql_mark_plain(on_sent, mark_plain, sizeof(mark_plain)), mark_types,
@@ -947,6 +1057,7 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out)
     ADD("recovery plan", obx_store_sql_recovery_plan(), plan_types, OBX_PLAN_NPARAMS);
     ADD("claim slots", obx_store_sql_claim_slots(), claim_types, OBX_CLAIM_NPARAMS);
     ADD("backlog since", obx_store_sql_backlog_since(), backlog_types, OBX_BACKLOG_NPARAMS);
+    ADD("log backlog", obx_store_sql_backlog_log(), backlog_types + OBX_BACKLOG_SHARDS, 1);
     ADD("purge", obx_store_sql_purge(), purge_types, OBX_PURGE_NPARAMS);
     ADD("upkeep", OBX_STORE_SQL_UPKEEP_PARTITIONS, upkeep_types, OBX_UPKEEP_NPARAMS);
     ADD("reclaim", OBX_STORE_SQL_RECLAIM_PARTITIONS, reclaim_types, OBX_RECLAIM_NPARAMS);

@@ -103,6 +103,8 @@ struct obx_log_state {
     size_t n_off;
     const struct obx_log_found *found;
     size_t n_found;
+    int64_t max_hwm;  /* the highest hwm of any cursor row (has_cursor) */
+    bool about_slots; /* some cursor row is about slots (sql/009) */
 };
 
 /* What the fetch must leave out. Arrays are the relay's; valid during the call. */
@@ -123,6 +125,7 @@ struct obx_fetch {
      * not cover, but the excluded ones. after_id and snapshot are then the
      * stored cursor's. */
     bool log;
+    bool by_slot;                    /* log mode: each row against the cursor rows about its slot */
     const struct obx_log_held *held; /* the stored cursor's held keys */
     size_t n_held;
     const int64_t *also_sent;

@@ -110,7 +110,9 @@ enum obx_cursor_param {
     OBX_CURSOR_OFFSETS = OBX_CURSOR_HELD + OBX_HELD_NPARAMS,       /* enum obx_offsets_param */
     OBX_CURSOR_RESTART = OBX_CURSOR_OFFSETS + OBX_OFFSETS_NPARAMS, /* boolean: first of a run */
     OBX_CURSOR_DEAD,                                               /* enum obx_dead_param */
-    OBX_CURSOR_NPARAMS = OBX_CURSOR_DEAD + OBX_DEAD_NPARAMS
+    OBX_CURSOR_SLOTS = OBX_CURSOR_DEAD + OBX_DEAD_NPARAMS, /* enum obx_slots_param: the row's
+                                                            * slots (NULL: every row) */
+    OBX_CURSOR_NPARAMS = OBX_CURSOR_SLOTS + OBX_SLOTS_NPARAMS
 };
 
 /* The recovery pass's match (log mode's takes the first
@@ -189,7 +191,7 @@ struct obx_store_statement {
 int obx_store_statements(int on_sent, struct obx_store_statement *out);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 8
+#define OBX_SCHEMA_VERSION 9
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -276,6 +278,10 @@ const char *obx_store_sql_fetch_keyset(void);
  * (topic, key or NULL, from id) and $13 bigint[] the rows of those
  * published. */
 const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight);
+/* Log mode's full fetch that tests each row against the cursor rows about
+ * its slot (sql/009): parameters as the full fetch's (values +
+ * OBX_FETCH_FULL_FIRST). */
+const char *obx_store_sql_fetch_log_exact(struct obx_buf *sql, const char *in_flight);
 /* Log mode's write: one cursor row (outbox.advance_cursor's $1..$11: batch,
  * hwm, snapshot, held topics / keys / from ids, also sent, offsets' topics /
  * partitions / offsets, restart) and the dead letters it covers ($12
@@ -327,6 +333,9 @@ const char *obx_store_sql_claim_slots(void);
 /* The backlog gauges (any mode, outbox.unpublished). Columns: rows,
  * oldest_seconds (age of the oldest). */
 const char *obx_store_sql_backlog(void);
+/* Log mode's backlog count ($1 relay.shards): rows, oldest_seconds,
+ * by_slot as obx_store_sql_backlog_since's. */
+const char *obx_store_sql_backlog_log(void);
 /* The same, read from the floor and xmin the last one returned (see
  * store.c); parameters floor, xmin; columns: rows, oldest_seconds,
  * next_floor, next_xmin. The first count passes the lowest bigint and xmin

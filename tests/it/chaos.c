@@ -184,12 +184,12 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
         f->dur_ms = rnd_in(&jr, 800, 4000);
     }
     /* Several active relays for half the schedules that can have them
-     * (mark and delete mode, two relays or more, or one joined by others).
+     * (two relays or more, or one joined by others; in every mode).
      * Drawn apart, so that a seed still gives the schedule it gave before
      * relay.shards existed, with only this added. */
     struct rng sr = {seed ^ 0x5a17ed5eedULL};
     s->shards = 1;
-    if ((s->n_relays > 1 || s->n_guests > 0) && strcmp(s->mode, "log") != 0 && rnd_in(&sr, 0, 1))
+    if ((s->n_relays > 1 || s->n_guests > 0) && rnd_in(&sr, 0, 1))
         s->shards = rnd_in(&sr, 2, 6);
 }
 
@@ -1263,7 +1263,8 @@ static uint64_t opt_seed;
 static int opt_schedules = 0, opt_seconds = 0;
 static unsigned opt_faults = 0;
 static bool opt_keep_going;
-static bool opt_print; /* print the schedules, run nothing */
+static bool opt_print;       /* print the schedules, run nothing */
+static const char *opt_mode; /* --mode: only schedules of this relay.on_sent */
 
 struct totals {
     int schedules, failed;
@@ -1288,6 +1289,8 @@ static void test_chaos(void **state)
             break;
         memset(&run, 0, sizeof(run));
         gen_schedule(&run.s, opt_seed + (uint64_t)k, opt_faults);
+        if (opt_mode && strcmp(run.s.mode, opt_mode) != 0)
+            continue; /* --mode: a seed keeps its schedule; the others are skipped */
         int64_t started = h_now_ms();
         run_schedule(&run);
         plot_schedule(&run, started);
@@ -1404,6 +1407,13 @@ int main(int argc, char **argv)
         } else if (strcmp(a, "--faults") == 0 && v) {
             opt_faults = parse_faults(v);
             i++;
+        } else if (strcmp(a, "--mode") == 0 && v) {
+            if (strcmp(v, "mark") != 0 && strcmp(v, "delete") != 0 && strcmp(v, "log") != 0) {
+                fprintf(stderr, "obx-chaos: --mode is mark, delete or log, not '%s'\n", v);
+                return 2;
+            }
+            opt_mode = v;
+            i++;
         } else if (strcmp(a, "--keep-going") == 0) {
             opt_keep_going = true;
         } else if (strcmp(a, "--print") == 0) {
@@ -1416,7 +1426,8 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr,
                     "usage: obx-chaos [--seed S] [--schedules N] [--seconds T] "
-                    "[--faults a,b,...|default|all] [--keep-going] [--list-faults] [--print]\n");
+                    "[--faults a,b,...|default|all] [--mode mark|delete|log] [--keep-going] "
+                    "[--list-faults] [--print]\n");
             return 2;
         }
     }

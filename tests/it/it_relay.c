@@ -1007,7 +1007,7 @@ static void test_schema_missing(void **state)
     deadline = h_now_ms() + 10000;
     while (!h_relay_log_contains(&env, "apply sql/002_recovery.sql") && h_now_ms() < deadline)
         h_sleep_ms(100);
-    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 8: "
+    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 9: "
                                            "apply sql/002_recovery.sql"));
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/002_recovery.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/003_reserved_header.sql");
@@ -1016,6 +1016,7 @@ static void test_schema_missing(void **state)
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/006_writer_xid.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/007_partitions.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/008_shards.sql");
+    apply_sql_file(b, OBX_SOURCE_DIR "/sql/009_log_slots.sql");
     h_enqueue(b, "it.a", "k", "after-schema", 12, NULL);
     deadline = h_now_ms() + 20000;
     while (h_sql_int(b, "SELECT count(*) FROM outbox.unpublished") > 0 && h_now_ms() < deadline)

@@ -64,20 +64,23 @@ static int writers_stop(struct writers *ws)
     return n;
 }
 
-/* The mode of the suite's relays: the harness's (OBX_IT_ON_SENT), but
- * delete for log, which keeps one cursor and refuses relay.shards (so the
- * sanitizer pass, which runs the suites in log mode, covers delete mode
- * here). */
+/* The mode of the suite's relays: OBX_IT_SHARDS_ON_SENT if set (the
+ * shards_log_* tests set log; the sanitizer pass sets delete, so that its
+ * shards_* cover delete mode), else the harness's OBX_IT_ON_SENT, else mark. */
 static const char *on_sent(void)
 {
-    const char *mode = getenv("OBX_IT_ON_SENT");
-    if (mode && (strcmp(mode, "delete") == 0 || strcmp(mode, "log") == 0))
+    const char *mode = getenv("OBX_IT_SHARDS_ON_SENT");
+    if (!mode || !*mode)
+        mode = getenv("OBX_IT_ON_SENT");
+    if (mode && strcmp(mode, "delete") == 0)
         return "relay.on_sent=delete";
+    if (mode && strcmp(mode, "log") == 0)
+        return "relay.on_sent=log";
     return "relay.on_sent=mark";
 }
 
-/* Relay i (r0 is env itself) with relay.shards = SHARDS. */
-static void relay_start(int i)
+/* Relay i (r0 is env itself) with relay.shards = `shards`. */
+static void relay_start_with(int i, int shards)
 {
     if (i > 0) {
         relays[i] = env;
@@ -88,10 +91,18 @@ static void relay_start(int i)
     snprintf(e->relay_name, sizeof(e->relay_name), "r%d", i);
     char ci[700];
     snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=r%d", env.conninfo, i);
+    char count[32];
+    snprintf(count, sizeof(count), "relay.shards=%d", shards);
     h_relay_start(e, NULL,
-                  (const char *const[]){"relay.shards=8", on_sent(), ci,
+                  (const char *const[]){count, on_sent(), ci,
                                         "postgres.reconnect_backoff_min=100ms",
                                         "postgres.reconnect_backoff_max=500ms", NULL});
+}
+
+/* Relay i with relay.shards = SHARDS. */
+static void relay_start(int i)
+{
+    relay_start_with(i, SHARDS);
 }
 
 static struct h_env *relay(int i)
@@ -290,6 +301,29 @@ static void test_rolling_restart(void **state)
     }
     h_sleep_ms(300);
     assert_int_equal(finish_sharing(&ws, "the rolling restart", 0x3, false), 0);
+}
+
+/* relay.shards changed under writers, the relays stopped gracefully each
+ * time: 8 slots, then 3, then a relay alone. No row is lost, repeated or
+ * reordered. In log mode the relays of each count go by cursor rows written
+ * under the one before (each row against the newest cursor row about its
+ * slot under that row's count). */
+static void test_count_changes(void **state)
+{
+    (void)state;
+    struct writers ws;
+    start_sharing(2, &ws);
+    h_sleep_ms(700);
+    for (int i = 1; i >= 0; i--)
+        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    relay_start_with(0, 3);
+    relay_start_with(1, 3);
+    h_sleep_ms(1500);
+    for (int i = 1; i >= 0; i--)
+        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    relay_start_with(0, 1);
+    h_sleep_ms(1000);
+    assert_int_equal(finish_sharing(&ws, "the changes of relay.shards", 0x1, false), 0);
 }
 
 /* A relay alone (relay.shards = 1) and sharded relays exclude each other,
@@ -509,6 +543,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_crash_and_restart, teardown_env),
         cmocka_unit_test_teardown(test_frozen_and_cut, teardown_env),
         cmocka_unit_test_teardown(test_rolling_restart, teardown_env),
+        cmocka_unit_test_teardown(test_count_changes, teardown_env),
         cmocka_unit_test_teardown(test_mixed_counts_refused, teardown_env),
         cmocka_unit_test_teardown(test_first_take_reads_from_stored_offsets, teardown_env),
         cmocka_unit_test_teardown(test_lag_by_slot, teardown_env),
