@@ -130,6 +130,9 @@ static void claimed(void *arg, const PGresult *res, const char *error)
         .other_shards = obx_store_col_null(res, 0, "other_shards")
                             ? 0
                             : (int)strtol(obx_store_col(res, 0, "other_shards"), NULL, 10),
+        .cursor_hwm = obx_store_col_null(res, 0, "cursor_hwm")
+                          ? -1
+                          : strtoll(obx_store_col(res, 0, "cursor_hwm"), NULL, 10),
     };
     const char *repaired = obx_store_col(res, 0, "repaired");
     if (strcmp(repaired, "0") != 0)

@@ -539,7 +539,8 @@ void relay_kick(struct obx_relay *r, int64_t now)
     }
     if (r->state != OBX_RELAY_IDLE || now < r->not_before)
         return;
-    if (r->to_mark > 0 && !relay_uncertain(r) && start_mark(r, now))
+    if ((r->to_mark > 0 || relay_log_idle_write_due(r, now)) && !relay_uncertain(r) &&
+        start_mark(r, now))
         return;
     if (r->draining)
         return;
@@ -692,6 +693,16 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     }
     if (last > r->top_id)
         r->top_id = last;
+    /* Log mode with slots: the others' rows are never marked, so a keyset
+     * fetch from a hwm far below them would read past all of them to find
+     * none of ours. A fetch that returned every row of our slots its
+     * snapshot saw may put the cursor anywhere above: the rows of our slots
+     * up to there that it did not see are late ones, which the next keyset
+     * fetch asks about by their transactions. So it goes up to the others'
+     * (and the claim made here with it, which lets the cursor rows about
+     * our slots follow theirs). */
+    if (ok && !cut && r->set.log_mode && relay_sharded(r) && r->log.others_hwm > r->hwm)
+        r->hwm = r->log.others_hwm;
     /* Log mode: the stored cursor covers everything up to its hwm that its
      * snapshot saw, and the keyset fetch would read those rows again from
      * a lower hwm. A full fetch that every uncovered row came back from may

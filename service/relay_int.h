@@ -152,8 +152,12 @@ struct log_state {
     uint64_t write_send;
     int64_t write_hwm;
     char *write_snap;
-    uint64_t looked_seq; /* the ready claim last found to cover nothing */
-    int64_t ready_since; /* when the ready claim last moved past the stored one */
+    uint64_t looked_seq;   /* the ready claim last found to cover nothing */
+    int64_t ready_since;   /* when the ready claim last moved past the stored one */
+    int64_t stored_at;     /* when this relay last stored (or loaded) the cursor */
+    int64_t others_hwm;    /* with slots: about the highest hwm of any cursor row */
+    bool offsets_in_write; /* the write in flight stores the offsets */
+    int64_t offsets_due;   /* with slots: when they go with a write again */
 
     struct held_rule *held;
     size_t n_held, cap_held;
@@ -241,6 +245,8 @@ struct shard_state {
      * starts again from the rows about every slot it owns), so it stops
      * fetching until then. */
     bool want_take;
+    int64_t want_take_since;
+    int64_t take_again_at; /* a pause that did not become quiet: no take before */
     int64_t next_claim_at;
     int64_t next_quick_claim_at; /* the soonest claim that skips the wait */
     int64_t warned_at;           /* the last warning about another relay.shards */
@@ -412,6 +418,7 @@ void relay_shards_lost(struct obx_relay *r);
 bool relay_shards_hold_fetch(const struct obx_relay *r);
 bool relay_shards_want_quiet(const struct obx_relay *r);
 bool relay_log_unclaimed(const struct obx_relay *r);
+bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
 bool relay_start_claim(struct obx_relay *r, int64_t now);
 void relay_claim_failed(struct obx_relay *r);
 const char *relay_fetch_slots(const struct obx_relay *r);

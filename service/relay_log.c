@@ -327,6 +327,8 @@ bool relay_log_held_out(struct obx_relay *r)
  * yet keeps its slot, and a crash meanwhile costs the recovery pass a
  * longer read of Kafka, nothing else. */
 #define LOG_WRITE_DELAY_MS 100
+/* How often a relay with slots stores its offsets with its cursor rows. */
+#define LOG_SLOT_OFFSETS_MS 1000
 
 /* The stored offset entry of (topic, partition), added if new; NULL out of
  * memory (that partition's offset then lags, which costs the recovery pass
@@ -423,13 +425,28 @@ static bool list_also_sent(struct obx_relay *r)
     return true;
 }
 
+/* With slots, a relay whose slots have nothing acknowledged still stores
+ * its claim this often once newer rows exist: the floor of every slot's
+ * cursor (sql/009, outbox.log_floor) bounds what the reclaim of partitions,
+ * the compaction of cursor rows and the reads of uncovered rows look at,
+ * and a slot no relay writes for would hold it back for everyone. */
+#define LOG_IDLE_WRITE_MS 1000
+
+bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
+{
+    const struct log_state *l = &r->log;
+    return r->set.log_mode && relay_sharded(r) && l->has_ready && l->ready_seq > l->stored_seq &&
+           l->ready_hwm > l->stored_hwm && now - l->stored_at >= LOG_IDLE_WRITE_MS;
+}
+
 /* Log mode: a cursor row for the ready claim, covering the acknowledged
  * rows of the fetches up to it (and dead-lettering the refused ones among
  * them). Returns true if it was sent. */
 bool relay_start_log_write(struct obx_relay *r, int64_t now)
 {
     struct log_state *l = &r->log;
-    if (!l->has_ready || l->ready_seq <= l->stored_seq || l->ready_seq == l->looked_seq)
+    bool idle = relay_log_idle_write_due(r, now);
+    if (!l->has_ready || l->ready_seq <= l->stored_seq || (l->ready_seq == l->looked_seq && !idle))
         return false;
     if (!r->draining && !relay_shards_want_quiet(r) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
         r->to_mark < (size_t)r->set.batch_size)
@@ -444,7 +461,7 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
         else if (s->state == SLOT_DEAD)
             r->dead_reasons[n_dead] = s->reason, r->dead_ids[n_dead++] = s->id;
     }
-    if (n_cov + n_dead == 0 && !rule_to_drop(l)) {
+    if (n_cov + n_dead == 0 && !rule_to_drop(l) && !idle) {
         l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
         return false;
     }
@@ -453,7 +470,13 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
         return false;
     }
     bool restart = l->writes + 1 >= LOG_RESTART_EVERY;
-    if (!log_offsets_out(r, l->ready_seq, restart)) {
+    /* With slots the offsets are rows of kafka_slot_offsets, one per slot
+     * and partition, updated: once a second is enough (as mark mode's),
+     * and at once before slots move or the relay stops. */
+    l->offsets_in_write = !relay_sharded(r) || restart || r->draining ||
+                          relay_shards_want_quiet(r) || now >= l->offsets_due;
+    r->n_off = 0;
+    if (l->offsets_in_write && !log_offsets_out(r, l->ready_seq, restart)) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
@@ -520,12 +543,16 @@ void relay_log_write_done(struct obx_relay *r)
     l->stored_seq = l->write_seq;
     l->stored_send = l->write_send;
     l->stored_hwm = l->write_hwm;
+    l->stored_at = r->now;
     obx_free(l->stored_snap);
     l->stored_snap = l->write_snap;
     l->write_snap = NULL;
     l->writes = l->restart_next ? 1 : l->writes + 1;
-    for (size_t i = 0; i < l->n_offs; i++)
-        l->offs[i].stored = l->offs[i].covered;
+    if (l->offsets_in_write) {
+        for (size_t i = 0; i < l->n_offs; i++)
+            l->offs[i].stored = l->offs[i].covered;
+        l->offsets_due = r->now + LOG_SLOT_OFFSETS_MS;
+    }
     /* A held key whose refused row went on before a fetch that the stored
      * claim comes from (or an earlier one) is covered by that claim. */
     for (size_t i = 0; i < l->n_held;) {
@@ -586,6 +613,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     l->stored_batch = st->has_cursor ? st->batch : 0;
     l->stored_hwm = st->hwm;
     l->by_slot = relay_sharded(r) || st->about_slots;
+    l->stored_at = r->now - LOG_IDLE_WRITE_MS; /* a claim about the slots taken goes soon */
     if (l->by_slot && st->has_cursor && st->max_hwm > l->stored_hwm)
         l->stored_hwm = st->max_hwm; /* see cursor_advance */
     l->writes = 0;                   /* the next write empties the table when it is due */
@@ -593,11 +621,11 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     l->stored_snap = NULL;
     if (st->has_cursor && !(l->stored_snap = obx_strdup(st->snapshot)))
         return -1;
-    /* By slot, the full fetch reads every cursor row's held keys itself;
-     * with slots, the offsets are each slot's (kafka_slot_offsets), and
-     * the first row stores all of ours for the slots it is about. */
+    /* By slot, the full fetch reads every cursor row's held keys itself
+     * (the rows published of them are still listed: see below); with
+     * slots, the offsets are each slot's (kafka_slot_offsets), and the
+     * first row stores all of ours for the slots it is about. */
     size_t n_held = l->by_slot ? 0 : st->n_held;
-    size_t n_also = l->by_slot ? 0 : st->n_also;
     size_t n_off = relay_sharded(r) ? 0 : st->n_off;
     for (size_t i = 0; i < n_held; i++) {
         const struct obx_log_held *h = &st->held[i];
@@ -615,7 +643,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     }
     /* Rows of held keys published since: their keys are not stored, so
      * they are listed while any rule lives. */
-    for (size_t i = 0; i < n_also; i++)
+    for (size_t i = 0; i < st->n_also; i++)
         if (!also_add(l, st->also_sent[i], 0, 0))
             return -1;
     for (size_t i = 0; i < n_off; i++) {

@@ -33,6 +33,11 @@
 #define CLAIM_EVERY_MS 250
 /* The warning about another relay.shards, at most this often. */
 #define OTHER_SHARDS_WARN_MS 10000
+/* Log mode pauses its fetches to take slots; if nothing in flight settles
+ * within this (a partition without a leader holds a record), it publishes
+ * again and tries later, rather than hold its own slots still. */
+#define TAKE_PAUSE_MAX_MS 2000
+#define TAKE_RETRY_MS     5000
 
 bool relay_sharded(const struct obx_relay *r)
 {
@@ -165,6 +170,15 @@ const char *relay_mark_slots(const struct obx_relay *r)
 bool relay_start_claim(struct obx_relay *r, int64_t now)
 {
     struct shard_state *h = &r->shard;
+    if (h->want_take && !quiet(r) && now - h->want_take_since > TAKE_PAUSE_MAX_MS) {
+        obx_warn("relay: free slots wait: nothing of ours in flight settled within %d ms (a "
+                 "record waits for Kafka), so this relay publishes its own again and tries to "
+                 "take them in %d s",
+                 TAKE_PAUSE_MAX_MS, TAKE_RETRY_MS / 1000);
+        h->want_take = false;
+        h->take_again_at = now + TAKE_RETRY_MS;
+        relay_want_fetch(r, "slots not taken now");
+    }
     /* Nothing of ours in flight or unmarked, no report left unsettled and
      * the pass over our slots done: the slots go back clean (given_back),
      * and their next owner need not look for records of a last owner that
@@ -270,8 +284,10 @@ static void apply_owned(struct obx_relay *r, int64_t now)
         relay_cursor_clear(r, "slots taken");
         r->recovered = false; /* the pass for them goes before their rows */
         /* Log mode took them quiet: the pass reads the cursor rows about
-         * every slot now owned, and this relay's cursor starts from them. */
-        if (r->set.log_mode)
+         * every slot now owned, and this relay's cursor starts from them.
+         * Mark and delete mode read cursor rows too if log mode left any
+         * (relay.c, cursor_advance: the highest hwm of them). */
+        if (r->set.log_mode || r->log.has_stored)
             r->log.loaded = false;
     }
     (void)now;
@@ -294,11 +310,16 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
     }
     h->members = c->members;
     h->share = c->share;
+    if (c->cursor_hwm > r->log.others_hwm)
+        r->log.others_hwm = c->cursor_hwm;
     h->free = c->free;
     h->other_shards = c->other_shards;
     apply_owned(r, now);
-    h->want_take = r->set.log_mode && h->other_shards == 0 && h->n_leaving == 0 && !r->draining &&
-                   h->n_owned < h->share && h->free > 0;
+    bool want = r->set.log_mode && h->other_shards == 0 && h->n_leaving == 0 && !r->draining &&
+                h->n_owned < h->share && h->free > 0 && now >= h->take_again_at;
+    if (want && !h->want_take)
+        h->want_take_since = now;
+    h->want_take = want;
     if (h->other_shards != 0) {
         if (now - h->warned_at >= OTHER_SHARDS_WARN_MS) {
             obx_error("relay: another relay of this outbox runs with relay.shards = %d, this one "

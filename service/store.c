@@ -415,7 +415,10 @@ const char *obx_store_sql_log_state(void)
      * snapshot), 'h' a held key (topic, key, from id), 'a' a row of a held
      * key published since (id), 'o' a partition's stored offset (topic,
      * partition, offset), 'x' the highest hwm of any cursor row and
-     * whether any is about slots (sql/009). No 'c' row: no cursor yet. */
+     * whether any is about slots (sql/009). No 'c' row: no cursor yet.
+     * When the newest row is about slots, the 'a' rows are those of every
+     * row: each lists only published rows, and a relay that takes slots
+     * must go on listing those of the keys it holds. */
     return "WITH" LOG_NEWEST "," LOG_OFFSETS
            " SELECT 'c' AS kind, c.batch::text AS a, c.hwm::text AS b, c.snap::text AS c FROM c"
            " UNION ALL"
@@ -423,6 +426,11 @@ const char *obx_store_sql_log_state(void)
            " FROM c, unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, from_id)"
            " UNION ALL"
            " SELECT 'a', a.id::text, NULL, NULL FROM c, unnest(c.also_sent) AS a(id)"
+           " WHERE c.slots IS NULL"
+           " UNION ALL"
+           " SELECT DISTINCT 'a', a.id::text, NULL::text, NULL::text"
+           " FROM outbox.log_cursor l, unnest(l.also_sent) AS a(id)"
+           " WHERE (SELECT c.slots IS NOT NULL FROM c)"
            " UNION ALL"
            " SELECT 'o', o.topic, o.p::text, o.o::text FROM o"
            " UNION ALL"
@@ -688,8 +696,13 @@ const char *obx_store_sql_recovery_plan(void)
 
 const char *obx_store_sql_claim_slots(void)
 {
+    /* cursor_hwm: about the highest hwm of log mode's cursor rows (those of
+     * the newest few), for a relay whose slots lag behind (relay.c,
+     * cursor_advance). */
     return "SELECT array_to_string(owned, ',') AS owned, members, share, free, other_shards,"
-           "       repaired"
+           "       repaired,"
+           "       (SELECT max(n.hwm) FROM (SELECT hwm FROM outbox.log_cursor"
+           "                                ORDER BY batch DESC LIMIT 16) n) AS cursor_hwm"
            " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean)";
 }
 

@@ -34,17 +34,19 @@ ALTER TABLE outbox.log_cursor ADD COLUMN IF NOT EXISTS slots integer[];
 -- does not: the lowest hwm, a snapshot that sees only what all of theirs
 -- saw (lowest xmin and xmax, every running xid of each), every held key
 -- and every row listed as published. No row when a slot has no cursor row
--- yet. Rows of another count are not looked at: the floor is for bounds
--- and for reclaim, where a cursor lower than the truth costs time, never a
--- row; the exact test per row is outbox.log_covers(), needed only when not
--- `whole` (the floor is then the newest row, about every row).
+-- of that count yet. Rows of another count are not looked at. What the
+-- floor covers, some cursor row covered, and each only ever covers rows
+-- that were published: the floor is for bounds and for reclaim, and the
+-- exact test per row is outbox.log_covers(), needed only when not `whole`
+-- (the floor is then the newest row, about every row). (No min() of xid8:
+-- PostgreSQL 13 and 14 have none.)
 CREATE OR REPLACE FUNCTION outbox.log_floor(p_shards integer, p_slots integer[],
                                             OUT hwm bigint, OUT snap pg_snapshot,
                                             OUT held_topics text[], OUT held_keys text[],
                                             OUT held_from bigint[], OUT also_sent bigint[],
                                             OUT whole boolean)
 RETURNS SETOF record
-LANGUAGE sql STABLE
+LANGUAGE sql STABLE ROWS 1
 SET search_path = pg_catalog, pg_temp
 AS $$
     WITH n AS (SELECT c.shards, c.slots FROM outbox.log_cursor c ORDER BY c.batch DESC LIMIT 1),
@@ -59,20 +61,23 @@ AS $$
             SELECT l.* FROM outbox.log_cursor l
             WHERE l.slots IS NULL OR (NOT w.alone AND l.shards = w.shards AND w.slot = ANY (l.slots))
             ORDER BY l.batch DESC LIMIT 1) c ON true),
-    lim AS (SELECT min(pg_snapshot_xmin(p.snap)) AS xmin, min(pg_snapshot_xmax(p.snap)) AS xmax,
-                   min(p.hwm) AS hwm, count(*) FILTER (WHERE p.batch IS NULL) AS missing,
-                   bool_and(p.alone) AS whole
-            FROM per p),
+    -- Each cursor row once, however many slots it is about.
+    r AS (SELECT DISTINCT ON (p.batch) p.* FROM per p WHERE p.batch IS NOT NULL ORDER BY p.batch),
+    lim AS (SELECT (SELECT pg_snapshot_xmin(r.snap) FROM r ORDER BY 1 LIMIT 1) AS xmin,
+                   (SELECT pg_snapshot_xmax(r.snap) FROM r ORDER BY 1 LIMIT 1) AS xmax,
+                   (SELECT min(p.hwm) FROM per p) AS hwm,
+                   (SELECT count(*) FROM per p WHERE p.batch IS NULL) AS missing,
+                   (SELECT bool_and(p.alone) FROM per p) AS whole),
     held AS (SELECT array_agg(h.t ORDER BY h.f, h.t, h.k) AS t, array_agg(h.k ORDER BY h.f, h.t, h.k) AS k,
                     array_agg(h.f ORDER BY h.f, h.t, h.k) AS f
-             FROM per p, unnest(p.held_topics, p.held_keys, p.held_from) AS h(t, k, f))
+             FROM r, unnest(r.held_topics, r.held_keys, r.held_from) AS h(t, k, f))
     SELECT lim.hwm,
            (lim.xmin::text || ':' || lim.xmax::text || ':' ||
             coalesce((SELECT string_agg(x::text, ',' ORDER BY x)
-                      FROM (SELECT DISTINCT x FROM per p, pg_snapshot_xip(p.snap) AS x
+                      FROM (SELECT DISTINCT x FROM r, pg_snapshot_xip(r.snap) AS x
                             WHERE x >= lim.xmin AND x < lim.xmax) u), ''))::pg_snapshot,
            coalesce(held.t, '{}'), coalesce(held.k, '{}'), coalesce(held.f, '{}'),
-           ARRAY(SELECT DISTINCT a FROM per p, unnest(p.also_sent) AS a ORDER BY 1),
+           ARRAY(SELECT DISTINCT a FROM r, unnest(r.also_sent) AS a ORDER BY 1),
            lim.whole
     FROM lim, held
     WHERE lim.missing = 0 AND lim.hwm IS NOT NULL

@@ -236,11 +236,12 @@ struct obx_relay_settings {
 
 /* The answer to ops->claim (outbox.claim_slots). */
 struct obx_claim {
-    const char *owned; /* the slots held now, comma-separated ("" for none) */
-    int members;       /* relays sharing the slots */
-    int share;         /* this relay's fair part */
-    int free;          /* slots nobody holds */
-    int other_shards;  /* a member with another relay.shards (0: none) */
+    const char *owned;  /* the slots held now, comma-separated ("" for none) */
+    int members;        /* relays sharing the slots */
+    int share;          /* this relay's fair part */
+    int free;           /* slots nobody holds */
+    int other_shards;   /* a member with another relay.shards (0: none) */
+    int64_t cursor_hwm; /* about the highest hwm of log mode's cursor rows (-1: none) */
 };
 
 struct obx_relay;

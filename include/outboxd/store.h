@@ -284,8 +284,10 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight);
 const char *obx_store_sql_fetch_log_exact(struct obx_buf *sql, const char *in_flight);
 /* Log mode's write: one cursor row (outbox.advance_cursor's $1..$11: batch,
  * hwm, snapshot, held topics / keys / from ids, also sent, offsets' topics /
- * partitions / offsets, restart) and the dead letters it covers ($12
- * bigint[] ids, $13 text[] reasons). One row: 1, dead letters stored. */
+ * partitions / offsets, restart; $14 relay.shards and $15 the slots it is
+ * about, NULL for every row) and the dead letters it covers ($12 bigint[]
+ * ids, $13 text[] reasons). One row: 1 (0 if the session holds none of the
+ * slots), dead letters stored. */
 const char *obx_store_sql_log_write(void);
 /* What the stored cursor says, a kind per row (see store.c). Columns: kind,
  * a, b, c. */

@@ -1265,6 +1265,7 @@ static unsigned opt_faults = 0;
 static bool opt_keep_going;
 static bool opt_print;       /* print the schedules, run nothing */
 static const char *opt_mode; /* --mode: only schedules of this relay.on_sent */
+static bool opt_sharing;     /* --sharing: only schedules with relay.shards above 1 */
 
 struct totals {
     int schedules, failed;
@@ -1289,8 +1290,8 @@ static void test_chaos(void **state)
             break;
         memset(&run, 0, sizeof(run));
         gen_schedule(&run.s, opt_seed + (uint64_t)k, opt_faults);
-        if (opt_mode && strcmp(run.s.mode, opt_mode) != 0)
-            continue; /* --mode: a seed keeps its schedule; the others are skipped */
+        if ((opt_mode && strcmp(run.s.mode, opt_mode) != 0) || (opt_sharing && run.s.shards < 2))
+            continue; /* --mode, --sharing: a seed keeps its schedule; others are skipped */
         int64_t started = h_now_ms();
         run_schedule(&run);
         plot_schedule(&run, started);
@@ -1414,6 +1415,8 @@ int main(int argc, char **argv)
             }
             opt_mode = v;
             i++;
+        } else if (strcmp(a, "--sharing") == 0) {
+            opt_sharing = true;
         } else if (strcmp(a, "--keep-going") == 0) {
             opt_keep_going = true;
         } else if (strcmp(a, "--print") == 0) {
@@ -1424,10 +1427,10 @@ int main(int argc, char **argv)
                        default_faults & (1u << k) ? "" : " (not in the default set)");
             return 0;
         } else {
-            fprintf(stderr,
-                    "usage: obx-chaos [--seed S] [--schedules N] [--seconds T] "
-                    "[--faults a,b,...|default|all] [--mode mark|delete|log] [--keep-going] "
-                    "[--list-faults] [--print]\n");
+            fprintf(stderr, "usage: obx-chaos [--seed S] [--schedules N] [--seconds T] "
+                            "[--faults a,b,...|default|all] [--mode mark|delete|log] [--sharing] "
+                            "[--keep-going] "
+                            "[--list-faults] [--print]\n");
             return 2;
         }
     }

@@ -26,9 +26,12 @@ static char body[1 << 16];
 
 #define TOPICS_SPEC ((const char *const[]){"it.a:3", "it.b:3", "it.c:1", NULL})
 
+static const char *mode_of_test; /* a scenario of one mode sets it */
+
 static int teardown_env(void **state)
 {
     (void)state;
+    mode_of_test = NULL;
     for (int i = 1; i < N_RELAYS; i++)
         if (relays[i].relay_pid > 0)
             h_relay_stop(&relays[i], SIGKILL, 5000);
@@ -69,7 +72,7 @@ static int writers_stop(struct writers *ws)
  * shards_* cover delete mode), else the harness's OBX_IT_ON_SENT, else mark. */
 static const char *on_sent(void)
 {
-    const char *mode = getenv("OBX_IT_SHARDS_ON_SENT");
+    const char *mode = mode_of_test ? mode_of_test : getenv("OBX_IT_SHARDS_ON_SENT");
     if (!mode || !*mode)
         mode = getenv("OBX_IT_ON_SENT");
     if (mode && strcmp(mode, "delete") == 0)
@@ -326,6 +329,51 @@ static void test_count_changes(void **state)
     assert_int_equal(finish_sharing(&ws, "the changes of relay.shards", 0x1, false), 0);
 }
 
+static unsigned slots_of(PGconn *c, int i);
+
+/* Log mode: a relay whose slots get no rows still writes cursor rows
+ * about them once newer rows exist, so the floor of every slot's cursor
+ * (outbox.log_floor: what reclaim, compaction and the backlog count go by)
+ * follows the rows of the others. */
+static void test_log_idle_slots_follow(void **state)
+{
+    (void)state;
+    mode_of_test = "log";
+    start_sharing(2, NULL);
+    PGconn *c = h_connect(&env);
+    unsigned mine = slots_of(c, 0);
+    assert_true(mine != 0 && mine != (1u << SHARDS) - 1);
+    /* 200 rows whose keys all fall in relay 0's slots. */
+    int64_t written =
+        h_sql_int(c,
+                  "WITH k AS (SELECT 'idle-' || g AS key FROM generate_series(1, 2000) g"
+                  "           WHERE (%u >> outbox.slot_of('idle-' || g, 0, %d)) & 1 = 1 LIMIT 200)"
+                  " SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM k",
+                  mine, SHARDS);
+    assert_int_equal(written, 200);
+    expect_caught_up("rows of one relay's slots", 20000);
+    int64_t top = h_sql_int(c, "SELECT max(id) FROM outbox.events");
+    int64_t deadline = h_now_ms() + 10000, floor = -1;
+    while (floor < top && h_now_ms() < deadline) {
+        floor = h_sql_int(c, "SELECT coalesce((SELECT hwm FROM outbox.log_floor(NULL, NULL)), -1)");
+        if (floor < top)
+            h_sleep_ms(100);
+    }
+    if (floor < top)
+        fail_msg("the floor of the slots' cursors is %lld, the rows go to %lld (see %s)",
+                 (long long)floor, (long long)top, env.dir);
+    /* Every slot has a cursor row of relay.shards = 8. */
+    assert_int_equal(h_sql_int(c,
+                               "SELECT count(DISTINCT s) FROM outbox.log_cursor, unnest(slots) s"
+                               " WHERE shards = %d",
+                               SHARDS),
+                     SHARDS);
+    PQfinish(c);
+    for (int i = 1; i >= 0; i--)
+        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    assert_int_equal(check_kafka(false), 0);
+}
+
 /* A relay alone (relay.shards = 1) and sharded relays exclude each other,
  * and two relays counting different slots publish nothing until they agree. */
 static void test_mixed_counts_refused(void **state)
@@ -544,6 +592,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_frozen_and_cut, teardown_env),
         cmocka_unit_test_teardown(test_rolling_restart, teardown_env),
         cmocka_unit_test_teardown(test_count_changes, teardown_env),
+        cmocka_unit_test_teardown(test_log_idle_slots_follow, teardown_env),
         cmocka_unit_test_teardown(test_mixed_counts_refused, teardown_env),
         cmocka_unit_test_teardown(test_first_take_reads_from_stored_offsets, teardown_env),
         cmocka_unit_test_teardown(test_lag_by_slot, teardown_env),
