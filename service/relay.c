@@ -20,7 +20,10 @@ const char *obx_relay_state_name(enum obx_relay_state s)
 }
 
 /* Which moves are possible: allowed[from] is a bit set of destinations. */
-#define BIT(s) (1u << (s))
+/* The error about log mode's rows in flight that cannot be stored, at most
+ * this often. */
+#define FULL_WARN_MS 60000
+#define BIT(s)       (1u << (s))
 static const unsigned allowed[] = {
     [OBX_RELAY_WAIT_PG] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_RECOVERING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
@@ -71,6 +74,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
         return -1;
     r->set = *s;
     r->unknown_warned_at = INT64_MIN / 2; /* the first such report warns */
+    r->full_warned_at = INT64_MIN / 2;
     r->ops = ops;
     r->io = io;
     r->producer = producer;
@@ -557,6 +561,20 @@ void relay_kick(struct obx_relay *r, int64_t now)
         else
             r->not_before = now + r->set.retry_backoff_ms;
         return;
+    }
+    if (r->set.log_mode && r->in_use == (size_t)r->set.max_in_flight && relay_log_unclaimed(r) &&
+        now - r->full_warned_at >= FULL_WARN_MS) {
+        /* Known limit of log mode (a cursor row cannot say "part of a
+         * transaction"): every slot holds an acknowledged row that no claim
+         * covers, so none can be stored and no fetch can go. */
+        obx_event(OBX_LOG_ERROR, "log_in_flight_full",
+                  "relay: all %d rows in flight are acknowledged but cannot be stored: a "
+                  "transaction with more rows than relay.max_in_flight committed after rows "
+                  "with higher ids were published, and log mode stores its rows only once all "
+                  "are handed out; raise relay.max_in_flight above its row count and restart "
+                  "(nothing is lost: the recovery pass finds what reached Kafka)",
+                  r->set.max_in_flight);
+        r->full_warned_at = now;
     }
     if (fetch_wanted(r, now))
         start_fetch(r, now);

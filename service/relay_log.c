@@ -274,6 +274,7 @@ void relay_log_reset(struct obx_relay *r)
     l->n_offs = 0;
     l->n_also = 0;
     l->loaded = false;
+    l->others_hwm = 0; /* another session may see another outbox (a restore) */
 }
 
 /* The held keys and the rows of them published, in log.held_out and
@@ -435,8 +436,9 @@ static bool list_also_sent(struct obx_relay *r)
 bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
 {
     const struct log_state *l = &r->log;
-    return r->set.log_mode && relay_sharded(r) && l->has_ready && l->ready_seq > l->stored_seq &&
-           l->ready_hwm > l->stored_hwm && now - l->stored_at >= LOG_IDLE_WRITE_MS;
+    return r->set.log_mode && relay_sharded(r) && l->loaded && l->has_ready &&
+           l->ready_seq > l->stored_seq && l->ready_hwm > l->stored_hwm &&
+           now - l->stored_at >= LOG_IDLE_WRITE_MS;
 }
 
 /* Log mode: a cursor row for the ready claim, covering the acknowledged
@@ -447,6 +449,10 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     struct log_state *l = &r->log;
     bool idle = relay_log_idle_write_due(r, now);
     if (!l->has_ready || l->ready_seq <= l->stored_seq || (l->ready_seq == l->looked_seq && !idle))
+        return false;
+    /* Slots taken and the cursor rows about them not read yet: a claim
+     * from before is not about them (see relay_shards.c, apply_owned). */
+    if (relay_sharded(r) && !l->loaded)
         return false;
     if (!r->draining && !relay_shards_want_quiet(r) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
         r->to_mark < (size_t)r->set.batch_size)

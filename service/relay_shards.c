@@ -289,6 +289,10 @@ static void apply_owned(struct obx_relay *r, int64_t now)
          * (relay.c, cursor_advance: the highest hwm of them). */
         if (r->set.log_mode || r->log.has_stored)
             r->log.loaded = false;
+        /* A claim made before is not about the slots taken: none may be
+         * stored with them (relay_log.c refuses writes until the reload). */
+        r->log.has_ready = false;
+        relay_claims_drop_from(r, 0);
     }
     (void)now;
 }

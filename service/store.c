@@ -698,11 +698,16 @@ const char *obx_store_sql_claim_slots(void)
 {
     /* cursor_hwm: about the highest hwm of log mode's cursor rows (those of
      * the newest few), for a relay whose slots lag behind (relay.c,
-     * cursor_advance). */
+     * cursor_advance); only of rows whose snapshot's writers have all
+     * ended, so that no large transaction still running holds ids below
+     * it (its rows would come late, below the cursor, more than a fetch
+     * takes). */
     return "SELECT array_to_string(owned, ',') AS owned, members, share, free, other_shards,"
            "       repaired,"
-           "       (SELECT max(n.hwm) FROM (SELECT hwm FROM outbox.log_cursor"
-           "                                ORDER BY batch DESC LIMIT 16) n) AS cursor_hwm"
+           "       (SELECT max(n.hwm) FROM (SELECT hwm, snap FROM outbox.log_cursor"
+           "                                ORDER BY batch DESC LIMIT 16) n"
+           "        WHERE pg_snapshot_xmax(n.snap) <= pg_snapshot_xmin(pg_current_snapshot()))"
+           "         AS cursor_hwm"
            " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean)";
 }
 

@@ -915,6 +915,45 @@ static void test_log_mode(void **state)
     PQfinish(c);
 }
 
+/* Log mode's known limit: a transaction with more rows than
+ * relay.max_in_flight that commits after rows with higher ids were
+ * published comes late, below the cursor, and its rows cannot be stored
+ * until all are handed out. The relay says so (log_in_flight_full), and
+ * with relay.max_in_flight above the transaction's size, after a restart,
+ * every row is published once. */
+static void test_log_mode_large_late_transaction(void **state)
+{
+    (void)state;
+    h_env_start(&env, (const char *const[]){"it.a:4", NULL});
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_sent=log", "relay.max_in_flight=1000",
+                                        "relay.batch_size=200", NULL});
+    PGconn *big = h_connect(&env), *c = h_connect(&env);
+    h_sql(big, "BEGIN");
+    h_sql(big, "SELECT count(outbox.enqueue('it.a', 'big-' || (g %% 50), 'x'::bytea))"
+               " FROM generate_series(1, 3000) g");
+    for (int i = 0; i < 20; i++)
+        h_enqueue(c, "it.a", "small", "after", 5, NULL);
+    assert_true(h_wait_drained(&env, 20000)); /* the big one is not visible yet */
+    h_sql(big, "COMMIT");
+    h_wait_log(&env, "\"event\":\"log_in_flight_full\"", 20000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_sent=log", "relay.max_in_flight=5000",
+                                        "relay.batch_size=200", NULL});
+    if (!h_wait_drained(&env, 30000))
+        fail_msg("rows of the late transaction still unpublished: %lld (see %s)",
+                 (long long)h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"), env.dir);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", NULL}, &recs);
+    assert_int_equal(recs.n, 3020);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    h_records_free(&recs);
+    PQfinish(big);
+    PQfinish(c);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+}
+
 /* Log mode's space: partitions every row of which is published and past
  * retention are dropped whole (the rows are never deleted one by one), and
  * the rest stay; writers go on meanwhile. */
@@ -1440,6 +1479,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_sigterm, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_delete_mode, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_log_mode, setup_env, teardown_env),
+        cmocka_unit_test_setup_teardown(test_log_mode_large_late_transaction, setup_env,
+                                        teardown_env),
         cmocka_unit_test_setup_teardown(test_log_mode_reclaims_partitions, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_schema_missing, setup_env, teardown_env),
         cmocka_unit_test_setup_teardown(test_start_before_dependencies, setup_env, teardown_env),
