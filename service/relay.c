@@ -531,6 +531,8 @@ void relay_kick(struct obx_relay *r, int64_t now)
     if (r->state == OBX_RELAY_STOPPED)
         return;
     if (r->draining && relay_drain_over(r, now)) {
+        if (relay_shards_give_all(r))
+            return;
         if (r->in_use > 0)
             obx_warn("relay: stopping %s with %zu rows unconfirmed (%zu acknowledged but not "
                      "marked); the next start recovers them from Kafka",

@@ -245,6 +245,7 @@ struct shard_state {
      * starts again from the rows about every slot it owns), so it stops
      * fetching until then. */
     bool want_take;
+    bool gave_all; /* the drain's last claim gave every slot back */
     int64_t want_take_since;
     int64_t take_again_at; /* a pause that did not become quiet: no take before */
     int64_t next_claim_at;
@@ -418,6 +419,7 @@ bool relay_sharded(const struct obx_relay *r);
 void relay_shards_lost(struct obx_relay *r);
 bool relay_shards_hold_fetch(const struct obx_relay *r);
 bool relay_shards_want_quiet(const struct obx_relay *r);
+bool relay_shards_give_all(struct obx_relay *r);
 bool relay_log_unclaimed(const struct obx_relay *r);
 bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
 bool relay_start_claim(struct obx_relay *r, int64_t now);

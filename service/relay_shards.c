@@ -244,6 +244,27 @@ static void choose_leaving(struct obx_relay *r, bool all)
         relay_cursor_clear(r, "slots to give back");
 }
 
+/* At the end of a drain: with nothing in flight or unmarked, every slot
+ * goes back clean (given_back), so that their next owners' passes read
+ * Kafka from the stored offsets only, not from a partition's start as
+ * after an owner that may have died before storing one. True if the claim
+ * went (the drain ends at its answer). */
+bool relay_shards_give_all(struct obx_relay *r)
+{
+    struct shard_state *h = &r->shard;
+    if (!relay_sharded(r) || !r->ops->claim || h->gave_all || !h->known || h->n_owned == 0 ||
+        r->state != OBX_RELAY_IDLE || !quiet(r) || !r->recovered)
+        return false;
+    h->gave_all = true;
+    choose_leaving(r, true);
+    shards_texts(r);
+    if (r->ops->claim(r->io, r->set.shards, h->give_text, false) != 0)
+        return false;
+    h->giving = true;
+    relay_set_state(r, OBX_RELAY_CLAIMING, "slots to give back before stopping");
+    return true;
+}
+
 /* The answer's slots against what we held: given back, taken, or (never
  * expected: a lock goes only with the session) gone. */
 static void apply_owned(struct obx_relay *r, int64_t now)
