@@ -691,7 +691,9 @@ static void send_match(struct obx_recovery *rec)
     }
     if (!finish_params(rec, OBX_RECOVER_MATCH_NPARAMS))
         return;
-    if (obx_pg_send(rec->pg, obx_store_sql_log_recover(), OBX_RECOVER_MATCH_NPARAMS, rec->values, 0,
+    rec->values[OBX_RECOVER_LOG_SLOTS + OBX_SLOTS_SHARDS] = rec->shards_text;
+    rec->values[OBX_RECOVER_LOG_SLOTS + OBX_SLOTS_OWNED] = rec->owned_slots;
+    if (obx_pg_send(rec->pg, obx_store_sql_log_recover(), OBX_RECOVER_LOG_NPARAMS, rec->values, 0,
                     on_match_result, rec) != 0) {
         finish(rec, false);
         return;

@@ -531,7 +531,7 @@ void relay_kick(struct obx_relay *r, int64_t now)
     if (r->state == OBX_RELAY_STOPPED)
         return;
     if (r->draining && relay_drain_over(r, now)) {
-        if (relay_shards_give_all(r))
+        if (relay_shards_give_all(r, now))
             return;
         if (r->in_use > 0)
             obx_warn("relay: stopping %s with %zu rows unconfirmed (%zu acknowledged but not "
@@ -570,11 +570,12 @@ void relay_kick(struct obx_relay *r, int64_t now)
          * transaction"): every slot holds an acknowledged row that no claim
          * covers, so none can be stored and no fetch can go. */
         obx_event(OBX_LOG_ERROR, "log_in_flight_full",
-                  "relay: all %d rows in flight are acknowledged but cannot be stored: a "
-                  "transaction with more rows than relay.max_in_flight committed after rows "
-                  "with higher ids were published, and log mode stores its rows only once all "
-                  "are handed out; raise relay.max_in_flight above its row count and restart "
-                  "(nothing is lost: the recovery pass finds what reached Kafka)",
+                  "relay: all %d rows in flight are acknowledged but cannot be stored: more "
+                  "rows than relay.max_in_flight wait below the cursor (a transaction that "
+                  "committed after rows with higher ids were published, or, with "
+                  "relay.shards, slots taken far behind the others), and log mode stores them "
+                  "only once all are handed out; raise relay.max_in_flight above that count "
+                  "and restart (nothing is lost: the recovery pass finds what reached Kafka)",
                   r->set.max_in_flight);
         r->full_warned_at = now;
     }

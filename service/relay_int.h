@@ -419,7 +419,7 @@ bool relay_sharded(const struct obx_relay *r);
 void relay_shards_lost(struct obx_relay *r);
 bool relay_shards_hold_fetch(const struct obx_relay *r);
 bool relay_shards_want_quiet(const struct obx_relay *r);
-bool relay_shards_give_all(struct obx_relay *r);
+bool relay_shards_give_all(struct obx_relay *r, int64_t now);
 bool relay_log_unclaimed(const struct obx_relay *r);
 bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
 bool relay_start_claim(struct obx_relay *r, int64_t now);

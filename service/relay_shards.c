@@ -125,6 +125,15 @@ void relay_shards_lost(struct obx_relay *r)
     shards_texts(r);
 }
 
+/* Log mode: records the last pass found in Kafka of rows of our slots
+ * that no cursor row covers yet; they are stored once fetched. Until then
+ * the slots do not go back clean: a stored offset below them is what
+ * keeps them from being published again. */
+static bool found_pending(const struct obx_relay *r)
+{
+    return r->set.log_mode && r->log.n_found > 0;
+}
+
 /* No fetch may go: the slots are not known yet, some wait to be given back
  * (the relay makes a quiet moment for them), or none is owned. */
 bool relay_shards_hold_fetch(const struct obx_relay *r)
@@ -137,7 +146,7 @@ bool relay_shards_hold_fetch(const struct obx_relay *r)
     /* Log mode: acknowledged rows that no claim covers are stored only
      * after a fetch that makes one, so one goes (its rows are of every
      * slot owned, leaving ones too: see shards_texts). */
-    return (h->n_leaving > 0 || h->want_take) && !relay_log_unclaimed(r);
+    return (h->n_leaving > 0 || h->want_take) && !relay_log_unclaimed(r) && !found_pending(r);
 }
 
 /* Slots wait to be given back or taken: what is in flight should be stored
@@ -184,7 +193,7 @@ bool relay_start_claim(struct obx_relay *r, int64_t now)
      * and their next owner need not look for records of a last owner that
      * died before storing an offset (ours is a slot we took after such an
      * owner until our pass has looked). */
-    bool give = h->n_leaving > 0 && quiet(r) && r->recovered;
+    bool give = h->n_leaving > 0 && quiet(r) && r->recovered && !found_pending(r);
     /* Log mode takes only when quiet (see want_take), and then at once. */
     bool may_take = !r->set.log_mode || quiet(r);
     bool quick = give || (h->want_take && may_take && now >= h->next_quick_claim_at);
@@ -248,12 +257,21 @@ static void choose_leaving(struct obx_relay *r, bool all)
  * goes back clean (given_back), so that their next owners' passes read
  * Kafka from the stored offsets only, not from a partition's start as
  * after an owner that may have died before storing one. True if the claim
- * went (the drain ends at its answer). */
-bool relay_shards_give_all(struct obx_relay *r)
+ * went (the drain ends at its answer), or waits for an answer first. */
+bool relay_shards_give_all(struct obx_relay *r, int64_t now)
 {
     struct shard_state *h = &r->shard;
-    if (!relay_sharded(r) || !r->ops->claim || h->gave_all || !h->known || h->n_owned == 0 ||
-        r->state != OBX_RELAY_IDLE || !quiet(r) || !r->recovered)
+    if (h->gave_all) /* the drain ends at the answer */
+        return r->state == OBX_RELAY_CLAIMING && now < r->hard_deadline;
+    if (!relay_sharded(r) || !r->ops->claim || !h->known || h->n_owned == 0 || !quiet(r) ||
+        !r->recovered || found_pending(r))
+        return false;
+    /* A look for rows, at the slots, or an empty cursor row still out:
+     * its answer comes first (the rows of a fetch answered now are left). */
+    if (r->state == OBX_RELAY_FETCHING || r->state == OBX_RELAY_CLAIMING ||
+        r->state == OBX_RELAY_MARKING)
+        return now < r->hard_deadline;
+    if (r->state != OBX_RELAY_IDLE)
         return false;
     h->gave_all = true;
     choose_leaving(r, true);

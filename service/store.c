@@ -442,18 +442,20 @@ const char *obx_store_sql_log_recover(void)
 {
     /* As obx_store_sql_recover, but nothing is written: the ids of the
      * records found that are of rows the cursor does not cover, matched by
-     * topic, key and payload digest. The relay takes those rows as
-     * acknowledged (with the records' offsets) when it fetches them. */
+     * topic, key and payload digest, of the pass's slots ($5, $6: the
+     * relay fetches no other). The relay takes those rows as acknowledged
+     * (with the records' offsets) when it fetches them. */
     return "WITH found AS ("
            "   SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[])"
            "     AS f(id, topic, key, digest))"
            " SELECT DISTINCT e.id FROM outbox.events e JOIN found f ON f.id = e.id"
            " WHERE e.id IN (SELECT id FROM outbox.unpublished"
            "                WHERE id BETWEEN (SELECT min(id) FROM found)"
-           "                             AND (SELECT max(id) FROM found))"
-           "   AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
-           "   AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest"
-           " ORDER BY e.id";
+           "                             AND (SELECT max(id) FROM found))" IN_SLOTS(
+               "e", "$5",
+               "$6") "   AND e.topic = f.topic AND e.key IS NOT DISTINCT FROM f.key"
+                     "   AND encode(sha256(e.payload), 'hex') IS NOT DISTINCT FROM f.digest"
+                     " ORDER BY e.id";
 }
 
 /* Each partition's highest acknowledged offset, for crash recovery; never
@@ -1021,6 +1023,8 @@ static const struct obx_store_param cursor_types[OBX_CURSOR_NPARAMS] = {
     SLOTS_TYPES(OBX_CURSOR_SLOTS)};
 static const struct obx_store_param recover_types[OBX_RECOVER_NPARAMS] = {
     RECOVER_MATCH_TYPES, OFFSETS_TYPES(OBX_RECOVER_OFFSETS), SLOTS_TYPES(OBX_RECOVER_SLOTS)};
+static const struct obx_store_param log_recover_types[OBX_RECOVER_LOG_NPARAMS] = {
+    RECOVER_MATCH_TYPES, SLOTS_TYPES(OBX_RECOVER_LOG_SLOTS)};
 static const struct obx_store_param plan_types[OBX_PLAN_NPARAMS] = {SLOTS_TYPES(OBX_PLAN_SLOTS)};
 static const struct obx_store_param claim_types[OBX_CLAIM_NPARAMS] = {
     [OBX_CLAIM_SHARDS] = {"shards", "int"},
@@ -1070,8 +1074,8 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out)
         mark_fetch_types, OBX_MARK_FETCH_NPARAMS);
     ADD("recovery match", obx_store_sql_recover(on_sent, recover, sizeof(recover)), recover_types,
         OBX_RECOVER_NPARAMS);
-    ADD("log recovery match", obx_store_sql_log_recover(), recover_types,
-        OBX_RECOVER_MATCH_NPARAMS);
+    ADD("log recovery match", obx_store_sql_log_recover(), log_recover_types,
+        OBX_RECOVER_LOG_NPARAMS);
     ADD("recovery plan", obx_store_sql_recovery_plan(), plan_types, OBX_PLAN_NPARAMS);
     ADD("claim slots", obx_store_sql_claim_slots(), claim_types, OBX_CLAIM_NPARAMS);
     ADD("backlog since", obx_store_sql_backlog_since(), backlog_types, OBX_BACKLOG_NPARAMS);

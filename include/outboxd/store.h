@@ -125,7 +125,10 @@ enum obx_recover_param {
     OBX_RECOVER_MATCH_NPARAMS,
     OBX_RECOVER_OFFSETS = OBX_RECOVER_MATCH_NPARAMS,               /* enum obx_offsets_param */
     OBX_RECOVER_SLOTS = OBX_RECOVER_OFFSETS + OBX_OFFSETS_NPARAMS, /* enum obx_slots_param */
-    OBX_RECOVER_NPARAMS = OBX_RECOVER_SLOTS + OBX_SLOTS_NPARAMS
+    OBX_RECOVER_NPARAMS = OBX_RECOVER_SLOTS + OBX_SLOTS_NPARAMS,
+    /* Log mode's match: the found records, then the pass's slots. */
+    OBX_RECOVER_LOG_SLOTS = OBX_RECOVER_MATCH_NPARAMS,
+    OBX_RECOVER_LOG_NPARAMS = OBX_RECOVER_LOG_SLOTS + OBX_SLOTS_NPARAMS
 };
 /* The recovery plan: the pass's slots (enum obx_slots_param). */
 enum obx_plan_param { OBX_PLAN_SLOTS, OBX_PLAN_NPARAMS = OBX_PLAN_SLOTS + OBX_SLOTS_NPARAMS };
