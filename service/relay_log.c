@@ -583,6 +583,37 @@ static int compare_found(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static int compare_id(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The found rows (sorted by id) a fetch will take: each id once, and not
+ * those of rows this session has in flight (a pass that settles a
+ * possibly-persisted report runs while rows are out: they are stored as
+ * they are, and an entry for them would wait for a fetch that never comes,
+ * holding their slots back, relay_shards.c). Returns how many are kept. */
+static size_t keep_found(struct obx_relay *r, struct found_row *found, size_t n)
+{
+    size_t n_out = 0, kept = 0;
+    int64_t *out = r->in_use > 0 ? obx_calloc(r->in_use, sizeof(*out)) : NULL;
+    for (int i = 0; out && i < r->set.max_in_flight; i++)
+        if (r->slots[i].state != SLOT_FREE && !r->slots[i].orphan && n_out < r->in_use)
+            out[n_out++] = r->slots[i].id;
+    if (n_out > 1)
+        qsort(out, n_out, sizeof(*out), compare_id);
+    for (size_t i = 0; i < n; i++) {
+        if (kept > 0 && found[kept - 1].id == found[i].id)
+            continue;
+        if (n_out > 0 && bsearch(&found[i].id, out, n_out, sizeof(*out), compare_id))
+            continue;
+        found[kept++] = found[i];
+    }
+    obx_free(out); /* no memory for it: every entry is kept, as before */
+    return kept;
+}
+
 int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
 {
     struct log_state *l = &r->log;
@@ -605,14 +636,15 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     }
     if (st->n_found > 1)
         qsort(found, st->n_found, sizeof(*found), compare_found);
+    size_t n_found = keep_found(r, found, st->n_found);
     obx_free(l->found);
     l->found = found;
-    l->n_found = st->n_found;
+    l->n_found = n_found;
     if (l->loaded)
         return 0; /* the cursor is this session's own */
     relay_log_reset(r);
     l->found = found; /* log_reset forgot them */
-    l->n_found = st->n_found;
+    l->n_found = n_found;
     l->has_stored = st->has_cursor;
     l->stored_seq = 0;
     l->stored_send = 0;
