@@ -23,6 +23,7 @@ static const char *const migrations[] = {
     [7] = "sql/007_partitions.sql",
     [8] = "sql/008_shards.sql",
     [9] = "sql/009_log_slots.sql",
+    [10] = "sql/010_log_newest.sql",
 };
 /* clang-format on */
 
@@ -302,15 +303,19 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
 /* Whether the newest cursor row about row t's slot (under that cursor
  * row's own count, sql/009) covers it: at or below its hwm, seen committed
  * by its snapshot, not a row of a key it holds unless listed as published.
- * A relay alone reads the rows of an index probe of a small table until one
- * is about t's slot: the first, unless relays with slots wrote the newest. */
+ * That row is one of LOG_CANDIDATES (outbox.log_newest(), sql/010, read
+ * once per statement): the test per row reads those few rows, where a walk
+ * down outbox.log_cursor per row read as many as one relay wrote since
+ * another's last (hundreds while one drains), and took minutes over a
+ * large backlog. */
+#define LOG_CANDIDATES " cand AS MATERIALIZED (SELECT * FROM outbox.log_newest())"
 #define COVERED(t)                                                                                 \
-    " EXISTS (SELECT FROM (SELECT lc.hwm, lc.snap, lc.held_topics, lc.held_keys, lc.held_from,"    \
-    "                             lc.also_sent FROM outbox.log_cursor lc"                          \
-    "                      WHERE lc.slots IS NULL"                                                 \
-    "                         OR outbox.slot_of(" t ".key, " t ".id, lc.shards) = ANY (lc.slots)"  \
-    "                      ORDER BY lc.batch DESC LIMIT 1) cov"                                    \
-    "         WHERE " t ".id <= cov.hwm AND pg_visible_in_snapshot(" t ".xid, cov.snap)"           \
+    " EXISTS (SELECT FROM cand cov"                                                                \
+    "         WHERE cov.batch = (SELECT max(v.batch) FROM cand v"                                  \
+    "                            WHERE v.slots IS NULL"                                            \
+    "                               OR outbox.slot_of(" t ".key, " t ".id, v.shards)"              \
+    "                                  = ANY (v.slots))"                                           \
+    "           AND " t ".id <= cov.hwm AND pg_visible_in_snapshot(" t ".xid, cov.snap)"           \
     "           AND NOT (" HELD_ROW(t, "cov.held_topics", "cov.held_keys", "cov.held_from",        \
                                     "cov.also_sent") "))"
 #define NOT_COVERED_EXACT(t) " AND NOT" COVERED(t)
@@ -333,10 +338,14 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
  * $1 uncovered rows not in flight, as the other full fetches. Parameters
  * as the full fetch of mark mode ($1 limit, $2..$4 held back, $5 most
  * payload bytes, $6 shards, $7 slots); a relay alone passes no slots, and
- * its floor is over the slots of the newest row. */
+ * its floor is over the slots of the newest row. The floor's values are
+ * bounds of index scans as scalar subqueries: joined as a table, the
+ * planner read every row of the outbox in index order and tested each
+ * before the join applied them. */
 static const char SQL_FETCH_LOG_EXACT[] =
     "WITH f AS (SELECT * FROM outbox.log_floor(CASE WHEN $7::int[] IS NOT NULL THEN $6::int END,"
-    "                                         $7::int[]))"
+    "                                         $7::int[])),"
+    LOG_CANDIDATES
     " " FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS("e", "$5")
     "  FROM ((SELECT a.* FROM outbox.events a"
@@ -352,17 +361,19 @@ static const char SQL_FETCH_LOG_EXACT[] =
     "         WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"
     "         ORDER BY l.id + 0 LIMIT $1::int)"
     "        UNION ALL"
-    "        (SELECT n.* FROM f, outbox.events n"
-    "         WHERE n.sent_at IS NULL AND n.id <= f.hwm"
-    "           AND (n.xid, n.id) >= (pg_snapshot_xmax(f.snap), " MIN_BIGINT ")"
+    "        (SELECT n.* FROM outbox.events n"
+    "         WHERE n.sent_at IS NULL AND n.id <= (SELECT hwm FROM f)"
+    "           AND (n.xid, n.id) >= ((SELECT pg_snapshot_xmax(snap) FROM f), " MIN_BIGINT ")"
     "           AND n.xid < pg_snapshot_xmax(pg_current_snapshot())" EXACT_ROW("n")
     "         ORDER BY n.xid, n.id)"
     "        UNION ALL"
-    "        (SELECT k.* FROM f, outbox.events k"
-    "         WHERE k.sent_at IS NULL AND k.id <= f.hwm"
-    "           AND k.id >= coalesce((SELECT min(h) FROM unnest(f.held_from) h), f.hwm + 1)"
-    "           AND pg_visible_in_snapshot(k.xid, f.snap)"
-    "           AND" HELD_ROW("k", "f.held_topics", "f.held_keys", "f.held_from", "f.also_sent")
+    "        (SELECT k.* FROM outbox.events k"
+    "         WHERE k.sent_at IS NULL AND k.id <= (SELECT hwm FROM f)"
+    "           AND k.id >= coalesce((SELECT min(h) FROM f, unnest(f.held_from) h),"
+    "                                (SELECT hwm + 1 FROM f))"
+    "           AND pg_visible_in_snapshot(k.xid, (SELECT snap FROM f))"
+    "           AND" HELD_ROW("k", "(SELECT held_topics FROM f)", "(SELECT held_keys FROM f)",
+                              "(SELECT held_from FROM f)", "(SELECT also_sent FROM f)::bigint[]")
                 EXACT_ROW("k")
     "         ORDER BY k.id LIMIT $1::int)) e"
     "  ORDER BY e.id LIMIT $1::int)) b";
@@ -778,7 +789,7 @@ const char *obx_store_sql_backlog_log(void)
 /* clang-format off */
 const char *obx_store_sql_backlog_since(void)
 {
-    return "WITH" LOG_NEWEST ","
+    return "WITH" LOG_NEWEST "," LOG_CANDIDATES ","
            " above AS ("
            "   SELECT id, created_at," SLOT_IF_SHARDED " FROM outbox.events e"
            "   WHERE sent_at IS NULL AND id >= $1::bigint" NOT_COVERED("e")

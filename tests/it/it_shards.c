@@ -83,7 +83,7 @@ static const char *on_sent(void)
 }
 
 /* Relay i (r0 is env itself) with relay.shards = `shards`. */
-static void relay_start_with(int i, int shards)
+static void relay_start_with(int i, int shards, const char *const *extra)
 {
     if (i > 0) {
         relays[i] = env;
@@ -96,16 +96,19 @@ static void relay_start_with(int i, int shards)
     snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=r%d", env.conninfo, i);
     char count[32];
     snprintf(count, sizeof(count), "relay.shards=%d", shards);
-    h_relay_start(e, NULL,
-                  (const char *const[]){count, on_sent(), ci,
-                                        "postgres.reconnect_backoff_min=100ms",
-                                        "postgres.reconnect_backoff_max=500ms", NULL});
+    const char *settings[12] = {count, on_sent(), ci, "postgres.reconnect_backoff_min=100ms",
+                                "postgres.reconnect_backoff_max=500ms"};
+    for (size_t n = 5; extra && *extra; extra++) {
+        assert_true(n + 1 < sizeof(settings) / sizeof(settings[0]));
+        settings[n++] = *extra;
+    }
+    h_relay_start(e, NULL, settings);
 }
 
 /* Relay i with relay.shards = SHARDS. */
 static void relay_start(int i)
 {
-    relay_start_with(i, SHARDS);
+    relay_start_with(i, SHARDS, NULL);
 }
 
 static struct h_env *relay(int i)
@@ -328,12 +331,12 @@ static void test_count_changes(void **state)
     h_sleep_ms(700);
     for (int i = 1; i >= 0; i--)
         assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
-    relay_start_with(0, 3);
-    relay_start_with(1, 3);
+    relay_start_with(0, 3, NULL);
+    relay_start_with(1, 3, NULL);
     h_sleep_ms(1500);
     for (int i = 1; i >= 0; i--)
         assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
-    relay_start_with(0, 1);
+    relay_start_with(0, 1, NULL);
     h_sleep_ms(1000);
     assert_int_equal(finish_sharing(&ws, "the changes of relay.shards", 0x1, false), 0);
 }
@@ -394,21 +397,10 @@ static void test_log_lagging_slots_taken(void **state)
     (void)state;
     mode_of_test = "log";
     h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
-    for (int i = 0; i < 2; i++) {
-        relays[i] = env;
-        if (i > 0) {
-            relays[i].relay_pid = 0;
-            relays[i].http_port = h_free_port();
-        }
-        struct h_env *e = relay(i);
-        snprintf(e->relay_name, sizeof(e->relay_name), "r%d", i);
-        char ci[700];
-        snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=r%d", env.conninfo, i);
-        h_relay_start(e, NULL,
-                      (const char *const[]){"relay.shards=8", "relay.on_sent=log", ci,
-                                            "relay.max_in_flight=300", "relay.batch_size=100",
-                                            NULL});
-    }
+    for (int i = 0; i < 2; i++)
+        relay_start_with(
+            i, SHARDS,
+            (const char *const[]){"relay.max_in_flight=300", "relay.batch_size=100", NULL});
     wait_spread(0x3, 15000);
     PGconn *c = h_connect(&env);
     unsigned lagging = slots_of(c, 1);
@@ -431,12 +423,69 @@ static void test_log_lagging_slots_taken(void **state)
     h_relay_wait(relay(1), 10000);
     h_wait_log(relay(0), "\"event\":\"log_in_flight_full\"", 20000);
     assert_int_equal(h_relay_stop(relay(0), SIGTERM, 30000), 0);
-    char ci[700];
-    snprintf(ci, sizeof(ci), "postgres.conninfo=%s application_name=r0", env.conninfo);
-    h_relay_start(relay(0), NULL,
-                  (const char *const[]){"relay.shards=8", "relay.on_sent=log", ci,
-                                        "relay.max_in_flight=5000", NULL});
+    relay_start_with(0, SHARDS, (const char *const[]){"relay.max_in_flight=5000", NULL});
     expect_caught_up("the restart with a larger relay.max_in_flight", 30000);
+    PQfinish(c);
+    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
+    assert_int_equal(check_kafka(false), 0);
+}
+
+/* Log mode's full fetch over a large backlog, after one relay wrote many
+ * cursor rows since another's last: the relay that comes next reads from
+ * the floor of every slot and tests each row against the newest cursor row
+ * about its slot. That test walked the cursor table down per row, and parts
+ * of the fetch tested every row of the table before their bounds: with
+ * these 200 cursor rows and 40,000 rows each fetch ran past the statement
+ * timeout (1 s here, 30 s by default on 400,000 rows), and the relay never
+ * published a row. Now the few cursor rows that can cover a row are read
+ * once per fetch (outbox.log_newest(), sql/010). */
+static void test_log_full_fetch_over_backlog(void **state)
+{
+    (void)state;
+    mode_of_test = "log";
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    for (int i = 0; i < 2; i++) /* small batches: a cursor row each, at once */
+        relay_start_with(i, SHARDS, (const char *const[]){"relay.batch_size=10", NULL});
+    wait_spread(0x3, 15000);
+    PGconn *c = h_connect(&env);
+    unsigned frozen = slots_of(c, 1);
+    /* A cursor row of relay 1 about its slots, then it freezes. */
+    assert_int_equal(h_sql_int(c,
+                               "SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM (SELECT"
+                               " 'first-' || g AS key FROM generate_series(1, 100) g WHERE ((%u >>"
+                               " outbox.slot_of('first-' || g, 0, %d)) & 1) = 1 LIMIT 10) k",
+                               frozen, SHARDS),
+                     10);
+    expect_caught_up("rows of relay 1's slots", 20000);
+    kill(relay(1)->relay_pid, SIGSTOP);
+    /* Ten rows at a time of the other relay's slots: a cursor row each. */
+    int64_t deadline = h_now_ms() + 60000;
+    int written = 0;
+    while (h_sql_int(c,
+                     "SELECT count(*) FROM outbox.log_cursor WHERE batch > (SELECT max(batch)"
+                     " FROM outbox.log_cursor WHERE slots && (SELECT array_agg(s)"
+                     " FROM generate_series(0, %d) s WHERE (%u >> s) & 1 = 1))",
+                     SHARDS - 1, frozen) < 200 &&
+           h_now_ms() < deadline) {
+        h_sql_int(c,
+                  "SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM (SELECT 'ten-' || g"
+                  " AS key FROM generate_series(%d, %d) g WHERE ((%u >> outbox.slot_of('ten-' || g,"
+                  " 0, %d)) & 1) = 0 LIMIT 10) k",
+                  written * 40, written * 40 + 39, frozen, SHARDS);
+        written++;
+        h_sleep_ms(20);
+    }
+    assert_true(h_now_ms() < deadline);
+    expect_caught_up("the rows of the running relay", 20000);
+    assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
+    kill(relay(1)->relay_pid, SIGKILL);
+    kill(relay(1)->relay_pid, SIGCONT);
+    h_relay_wait(relay(1), 10000);
+    assert_int_equal(h_sql_int(c, "SELECT count(outbox.enqueue('it.b', 'k-' || (g %% 500),"
+                                  " 'x'::bytea)) FROM generate_series(1, 40000) g"),
+                     40000);
+    relay_start_with(0, 1, (const char *const[]){"postgres.statement_timeout=1s", NULL});
+    expect_caught_up("a relay alone started over 40,000 rows", 60000);
     PQfinish(c);
     assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
     assert_int_equal(check_kafka(false), 0);
@@ -662,6 +711,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_count_changes, teardown_env),
         cmocka_unit_test_teardown(test_log_idle_slots_follow, teardown_env),
         cmocka_unit_test_teardown(test_log_lagging_slots_taken, teardown_env),
+        cmocka_unit_test_teardown(test_log_full_fetch_over_backlog, teardown_env),
         cmocka_unit_test_teardown(test_mixed_counts_refused, teardown_env),
         cmocka_unit_test_teardown(test_first_take_reads_from_stored_offsets, teardown_env),
         cmocka_unit_test_teardown(test_lag_by_slot, teardown_env),
