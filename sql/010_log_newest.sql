@@ -42,48 +42,43 @@ REVOKE ALL ON FUNCTION outbox.log_newest() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.log_newest() TO outboxd_relay;
 
 -- sql/009's view, the same rows. The rows below the floor's hwm that its
--- snapshot did not see are read as the relay's fetch reads them: by writer,
--- each xid it saw running, then those begun after it (sql/009 read every
--- entry of the id index below the hwm for them: half a second a look on a
--- table of 2,000,000 rows, and the relay's maintenance session looks every
--- few seconds in log mode). Each row is then tested against the rows of
--- outbox.log_newest() (read once) instead of by outbox.log_covers(). No per-row test when the
--- floor is the one row about every row (whole), nor without cursor rows
--- (mark and delete mode); with no floor while there are some (a slot has
--- no cursor row yet), every unsent row is tested.
+-- snapshot did not see are read from the (xid, id) index, from the
+-- snapshot's xmin (sql/009 read every entry of the id index below the hwm
+-- for them: half a second a look on a table of 2,000,000 rows, and the
+-- relay's maintenance session looks every few seconds in log mode). Each
+-- row is then tested against the rows of outbox.log_newest() (read once)
+-- instead of by outbox.log_covers(). No test per row when the floor is the
+-- one row about every row (whole), nor without cursor rows (mark and
+-- delete mode); with no floor while there are some (a slot has no cursor
+-- row yet), every unsent row is tested.
 CREATE OR REPLACE VIEW outbox.unpublished AS
 WITH c AS (SELECT f.*, coalesce((SELECT min(h) FROM unnest(f.held_from) h), f.hwm + 1) AS held_lo
            FROM outbox.log_floor(NULL, NULL) f),
 n AS MATERIALIZED (SELECT * FROM outbox.log_newest())
 SELECT e.* FROM (
-    -- Each part reads outbox.events for the row of c (none in mark and
-    -- delete mode): OFFSET 0 keeps it a subquery the planner must run per
-    -- row of c, by index, instead of joining c to every unsent row.
-    SELECT a.* FROM c, LATERAL (
-        SELECT e.* FROM outbox.events e WHERE e.sent_at IS NULL AND e.id > c.hwm OFFSET 0) a
+    SELECT e.* FROM c, outbox.events e WHERE e.sent_at IS NULL AND e.id > c.hwm
     UNION ALL
     -- Rows of writers its snapshot did not see, read from the (xid, id)
-    -- index from the snapshot's xmin: the bound on id is written so that
-    -- no index serves it (+ 0), as with it the planner walked the id index
-    -- below the hwm instead (half a second a look on a table of 2,000,000
-    -- rows).
+    -- index from the snapshot's xmin, for the row of c (none in mark and
+    -- delete mode): the bound on id is written so that no index serves it
+    -- (+ 0), as with it the planner walked the id index below the hwm
+    -- instead (half a second a look on a table of 2,000,000 rows); the
+    -- order keeps the subquery per row of c (a caller's conditions still
+    -- reach it).
     SELECT b.* FROM c, LATERAL (
         SELECT e.* FROM outbox.events e
         WHERE e.sent_at IS NULL
           AND (e.xid, e.id) >= (pg_snapshot_xmin(c.snap), (-9223372036854775807 - 1)::bigint)
           AND e.id + 0 <= c.hwm AND NOT pg_visible_in_snapshot(e.xid, c.snap)
-        ORDER BY e.xid, e.id OFFSET 0) b
+        ORDER BY e.xid, e.id) b
     UNION ALL
-    SELECT k.* FROM c, LATERAL (
-        SELECT e.* FROM outbox.events e
-        WHERE e.sent_at IS NULL AND e.id >= c.held_lo AND e.id <= c.hwm
-          AND pg_visible_in_snapshot(e.xid, c.snap)
-          AND EXISTS (SELECT FROM unnest(c.held_topics, c.held_keys, c.held_from)
-                                    AS h(topic, key, from_id)
-                      WHERE h.topic = e.topic AND e.id >= h.from_id
-                        AND (h.key = e.key OR (h.key IS NULL AND e.id = h.from_id)))
-          AND e.id <> ALL (c.also_sent)
-        OFFSET 0) k
+    SELECT e.* FROM c, outbox.events e
+    WHERE e.sent_at IS NULL AND e.id >= c.held_lo AND e.id <= c.hwm
+      AND pg_visible_in_snapshot(e.xid, c.snap)
+      AND EXISTS (SELECT FROM unnest(c.held_topics, c.held_keys, c.held_from) AS h(topic, key, from_id)
+                  WHERE h.topic = e.topic AND e.id >= h.from_id
+                    AND (h.key = e.key OR (h.key IS NULL AND e.id = h.from_id)))
+      AND e.id <> ALL (c.also_sent)
     UNION ALL
     SELECT e.* FROM outbox.events e
     WHERE e.sent_at IS NULL AND NOT EXISTS (SELECT FROM c)) e
