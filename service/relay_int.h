@@ -425,6 +425,7 @@ bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
 bool relay_start_claim(struct obx_relay *r, int64_t now);
 void relay_claim_failed(struct obx_relay *r);
 const char *relay_fetch_slots(const struct obx_relay *r);
+bool relay_fetch_every_slot(const struct obx_relay *r);
 const char *relay_mark_slots(const struct obx_relay *r);
 
 /* relay_drain.c (drain and stall) */

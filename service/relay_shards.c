@@ -168,6 +168,15 @@ const char *relay_fetch_slots(const struct obx_relay *r)
     return relay_sharded(r) ? r->shard.fetch_text : NULL;
 }
 
+/* Whether this relay's fetches read every slot (it owns them all, none
+ * leaving): a fetch then needs no test of each row's slot. */
+bool relay_fetch_every_slot(const struct obx_relay *r)
+{
+    const struct shard_state *h = &r->shard;
+    int fetched = h->n_owned - (r->set.log_mode ? 0 : h->n_leaving);
+    return relay_sharded(r) && h->known && fetched == r->set.shards;
+}
+
 const char *relay_mark_slots(const struct obx_relay *r)
 {
     return relay_sharded(r) ? r->shard.mark_text : NULL;
