@@ -84,6 +84,7 @@ SELECT e.* FROM (
     WHERE e.sent_at IS NULL AND NOT EXISTS (SELECT FROM c)) e
 WHERE (SELECT c.whole FROM c) IS TRUE
    OR NOT EXISTS (SELECT FROM n) -- mark and delete mode: no test per row
+   OR e.id > (SELECT max(n.hwm) FROM n) -- above every cursor: a backlog's rows
    OR NOT EXISTS (
         SELECT FROM n cov
         WHERE cov.batch = (SELECT max(v.batch) FROM n v
