@@ -330,11 +330,6 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         keyset = r->held_back[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
         return false;
-    /* A relay owning every slot reads as a relay alone: slot_of() for each
-     * row cost its backend a fifth more. Not log mode's full fetch by slot,
-     * whose floor is over the slots it names. */
-    if (relay_fetch_every_slot(r) && !(r->log.has_stored && !keyset && r->log.by_slot))
-        f->owned_slots = NULL;
     if (keyset) {
         f->keyset = true;
         f->after_id = r->hwm;
@@ -352,6 +347,11 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         f->also_sent = r->log.also_out;
         f->n_also = r->log.n_also_out;
     }
+    /* A relay owning every slot reads as a relay alone: slot_of() for each
+     * row cost its backend a fifth more. Not log mode's full fetch by slot,
+     * whose floor is over the slots it names. */
+    if (relay_fetch_every_slot(r) && !(f->log && f->by_slot))
+        f->owned_slots = NULL;
     if (!keyset) {
         for (int i = 0; i < r->set.max_in_flight; i++)
             if (r->slots[i].state != SLOT_FREE)

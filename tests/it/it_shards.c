@@ -386,6 +386,27 @@ static void test_log_idle_slots_follow(void **state)
     assert_int_equal(check_kafka(false), 0);
 }
 
+/* Enqueues n rows on it.a, keys "<prefix>-<g>" for g from `from` on, whose
+ * slot is (in) or is not (!in) in `mask`; returns how many it wrote. */
+static long long enqueue_in_slots(PGconn *c, const char *prefix, int from, unsigned mask, bool in,
+                                  int n)
+{
+    return h_sql_int(c,
+                     "WITH k AS (SELECT '%s-' || g AS key FROM generate_series(%d, %d) g"
+                     "           WHERE ((%u >> outbox.slot_of('%s-' || g, 0, %d)) & 1) = %d"
+                     "           LIMIT %d)"
+                     " SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM k",
+                     prefix, from, from + 20 * n + 100, mask, prefix, SHARDS, in ? 1 : 0, n);
+}
+
+/* Ends relay i, frozen by SIGSTOP, with kill -9. */
+static void kill_frozen(int i)
+{
+    kill(relay(i)->relay_pid, SIGKILL);
+    kill(relay(i)->relay_pid, SIGCONT);
+    h_relay_wait(relay(i), 10000);
+}
+
 /* Log mode's known limit, with slots: a relay that takes slots far behind
  * its own cursor (their owner was killed with a backlog of them larger
  * than relay.max_in_flight, while the taker's cursor went on past it)
@@ -407,20 +428,13 @@ static void test_log_lagging_slots_taken(void **state)
     kill(relay(1)->relay_pid, SIGSTOP);
     /* 2,000 rows of the frozen relay's slots, then rows of the other's,
      * which it publishes: its cursor passes the backlog. */
-#define ROWS_OF_SLOTS                                                                              \
-    "WITH k AS (SELECT 'lag-' || g AS key FROM generate_series(1, 20000) g"                        \
-    "           WHERE ((%u >> outbox.slot_of('lag-' || g, 0, %d)) & 1) = %d LIMIT %d)"             \
-    " SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM k"
-    assert_int_equal(h_sql_int(c, ROWS_OF_SLOTS, lagging, SHARDS, 1, 2000), 2000);
-    assert_int_equal(h_sql_int(c, ROWS_OF_SLOTS, lagging, SHARDS, 0, 50), 50);
-#undef ROWS_OF_SLOTS
+    assert_int_equal(enqueue_in_slots(c, "lag", 1, lagging, true, 2000), 2000);
+    assert_int_equal(enqueue_in_slots(c, "lag", 1, lagging, false, 50), 50);
     int64_t deadline = h_now_ms() + 20000;
     while (h_sql_int(c, "SELECT count(*) FROM outbox.unpublished") > 2000 && h_now_ms() < deadline)
         h_sleep_ms(100);
     h_sleep_ms(300); /* a cursor row past the backlog */
-    kill(relay(1)->relay_pid, SIGKILL);
-    kill(relay(1)->relay_pid, SIGCONT);
-    h_relay_wait(relay(1), 10000);
+    kill_frozen(1);
     h_wait_log(relay(0), "\"event\":\"log_in_flight_full\"", 20000);
     assert_int_equal(h_relay_stop(relay(0), SIGTERM, 30000), 0);
     relay_start_with(0, SHARDS, (const char *const[]){"relay.max_in_flight=5000", NULL});
@@ -450,12 +464,7 @@ static void test_log_full_fetch_over_backlog(void **state)
     PGconn *c = h_connect(&env);
     unsigned frozen = slots_of(c, 1);
     /* A cursor row of relay 1 about its slots, then it freezes. */
-    assert_int_equal(h_sql_int(c,
-                               "SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM (SELECT"
-                               " 'first-' || g AS key FROM generate_series(1, 100) g WHERE ((%u >>"
-                               " outbox.slot_of('first-' || g, 0, %d)) & 1) = 1 LIMIT 10) k",
-                               frozen, SHARDS),
-                     10);
+    assert_int_equal(enqueue_in_slots(c, "first", 1, frozen, true, 10), 10);
     expect_caught_up("rows of relay 1's slots", 20000);
     kill(relay(1)->relay_pid, SIGSTOP);
     /* Ten rows at a time of the other relay's slots: a cursor row each. */
@@ -467,20 +476,14 @@ static void test_log_full_fetch_over_backlog(void **state)
                      " FROM generate_series(0, %d) s WHERE (%u >> s) & 1 = 1))",
                      SHARDS - 1, frozen) < 200 &&
            h_now_ms() < deadline) {
-        h_sql_int(c,
-                  "SELECT count(outbox.enqueue('it.a', key, 'x'::bytea)) FROM (SELECT 'ten-' || g"
-                  " AS key FROM generate_series(%d, %d) g WHERE ((%u >> outbox.slot_of('ten-' || g,"
-                  " 0, %d)) & 1) = 0 LIMIT 10) k",
-                  written * 40, written * 40 + 39, frozen, SHARDS);
+        assert_int_equal(enqueue_in_slots(c, "ten", written * 40, frozen, false, 10), 10);
         written++;
         h_sleep_ms(20);
     }
     assert_true(h_now_ms() < deadline);
     expect_caught_up("the rows of the running relay", 20000);
     assert_int_equal(h_relay_stop(relay(0), SIGTERM, 20000), 0);
-    kill(relay(1)->relay_pid, SIGKILL);
-    kill(relay(1)->relay_pid, SIGCONT);
-    h_relay_wait(relay(1), 10000);
+    kill_frozen(1);
     assert_int_equal(h_sql_int(c, "SELECT count(outbox.enqueue('it.b', 'k-' || (g %% 500),"
                                   " 'x'::bytea)) FROM generate_series(1, 40000) g"),
                      40000);

@@ -1826,7 +1826,7 @@ static void test_shards_give_back_after_quiet(void **state)
     claimed(c, "0,1,2,3", 1, 4, 1);
     obx_relay_on_recovered(c->r, true, 2);
     assert_string_equal(c->f.fetch_slots, ""); /* every slot: no test of a row's slot */
-    fetched(c, 1, 2, 3); /* two rows in flight */
+    fetched(c, 1, 2, 3);                       /* two rows in flight */
     int fetches = c->f.fetches;
     /* A second relay joined: the share is 2. */
     obx_relay_tick(c->r, 300);
