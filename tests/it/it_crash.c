@@ -565,13 +565,22 @@ static void test_message_timeout_possibly_persisted(void **state)
                                         "relay.retry_backoff=200ms", NULL});
     s_prefill(&env, "it.a", 200);
     s_wait_sent(&env, 200, 30000);
-    /* Acknowledgements now come after the records have timed out. */
-    assert_true(h_broker_cmd(&env, "rtt all 3000"));
-    s_prefill(&env, "it.b", 300);
-    h_sleep_ms(4000); /* they time out after 1.5 s */
-    assert_true(h_broker_cmd(&env, "rtt all 0"));
-    assert_int_equal(drain_and_check(), 500); /* each once */
-    assert_true(recovered() > 0);             /* found in Kafka, marked, not sent again */
+    /* Acknowledgements now come after the records have timed out. Those
+     * in a request already sent are reported possibly persisted; those
+     * still queued in the producer, not persisted (sent again at once). A
+     * loaded machine has, rarely, timed out only queued ones: then the
+     * episode runs again, so that the case this test is about happens. */
+    int episodes = 0;
+    do {
+        assert_true(h_broker_cmd(&env, "rtt all 3000"));
+        s_prefill(&env, "it.b", 300);
+        h_sleep_ms(4000); /* they time out after 1.5 s */
+        assert_true(h_broker_cmd(&env, "rtt all 0"));
+        episodes++;
+    } while (!h_relay_log_contains(&env, "may or may not be in Kafka") && episodes < 3);
+    assert_true(h_relay_log_contains(&env, "may or may not be in Kafka"));
+    assert_int_equal(drain_and_check(), 200 + 300 * episodes); /* each once */
+    assert_true(recovered() > 0); /* found in Kafka, marked, not sent again */
 }
 
 /* DESIGN G3/G6: Kafka refuses a whole batch (MSG_SIZE_TOO_LARGE for the
