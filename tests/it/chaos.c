@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 
 #include <setjmp.h>
 #include <cmocka.h>
@@ -398,6 +399,7 @@ struct relay {
     char app[24];
     char conninfo[700];
     bool alive, stopped;
+    long fatal_exits; /* its log's "stopping after a fatal error" lines restarted for */
     /* Its session was cut while it was frozen: a zombie until this process
      * has noticed (expect_notice cleared) or is gone. */
     bool cut_frozen;
@@ -431,6 +433,7 @@ struct run {
     char findings[8][512];
     int n_findings;
     unsigned fault_counts[F_COUNT];
+    unsigned fatal_restarts; /* relays that exited 1 after a fatal error, restarted */
     /* Figures of the check. */
     size_t committed, uncertain, rolled_back, dead, duplicates, records;
 };
@@ -593,6 +596,37 @@ static void session_cut(struct run *x, int i)
             other = other || (g != k && x->relay[g].alive);
         if (other)
             x->zombie_window = true;
+    }
+}
+
+/* The supervisor outboxd is run under (systemd, Kubernetes, a compose
+ * restart policy): a relay that ends by itself after a fatal producer error
+ * (an out-of-order sequence from the broker) exits 1 for it to be started
+ * again, and the next start's recovery pass keeps that free of duplicates
+ * (doc/operations.md, exit status). Chaos restarts such a relay and counts
+ * it; any other exit of its own is a finding (and it is restarted too, so
+ * the rest of the schedule is still checked). */
+static void supervise(struct run *x)
+{
+    for (int i = 0; i < relays_of(&x->s); i++) {
+        struct relay *rl = &x->relay[i];
+        int status;
+        if (!rl->alive || rl->env.relay_pid <= 0 ||
+            waitpid(rl->env.relay_pid, &status, WNOHANG) != rl->env.relay_pid)
+            continue;
+        rl->env.relay_pid = 0;
+        rl->alive = false;
+        rl->stopped = false;
+        rl->cut_frozen = false;
+        long fatal = h_relay_log_count(&rl->env, "stopping after a fatal error");
+        if (WIFEXITED(status) && WEXITSTATUS(status) == 1 && fatal > rl->fatal_exits) {
+            rl->fatal_exits = fatal;
+            x->fatal_restarts++;
+        } else {
+            finding(x, "relay %d ended by itself (%s %d)", i, WIFEXITED(status) ? "exit" : "signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        }
+        relay_start(x, i);
     }
 }
 
@@ -873,6 +907,7 @@ static void run_timeline(struct run *x)
     for (int i = 0; i <= n; i++) {
         int64_t at = t0 + (i < n ? steps[i].t : x->s.duration_ms);
         while (h_now_ms() < at) {
+            supervise(x);
             check_notices(x);
             plot_sample(x);
             int64_t left = at - h_now_ms();
@@ -888,6 +923,7 @@ static void run_timeline(struct run *x)
 static void heal(struct run *x)
 {
     struct h_env *e = &x->env;
+    supervise(x);
     if (x->pg_down) {
         h_pg_start(e);
         x->pg_down = false;
@@ -1229,6 +1265,7 @@ static void run_schedule(struct run *x)
 
     int64_t healed = h_now_ms();
     while (!drained(x) && h_now_ms() - healed < DRAIN_DEADLINE_MS) {
+        supervise(x);
         check_notices(x);
         plot_sample(x);
         h_sleep_ms(100);
@@ -1273,6 +1310,7 @@ struct totals {
     size_t committed, records, rolled_back, dead, dups_zombie;
     unsigned long seq_out_of_order, seq_duplicates;
     long timed_out;
+    unsigned fatal_restarts;
 };
 
 static void test_chaos(void **state)
@@ -1305,17 +1343,19 @@ static void test_chaos(void **state)
         t.dups_zombie += run.duplicates; /* any other duplicate is a finding */
         t.seq_out_of_order += run.seq.out_of_order;
         t.seq_duplicates += run.seq.duplicates;
-        fprintf(
-            stderr,
-            "chaos: seed %llu: %d relays%s%s, %d faults, %zu rows committed (%zu uncertain), "
-            "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld time-out "
-            "reports; broker refused %lu batches out of sequence, recognised %lu resent -> %s\n",
-            (unsigned long long)run.s.seed, run.s.n_relays,
-            run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
-            run.s.n_faults, run.committed, run.uncertain, run.rolled_back, run.dead, run.records,
-            run.duplicates, run.zombie_window ? " [zombie window]" : "", run.timed_out,
-            run.seq.out_of_order, run.seq.duplicates, run.n_findings ? "FINDINGS" : "ok");
+        fprintf(stderr,
+                "chaos: seed %llu: %d relays%s%s, %d faults, %zu rows committed (%zu uncertain), "
+                "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld time-out "
+                "reports; broker refused %lu batches out of sequence, recognised %lu resent; %u "
+                "restarted after a fatal error -> %s\n",
+                (unsigned long long)run.s.seed, run.s.n_relays,
+                run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
+                run.s.n_faults, run.committed, run.uncertain, run.rolled_back, run.dead,
+                run.records, run.duplicates, run.zombie_window ? " [zombie window]" : "",
+                run.timed_out, run.seq.out_of_order, run.seq.duplicates, run.fatal_restarts,
+                run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
+        t.fatal_restarts += run.fatal_restarts;
         if (run.n_findings) {
             t.failed++;
             print_schedule(stderr, &run.s);
@@ -1356,9 +1396,10 @@ static void test_chaos(void **state)
         stderr,
         "\nchaos: %zu rows committed, %zu rolled back, %zu dead-lettered, %zu records; "
         "duplicates: %zu, all in zombie windows; %ld time-out reports logged; the broker refused "
-        "%lu batches out of sequence and recognised %lu resent ones\n",
+        "%lu batches out of sequence and recognised %lu resent ones; %u relays restarted after a "
+        "fatal error\n",
         t.committed, t.rolled_back, t.dead, t.records, t.dups_zombie, t.timed_out,
-        t.seq_out_of_order, t.seq_duplicates);
+        t.seq_out_of_order, t.seq_duplicates, t.fatal_restarts);
     if (t.failed)
         fail_msg("chaos: %d of %d schedules had findings (seeds above)", t.failed, t.schedules);
 }
