@@ -64,14 +64,20 @@ static void write_set(char *out, size_t cap, const bool *in, const bool *except,
     out[o] = '\0';
 }
 
+/* Whether the fetches read the slots this relay will give back. Log mode
+ * does: the claims its fetches make must be about every slot of the cursor
+ * rows it writes (mark_text), and it gives them back only once nothing is
+ * in flight. */
+static bool fetch_leaving(const struct obx_relay *r)
+{
+    return r->set.log_mode;
+}
+
 static void shards_texts(struct obx_relay *r)
 {
     struct shard_state *h = &r->shard;
     int n = r->set.shards;
-    /* Log mode fetches the slots it will give back too: the claims its
-     * fetches make must be about every slot of the cursor rows it writes
-     * (mark_text), and it gives them back only once nothing is in flight. */
-    write_set(h->fetch_text, h->text_cap, h->owned, r->set.log_mode ? NULL : h->leaving, n, true);
+    write_set(h->fetch_text, h->text_cap, h->owned, fetch_leaving(r) ? NULL : h->leaving, n, true);
     write_set(h->mark_text, h->text_cap, h->owned, NULL, n, true);
     write_set(h->give_text, h->text_cap, h->leaving, NULL, n, true);
     write_set(h->list_text, h->text_cap, h->owned, NULL, n, false);
@@ -168,12 +174,12 @@ const char *relay_fetch_slots(const struct obx_relay *r)
     return relay_sharded(r) ? r->shard.fetch_text : NULL;
 }
 
-/* Whether this relay's fetches read every slot (it owns them all, none
- * leaving): a fetch then needs no test of each row's slot. */
+/* Whether this relay's fetches read every slot (fetch_text names them
+ * all): a fetch then needs no test of each row's slot. */
 bool relay_fetch_every_slot(const struct obx_relay *r)
 {
     const struct shard_state *h = &r->shard;
-    int fetched = h->n_owned - (r->set.log_mode ? 0 : h->n_leaving);
+    int fetched = h->n_owned - (fetch_leaving(r) ? 0 : h->n_leaving);
     return relay_sharded(r) && h->known && fetched == r->set.shards;
 }
 
