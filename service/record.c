@@ -61,6 +61,15 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
         int64_t pg_us = (int64_t)(((uint64_t)be32(p) << 32) | be32(p + 4));
         row->created_us = pg_us + OBX_PG_EPOCH_US;
     }
+    row->has_slot = !PQgetisnull(res, i, OBX_COL_SLOT);
+    row->slot = 0;
+    if (row->has_slot) {
+        if (PQgetlength(res, i, OBX_COL_SLOT) != 4) {
+            snprintf(err, errlen, "fetch result row %d: slot is not an int4", i);
+            return -1;
+        }
+        row->slot = (int32_t)be32(PQgetvalue(res, i, OBX_COL_SLOT));
+    }
     return 0;
 }
 

@@ -86,6 +86,8 @@ struct log_read {
     size_t n_off;
     struct obx_log_found *found;
     size_t n_found, cap_found;
+    struct obx_log_slot_hwm *slot_hwms;
+    size_t n_slot_hwms;
 };
 
 struct obx_recovery {
@@ -222,6 +224,7 @@ static void clear_log(struct log_read *l)
     obx_free(l->off_partitions);
     obx_free(l->off_offsets);
     obx_free(l->found);
+    obx_free(l->slot_hwms);
     memset(l, 0, sizeof(*l));
 }
 
@@ -316,6 +319,8 @@ static void finish(struct obx_recovery *rec, bool ok)
             .n_found = l->n_found,
             .max_hwm = l->max_hwm,
             .about_slots = l->about_slots,
+            .slot_hwms = l->slot_hwms,
+            .n_slot_hwms = l->n_slot_hwms,
         };
         if (rec->cb.log_state(&st, rec->arg) != 0) {
             obx_error("recovery: out of memory taking the stored cursor");
@@ -807,14 +812,16 @@ static void on_plan_result(void *arg, const PGresult *res, const char *error)
 static int read_log_state(struct log_read *l, const PGresult *res)
 {
     int n = PQntuples(res);
-    size_t n_held = 0, n_also = 0, n_off = 0;
+    size_t n_held = 0, n_also = 0, n_off = 0, n_slot = 0;
     for (int i = 0; i < n; i++) {
         char kind = obx_store_col(res, i, "kind")[0];
         n_held += kind == 'h';
         n_also += kind == 'a';
         n_off += kind == 'o';
+        n_slot += kind == 's';
     }
     if ((n_held && !(l->held = obx_calloc(n_held, sizeof(*l->held)))) ||
+        (n_slot && !(l->slot_hwms = obx_calloc(n_slot, sizeof(*l->slot_hwms)))) ||
         (n_also && !(l->also = obx_calloc(n_also, sizeof(*l->also)))) ||
         (n_off && (!(l->off_topics = obx_calloc(n_off, sizeof(*l->off_topics))) ||
                    !(l->off_partitions = obx_calloc(n_off, sizeof(*l->off_partitions))) ||
@@ -854,6 +861,12 @@ static int read_log_state(struct log_read *l, const PGresult *res)
         case 'x':
             l->max_hwm = strtoll(a, NULL, 10);
             l->about_slots = b[0] == 't';
+            break;
+        case 's':
+            l->slot_hwms[l->n_slot_hwms++] = (struct obx_log_slot_hwm){
+                .shards = obx_store_col_null(res, i, "a") ? 0 : (int32_t)strtol(a, NULL, 10),
+                .slot = obx_store_col_null(res, i, "b") ? 0 : (int32_t)strtol(b, NULL, 10),
+                .hwm = strtoll(c, NULL, 10)};
             break;
         default:
             break;

@@ -139,6 +139,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->log.ready_snap);
     obx_free(r->log.stored_snap);
     obx_free(r->log.write_snap);
+    obx_free(r->log.write_about_text);
     obx_free(r->log.held);
     obx_free(r->log.held_out);
     obx_free(r->log.also_out);
@@ -188,6 +189,7 @@ static struct slot *slot_alloc(struct obx_relay *r, int64_t id, uint32_t topic)
     s->log_hash = 0;
     s->seq = 0;
     s->orphan = false;
+    s->has_key_slot = false;
     s->state = SLOT_PRODUCED;
     r->in_use++;
     return s;
@@ -733,16 +735,22 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * snapshot saw, and the keyset fetch would read those rows again from
      * a lower hwm. A full fetch that every uncovered row came back from may
      * take the stored hwm; one cut below it holds no cursor (the next one
-     * is a full fetch again). */
+     * is a full fetch again). With slots it makes a partial claim: about
+     * the owned slots whose cursor rows are all at or below its hwm (a slot
+     * taken far behind the others, relay_log.c). */
+    r->fetch_partial = false;
     if (r->log.has_stored && ok) {
         if (r->fetch_kind == FETCH_FULL && !cut && r->hwm < r->log.stored_hwm)
             r->hwm = r->log.stored_hwm;
+        r->fetch_partial = r->fetch_kind == FETCH_FULL && cut && r->log.by_slot &&
+                           relay_sharded(r) && r->hwm < r->log.stored_hwm;
         ok = r->hwm >= r->log.stored_hwm;
     }
     /* Cleared since this fetch was sent: what it did not return may lie
      * below hwm now (a row that was in flight then, a row its key's hold
      * kept out). */
     ok = ok && r->fetch_gen == r->cursor_gen;
+    r->fetch_partial = r->fetch_partial && r->fetch_gen == r->cursor_gen && snapshot;
     enum cursor_state next =
         ok && snapshot && keep_snapshot(r, snapshot) ? CURSOR_HELD : CURSOR_NONE;
     if (next != r->cursor)
@@ -828,7 +836,7 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
 /* Log mode: the fetch's record (*seq), with its claim if the cursor holds;
  * *seq 0 outside log mode. False with no memory for it: the fetch is then
  * set aside. */
-static bool record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
+static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapshot, int64_t now)
 {
     *seq = 0;
     if (!r->set.log_mode)
@@ -843,6 +851,8 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, int64_t now)
     }
     if (r->cursor == CURSOR_HELD)
         relay_rec_claim(r, *seq, r->hwm, r->snap);
+    else if (r->fetch_partial)
+        relay_rec_claim_partial(r, *seq, r->hwm, snapshot);
     return true;
 }
 
@@ -875,6 +885,8 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
             break;
         }
         s->created_us = row->created_us;
+        s->has_key_slot = row->has_slot && row->slot >= 0 && row->slot < r->set.shards;
+        s->key_slot = s->has_key_slot ? row->slot : 0;
         struct fetch_rec *rec = seq ? relay_rec_of(r, seq) : NULL;
         s->seq = rec ? seq : 0;
         if (rec)
@@ -1015,7 +1027,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     size_t n_take = rows_to_take(r, rows, n);
     cursor_advance(r, rows, n, n_take, snapshot);
     uint64_t seq;
-    if (!record_fetch(r, &seq, now))
+    if (!record_fetch(r, &seq, snapshot, now))
         return;
     uint64_t gen_at_claim = r->cursor_gen;
     r->caught_up = n < (size_t)r->fetch_limit;

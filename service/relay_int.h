@@ -63,6 +63,8 @@ struct slot {
     uint64_t log_hash;      /* log mode and a key: its obx_keycount_hash */
     uint64_t seq;           /* log mode: the fetch that handed it out */
     bool orphan;            /* log mode: handed out by a session that is gone */
+    bool has_key_slot;      /* the fetch said its slot of relay.shards: key_slot */
+    int32_t key_slot;
 };
 
 /* ---- log mode (relay.on_sent = log) ----
@@ -92,6 +94,11 @@ struct fetch_rec {
     uint64_t send_no; /* which fetch sent (for held keys going on) */
     int64_t hwm;
     char *snap; /* owned when claim */
+    /* A partial claim (with slots, relay.c, cursor_advance): about these
+     * slots only ([set.shards], owned; NULL: every slot owned), and
+     * "{1,5}" for the cursor row. */
+    bool *about;
+    char *about_text;
 };
 
 struct held_rule {
@@ -140,6 +147,8 @@ struct log_state {
     uint64_t ready_seq, ready_send;
     int64_t ready_hwm;
     char *ready_snap;
+    bool *ready_about; /* a partial claim's slots (owned; NULL: every slot owned) */
+    char *ready_about_text;
 
     bool has_stored;     /* the stored cursor (loaded, or written by us) */
     uint64_t stored_seq; /* 0: loaded at the start of the session */
@@ -152,6 +161,14 @@ struct log_state {
     uint64_t write_send;
     int64_t write_hwm;
     char *write_snap;
+    bool write_partial;     /* about some slots only: stored_hwm and stored_snap stay */
+    char *write_about_text; /* then the slots (its cursor row's) */
+    /* With slots: the highest hwm of any cursor row or claim about each
+     * slot ([set.shards]; loaded with the cursor, raised by each claim
+     * made). A partial claim is about the slots at or below its hwm, so no
+     * cursor row about a slot covers less than the one before it. */
+    int64_t *slot_hwm;
+    bool partial_told;     /* logged since the cursor was loaded */
     uint64_t looked_seq;   /* the ready claim last found to cover nothing */
     int64_t ready_since;   /* when the ready claim last moved past the stored one */
     int64_t stored_at;     /* when this relay last stored (or loaded) the cursor */
@@ -316,6 +333,7 @@ struct obx_relay {
     int64_t fetch_after;        /* ... above this id */
     int fetch_limit;            /* its row limit */
     int64_t fetch_max_ex;       /* full fetch: the highest id it excluded */
+    bool fetch_partial;         /* log mode: the fetch answered makes a partial claim at hwm */
     int bytes_limit;            /* most rows relay.fetch_max_bytes allows for now */
     enum fetch_ride fetch_ride; /* it goes alone (FETCHING) or with the mark (MARKING) */
     bool caught_up;             /* the last fetch found fewer rows than it asked for */
@@ -381,6 +399,7 @@ void relay_after_release(struct obx_relay *r);
 struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq);
 uint64_t relay_rec_push(struct obx_relay *r);
 void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
+void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
 void relay_recs_settle(struct obx_relay *r);
 void relay_claims_drop_from(struct obx_relay *r, uint64_t seq);
 void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked);

@@ -7,8 +7,31 @@
 #include "outboxd/alloc.h"
 #include "outboxd/log.h"
 
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Forgets the claim of record `f`, if it made one. */
+static void rec_unclaim(struct fetch_rec *f)
+{
+    f->claim = false;
+    obx_free(f->snap);
+    f->snap = NULL;
+    obx_free(f->about);
+    f->about = NULL;
+    obx_free(f->about_text);
+    f->about_text = NULL;
+}
+
+/* The ready claim is gone (written, replaced, or forgotten). */
+static void ready_about_free(struct log_state *l)
+{
+    obx_free(l->ready_about);
+    l->ready_about = NULL;
+    obx_free(l->ready_about_text);
+    l->ready_about_text = NULL;
+}
 
 struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq)
 {
@@ -32,7 +55,7 @@ uint64_t relay_rec_push(struct obx_relay *r)
         uint64_t back_seq = l->head_seq + l->n_recs - 1;
         struct fetch_rec *back = relay_rec_of(r, back_seq);
         if (back && back->pending == 0) {
-            obx_free(back->snap);
+            rec_unclaim(back);
             *back = (struct fetch_rec){.send_no = l->fetch_send_no};
             return back_seq;
         }
@@ -57,6 +80,14 @@ uint64_t relay_rec_push(struct obx_relay *r)
     return seq;
 }
 
+/* A claim about slot `slot` up to `hwm` is made: later partial claims
+ * about it may not go below. */
+static void raise_slot_hwm(struct log_state *l, int slot, int64_t hwm)
+{
+    if (l->slot_hwm && l->slot_hwm[slot] < hwm)
+        l->slot_hwm[slot] = hwm;
+}
+
 /* The fetch `seq` made a claim: its cursor (hwm, snap). */
 void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap)
 {
@@ -66,6 +97,56 @@ void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char 
     f->snap = obx_strdup(snap);
     f->claim = f->snap != NULL; /* no memory: no claim, which is always safe */
     f->hwm = hwm;
+    for (int i = 0; f->claim && relay_sharded(r) && i < r->set.shards; i++)
+        if (r->shard.owned[i])
+            raise_slot_hwm(&r->log, i, hwm);
+}
+
+/* The fetch `seq`, a full one cut below the stored hwm, handed out every
+ * uncovered row of the owned slots up to `hwm` that its snapshot saw: a
+ * claim about those of them whose cursor rows and claims are all at or
+ * below `hwm` (about the others, a cursor row at `hwm` would cover less
+ * than the one before it). Without it, rows of slots far behind the
+ * others' cursor rows (taken from a relay that stopped or froze) could
+ * never be stored once they filled relay.max_in_flight. */
+void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap)
+{
+    struct log_state *l = &r->log;
+    struct fetch_rec *f = relay_rec_of(r, seq);
+    if (!f || f->claim || !l->slot_hwm || !relay_sharded(r))
+        return;
+    int n = 0;
+    for (int i = 0; i < r->set.shards; i++)
+        n += r->shard.owned[i] && l->slot_hwm[i] <= hwm;
+    if (n == 0)
+        return;
+    /* "{" and up to five characters a slot (1023,) and "}" */
+    size_t cap = 2 + (size_t)n * 5 + 1;
+    if (!(f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))) ||
+        !(f->about_text = obx_malloc(cap)) || !(f->snap = obx_strdup(snap))) {
+        rec_unclaim(f); /* no memory: no claim, which is always safe */
+        return;
+    }
+    size_t len = 0;
+    f->about_text[len++] = '{';
+    for (int i = 0; i < r->set.shards; i++) {
+        if (!r->shard.owned[i] || l->slot_hwm[i] > hwm)
+            continue;
+        f->about[i] = true;
+        len += (size_t)snprintf(f->about_text + len, cap - len, "%s%d", len > 1 ? "," : "", i);
+        raise_slot_hwm(l, i, hwm);
+    }
+    f->about_text[len++] = '}';
+    f->about_text[len] = '\0';
+    f->claim = true;
+    f->hwm = hwm;
+    if (!l->partial_told) {
+        l->partial_told = true;
+        obx_event(OBX_LOG_INFO, "log_partial_claims",
+                  "relay: slots %s lag behind the cursor (up to %lld, stored %lld): their rows "
+                  "are stored as they catch up",
+                  f->about_text, (long long)hwm, (long long)l->stored_hwm);
+    }
 }
 
 /* Records whose rows have all settled leave the ring, oldest first; the
@@ -77,16 +158,25 @@ void relay_recs_settle(struct obx_relay *r)
         struct fetch_rec *f = &l->recs[l->rec_head];
         if (f->pending > 0)
             break;
+        /* A partial claim does not replace a whole one not yet stored:
+         * that one covers the rows of every slot handed out before it. */
+        if (f->claim && f->about && l->has_ready && !l->ready_about && l->ready_seq > l->stored_seq)
+            rec_unclaim(f);
         if (f->claim) {
             if (!l->has_ready || l->ready_seq <= l->stored_seq)
                 l->ready_since = r->now;
             obx_free(l->ready_snap);
+            ready_about_free(l);
             l->ready_snap = f->snap;
+            l->ready_about = f->about;
+            l->ready_about_text = f->about_text;
             l->ready_hwm = f->hwm;
             l->ready_seq = l->head_seq;
             l->ready_send = f->send_no;
             l->has_ready = true;
             f->snap = NULL;
+            f->about = NULL;
+            f->about_text = NULL;
         }
         l->rec_head = (l->rec_head + 1) % l->cap_recs;
         l->n_recs--;
@@ -103,9 +193,7 @@ void relay_claims_drop_from(struct obx_relay *r, uint64_t seq)
         struct fetch_rec *f = relay_rec_of(r, s);
         if (!f)
             break;
-        f->claim = false;
-        obx_free(f->snap);
-        f->snap = NULL;
+        rec_unclaim(f);
     }
 }
 
@@ -263,9 +351,13 @@ void relay_log_reset(struct obx_relay *r)
 {
     struct log_state *l = &r->log;
     for (size_t i = 0; i < l->n_recs; i++)
-        obx_free(l->recs[(l->rec_head + i) % l->cap_recs].snap);
+        rec_unclaim(&l->recs[(l->rec_head + i) % l->cap_recs]);
     l->n_recs = 0;
     l->has_ready = false;
+    ready_about_free(l);
+    obx_free(l->slot_hwm);
+    l->slot_hwm = NULL;
+    l->partial_told = false;
     l->has_stored = false;
     for (size_t i = 0; i < l->n_held; i++)
         held_free(&l->held[i]);
@@ -402,6 +494,16 @@ static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
     return true;
 }
 
+/* Whether the ready claim covers the row in flight in `s`: handed out up
+ * to it, and of a slot a partial claim is about, at or below its hwm. */
+static bool ready_covers(const struct log_state *l, const struct slot *s)
+{
+    if (s->orphan || s->seq > l->ready_seq)
+        return false;
+    return !l->ready_about ||
+           (s->has_key_slot && l->ready_about[s->key_slot] && s->id <= l->ready_hwm);
+}
+
 /* Acknowledged rows of held keys (and dead letters, done with too) that
  * the ready claim covers: published, though a rule leaves their key's rows
  * out, so the cursor row lists them (l->also_out). A hash may match another
@@ -412,7 +514,7 @@ static bool list_also_sent(struct obx_relay *r)
     struct log_state *l = &r->log;
     for (int i = 0; i < r->set.max_in_flight && l->n_held > 0; i++) {
         const struct slot *s = &r->slots[i];
-        if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_DEAD) || s->seq > l->ready_seq)
+        if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
             continue;
         struct also_row a = {s->id, s->log_hash, s->topic};
         if (!a.hash && !held_now(r, s->id) && !lifted_rule_of(l, s->id))
@@ -460,7 +562,7 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     size_t n_cov = 0, n_dead = 0;
     for (int i = 0; i < r->set.max_in_flight; i++) {
         const struct slot *s = &r->slots[i];
-        if (s->orphan || s->seq > l->ready_seq)
+        if (!ready_covers(l, s))
             continue;
         if (s->state == SLOT_ACKED)
             n_cov++;
@@ -479,15 +581,20 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     /* With slots the offsets are rows of kafka_slot_offsets, one per slot
      * and partition, updated: once a second is enough (as mark mode's),
      * and at once before slots move or the relay stops. */
-    l->offsets_in_write = !relay_sharded(r) || restart || r->draining ||
-                          relay_shards_want_quiet(r) || now >= l->offsets_due;
+    /* Not with a partial claim: acknowledged rows of the other slots may
+     * lie below the offsets, which would be stored for its slots. */
+    l->offsets_in_write = !l->ready_about && (!relay_sharded(r) || restart || r->draining ||
+                                              relay_shards_want_quiet(r) || now >= l->offsets_due);
     r->n_off = 0;
     if (l->offsets_in_write && !log_offsets_out(r, l->ready_seq, restart)) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
     obx_free(l->write_snap);
-    if (!(l->write_snap = obx_strdup(l->ready_snap))) {
+    obx_free(l->write_about_text);
+    l->write_about_text = NULL;
+    if (!(l->write_snap = obx_strdup(l->ready_snap)) ||
+        (l->ready_about && !(l->write_about_text = obx_strdup(l->ready_about_text)))) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
@@ -501,7 +608,7 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
                          .n_also = l->n_also_out,
                          .restart = restart,
                          .shards = r->set.shards,
-                         .owned_slots = relay_mark_slots(r),
+                         .owned_slots = l->ready_about ? l->write_about_text : relay_mark_slots(r),
                          .topics = r->off_topics,
                          .partitions = r->off_partitions,
                          .offsets = r->off_offsets,
@@ -518,10 +625,11 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     l->write_seq = l->ready_seq;
     l->write_send = l->ready_send;
     l->write_hwm = l->ready_hwm;
+    l->write_partial = l->ready_about != NULL;
     l->restart_next = restart;
     for (int i = 0; i < r->set.max_in_flight; i++) {
         struct slot *s = &r->slots[i];
-        if (s->orphan || s->seq > l->ready_seq || (s->state != SLOT_ACKED && s->state != SLOT_DEAD))
+        if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
             continue;
         s->state = s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING;
         r->to_mark--;
@@ -547,13 +655,18 @@ void relay_log_write_done(struct obx_relay *r)
     l->has_stored = true;
     l->stored_batch++;
     l->stored_seq = l->write_seq;
+    l->stored_at = r->now;
+    l->writes = l->restart_next ? 1 : l->writes + 1;
+    /* A partial claim's row is about some slots, below the stored hwm: the
+     * claims after it still start from the one before. It covers no held
+     * key of the other slots, and stored no offsets. */
+    if (l->write_partial)
+        return;
     l->stored_send = l->write_send;
     l->stored_hwm = l->write_hwm;
-    l->stored_at = r->now;
     obx_free(l->stored_snap);
     l->stored_snap = l->write_snap;
     l->write_snap = NULL;
-    l->writes = l->restart_next ? 1 : l->writes + 1;
     if (l->offsets_in_write) {
         for (size_t i = 0; i < l->n_offs; i++)
             l->offs[i].stored = l->offs[i].covered;
@@ -614,6 +727,31 @@ static size_t keep_found(struct obx_relay *r, struct found_row *found, size_t n)
     return kept;
 }
 
+/* With slots: the highest hwm of the cursor rows about each slot (rows
+ * about no slots, or about slots of another count, are counted for every
+ * slot). 0, or -1 out of memory. */
+static int load_slot_hwm(struct obx_relay *r, const struct obx_log_state *st)
+{
+    struct log_state *l = &r->log;
+    int n = r->set.shards;
+    if (!(l->slot_hwm = obx_calloc((size_t)n, sizeof(*l->slot_hwm))))
+        return -1;
+    int64_t every = INT64_MIN;
+    for (size_t i = 0; i < st->n_slot_hwms; i++) {
+        const struct obx_log_slot_hwm *h = &st->slot_hwms[i];
+        if (h->shards != n && h->hwm > every)
+            every = h->hwm;
+    }
+    for (int s = 0; s < n; s++)
+        l->slot_hwm[s] = every;
+    for (size_t i = 0; i < st->n_slot_hwms; i++) {
+        const struct obx_log_slot_hwm *h = &st->slot_hwms[i];
+        if (h->shards == n && h->slot >= 0 && h->slot < n)
+            raise_slot_hwm(l, h->slot, h->hwm);
+    }
+    return 0;
+}
+
 int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
 {
     struct log_state *l = &r->log;
@@ -651,6 +789,8 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     l->stored_batch = st->has_cursor ? st->batch : 0;
     l->stored_hwm = st->hwm;
     l->by_slot = relay_sharded(r) || st->about_slots;
+    if (relay_sharded(r) && load_slot_hwm(r, st) != 0)
+        return -1;
     l->stored_at = r->now - LOG_IDLE_WRITE_MS; /* a claim about the slots taken goes soon */
     if (l->by_slot && st->has_cursor && st->max_hwm > l->stored_hwm)
         l->stored_hwm = st->max_hwm; /* see cursor_advance */

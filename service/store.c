@@ -109,19 +109,24 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
  * Each result has one more row, without an id, that carries the statement's
  * snapshot: what the next keyset fetch asks about (see relay.c, "cursor"). */
 #define FETCH_SELECT                                                                               \
-    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len, b.snap"
+    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len, b.snap,"      \
+    "       b.slot"
 #define FETCH_SNAPSHOT_ROW                                                                         \
     " FROM (SELECT NULL::bigint AS id, NULL::text AS topic, NULL::text AS key,"                    \
     "         NULL::bytea AS payload, NULL::jsonb AS headers, NULL::timestamptz AS created_at,"    \
-    "         NULL::int AS payload_len, pg_current_snapshot()::text AS snap"                       \
+    "         NULL::int AS payload_len, pg_current_snapshot()::text AS snap, NULL::int AS slot"    \
     "       UNION ALL"
-#define FETCH_COLUMNS(t, max_bytes)                                                                \
+/* The last column is the row's slot: NULL but in log mode's exact fetch
+ * with slots, whose partial claims (relay.c, cursor_advance) cover only the
+ * rows of some slots. */
+#define FETCH_COLUMNS_SLOT(t, max_bytes, slot)                                                     \
     " SELECT " t ".id, " t ".topic, " t ".key,"                                                    \
     "   CASE WHEN octet_length(" t ".payload) <= " max_bytes "::int THEN " t ".payload END,"       \
     "   " t ".headers, " t ".created_at,"                                                          \
     "   CASE WHEN octet_length(" t ".payload) > " max_bytes "::int"                                \
     "        THEN octet_length(" t ".payload) END,"                                                \
-    "   NULL::text"
+    "   NULL::text, " slot
+#define FETCH_COLUMNS(t, max_bytes) FETCH_COLUMNS_SLOT(t, max_bytes, "NULL::int")
 /* Rows of a key held back behind a refused row (relay.on_reject = retry):
  * parameters `topics`, `keys`, `ids`. With no key held back the OR stops at
  * its first test. */
@@ -348,7 +353,8 @@ static const char SQL_FETCH_LOG_EXACT[] =
     "                                         $7::int[])),"
     LOG_CANDIDATES
     " " FETCH_SELECT FETCH_SNAPSHOT_ROW
-    " (" FETCH_COLUMNS("e", "$5")
+    " (" FETCH_COLUMNS_SLOT("e", "$5", "CASE WHEN $7::int[] IS NOT NULL"
+                                       " THEN outbox.slot_of(e.key, e.id, $6::int) END")
     "  FROM ((SELECT a.* FROM outbox.events a"
     "         WHERE a.sent_at IS NULL"
     "           AND a.id > coalesce((SELECT hwm FROM f), " MIN_BIGINT ")" EXACT_ROW("a")
@@ -427,7 +433,9 @@ const char *obx_store_sql_log_state(void)
      * snapshot), 'h' a held key (topic, key, from id), 'a' a row of a held
      * key published since (id), 'o' a partition's stored offset (topic,
      * partition, offset), 'x' the highest hwm of any cursor row and
-     * whether any is about slots (sql/009). No 'c' row: no cursor yet.
+     * whether any is about slots (sql/009), 's' the highest hwm of the
+     * rows about a slot (count, slot, hwm; count and slot NULL: of the rows
+     * about no slots). No 'c' row: no cursor yet.
      * When the newest row is about slots, the 'a' rows are those of every
      * row: each lists only published rows, and a relay that takes slots
      * must go on listing those of the keys it holds. */
@@ -447,7 +455,12 @@ const char *obx_store_sql_log_state(void)
            " SELECT 'o', o.topic, o.p::text, o.o::text FROM o"
            " UNION ALL"
            " SELECT 'x', max(hwm)::text, bool_or(slots IS NOT NULL)::text, NULL"
-           " FROM outbox.log_cursor HAVING count(*) > 0";
+           " FROM outbox.log_cursor HAVING count(*) > 0"
+           " UNION ALL"
+           " SELECT 's', CASE WHEN l.slots IS NOT NULL THEN l.shards::text END, s.s::text,"
+           "        max(l.hwm)::text"
+           " FROM outbox.log_cursor l LEFT JOIN LATERAL unnest(l.slots) AS s(s) ON true"
+           " GROUP BY 2, 3";
 }
 
 const char *obx_store_sql_log_recover(void)

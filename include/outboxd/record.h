@@ -29,6 +29,7 @@ enum {
     OBX_COL_CREATED_AT,
     OBX_COL_PAYLOAD_LEN, /* octet_length(payload) of a payload left out (NULL: it came) */
     OBX_COL_SNAPSHOT,    /* NULL, but in the one row without an id: the snapshot's text */
+    OBX_COL_SLOT,        /* the row's slot in log mode's exact fetch with slots, else NULL */
     OBX_COL_COUNT
 };
 

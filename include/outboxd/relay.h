@@ -88,6 +88,11 @@ struct obx_log_found {
 
 /* Log mode: the stored cursor and what the recovery pass found. Arrays are
  * the caller's; valid during the call. */
+struct obx_log_slot_hwm {
+    int32_t shards, slot;
+    int64_t hwm;
+};
+
 struct obx_log_state {
     bool has_cursor; /* false: no cursor yet (every unsent row is waiting) */
     int64_t batch;   /* the newest cursor row's number */
@@ -105,6 +110,10 @@ struct obx_log_state {
     size_t n_found;
     int64_t max_hwm;  /* the highest hwm of any cursor row (has_cursor) */
     bool about_slots; /* some cursor row is about slots (sql/009) */
+    /* The highest hwm of the cursor rows about each slot, per count
+     * (shards 0: rows about no slots, which are about every row). */
+    const struct obx_log_slot_hwm *slot_hwms;
+    size_t n_slot_hwms;
 };
 
 /* What the fetch must leave out. Arrays are the relay's; valid during the call. */

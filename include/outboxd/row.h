@@ -22,6 +22,8 @@ struct obx_row {
     const char *headers; /* the headers object as JSON text (jsonb's own output) */
     size_t headers_len;  /* 0 = no headers */
     int64_t created_us;  /* created_at, Unix microseconds (0 if unknown) */
+    bool has_slot;       /* the fetch said which slot of relay.shards it is of: */
+    int32_t slot;
 };
 
 #endif

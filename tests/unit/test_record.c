@@ -196,8 +196,8 @@ static void test_row_from_result(void **state)
     (void)state;
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
     PGresAttDesc attrs[OBX_COL_COUNT];
-    static const char *names[] = {"id",      "topic",      "key",         "payload",
-                                  "headers", "created_at", "payload_len", "snapshot"};
+    static const char *names[] = {"id",         "topic",       "key",      "payload", "headers",
+                                  "created_at", "payload_len", "snapshot", "slot"};
     memset(attrs, 0, sizeof(attrs));
     for (int i = 0; i < OBX_COL_COUNT; i++) {
         attrs[i].name = (char *)names[i];
@@ -230,6 +230,7 @@ static void test_row_from_result(void **state)
     assert_memory_equal(row.headers, "{\"h\": \"v\"}", row.headers_len);
     assert_int_equal(row.created_us, 1767225600000000LL);
     assert_false(row.oversize);
+    assert_false(row.has_slot); /* NULL: the fetch did not say */
 
     /* A NULL payload and a NULL length: a tombstone. */
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 8), 1);
@@ -248,7 +249,11 @@ static void test_row_from_result(void **state)
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_TOPIC, "t", 1), 1);
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_PAYLOAD, NULL, -1), 1);
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_PAYLOAD_LEN, len40m, 4), 1);
+    char slot5[4] = {0, 0, 0, 5};
+    assert_int_equal(PQsetvalue(res, 2, OBX_COL_SLOT, slot5, 4), 1);
     assert_int_equal(obx_row_from_result(res, 2, &row, err, sizeof(err)), 0);
+    assert_true(row.has_slot);
+    assert_int_equal(row.slot, 5);
     assert_true(row.oversize);
     assert_null(row.payload);
     assert_int_equal(row.payload_len, 40000000);

@@ -1904,6 +1904,92 @@ static void test_shards_no_offsets_before_the_pass(void **state)
     assert_int_equal(c->f.off_offsets[0], 102);
 }
 
+/* Rows with their slots, ids and slots given, as log mode's exact fetch
+ * with slots returns them. */
+static void fetched_in_slots(struct ctx *c, const int64_t *ids, const int32_t *slots, size_t n,
+                             int64_t now)
+{
+    struct obx_row rows[16];
+    memset(rows, 0, sizeof(rows));
+    for (size_t i = 0; i < n; i++)
+        rows[i] = (struct obx_row){.id = ids[i], .topic = "t", .has_slot = true, .slot = slots[i]};
+    obx_relay_on_fetched(c->r, rows, n, c->snapshot, now);
+}
+
+/* Log mode with slots, slots 2 and 3 far behind the stored hwm (taken from
+ * a relay that stopped): a full fetch cut below it makes a partial claim,
+ * about the slots whose cursor rows are at or below its hwm. Its cursor row
+ * is about them only, stores no offsets and covers only their rows; a
+ * late row of slot 0 waits for a whole claim, which the next fetch makes. */
+static void test_log_partial_claim(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_relay_settings log = settings;
+    log.log_mode = true;
+    log.shards = 4;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&log, &ops, &c->f, &c->f, &c->r), 0);
+    obx_relay_on_pg_ready(c->r, 0);
+    claimed(c, "0,1,2,3", 1, 4, 1);
+    const struct obx_log_slot_hwm hwms[] = {{4, 0, 1000}, {4, 1, 1000}, {4, 2, 10}, {4, 3, 10}};
+    struct obx_log_state st = {.has_cursor = true,
+                               .batch = 7,
+                               .hwm = 1000,
+                               .snapshot = "990:990:",
+                               .max_hwm = 1000,
+                               .about_slots = true,
+                               .slot_hwms = hwms,
+                               .n_slot_hwms = 4};
+    assert_int_equal(obx_relay_on_log_state(c->r, &st), 0);
+    obx_relay_on_recovered(c->r, true, 2);
+    assert_true(c->f.fetch_log);
+    c->snapshot = "1100:1100:";
+    /* A full batch (cut): rows of the lagging slots, and row 13, a late row
+     * of slot 0. */
+    fetched_in_slots(c, (const int64_t[]){11, 12, 13, 14}, (const int32_t[]){2, 3, 0, 2}, 4, 3);
+    /* The next fetch goes at once, for the two free places: cut too. */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    assert_int_equal(c->f.limit, 2);
+    c->snapshot = "1101:1101:";
+    fetched_in_slots(c, (const int64_t[]){15, 16}, (const int32_t[]){3, 2}, 2, 3);
+    for (int k = 0; k < 6; k++) /* the second fetch's rows first */
+        ack(c, (k + 4) % 6, true, 4);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    assert_true(c->f.mark_log);
+    assert_string_equal(c->f.mark_slots, "{2,3}");
+    assert_int_equal(c->f.cursor_hwm, 16);
+    assert_string_equal(c->f.cursor_snap, "1101:1101:");
+    assert_int_equal(c->f.n_offsets, 0);
+    obx_relay_on_marked(c->r, 5);
+    assert_int_equal(obx_relay_in_flight(c->r), 1); /* row 13 */
+    assert_int_equal(obx_relay_marked_total(c->r), 5);
+    /* The next full fetch finds nothing more: a whole claim at the stored
+     * hwm, about every slot, covers row 13. */
+    for (int64_t t = 6; t < 400 && obx_relay_state(c->r) != OBX_RELAY_FETCHING; t += 50) {
+        obx_relay_tick(c->r, t);
+        if (obx_relay_state(c->r) == OBX_RELAY_CLAIMING) /* the periodic look */
+            claimed(c, "0,1,2,3", 1, 4, t);
+    }
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    assert_true(c->f.fetch_log);
+    assert_int_equal(c->f.n_exclude, 1);
+    assert_int_equal(c->f.exclude[0], 13);
+    fetched_in_slots(c, NULL, NULL, 0, 400);
+    for (int64_t t = 401; t < 1000 && obx_relay_state(c->r) != OBX_RELAY_MARKING; t += 50) {
+        obx_relay_tick(c->r, t);
+        if (obx_relay_state(c->r) == OBX_RELAY_CLAIMING)
+            claimed(c, "0,1,2,3", 1, 4, t);
+        if (obx_relay_state(c->r) == OBX_RELAY_FETCHING) /* looks for new rows */
+            fetched_in_slots(c, NULL, NULL, 0, t);
+    }
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_MARKING);
+    assert_string_equal(c->f.mark_slots, "{0,1,2,3}");
+    assert_int_equal(c->f.cursor_hwm, 1000);
+    obx_relay_on_marked(c->r, 1000);
+    assert_int_equal(obx_relay_in_flight(c->r), 0);
+    assert_int_equal(obx_relay_marked_total(c->r), 6);
+}
+
 /* Slots taken after an owner that did not give them back cleanly are not
  * given back (as clean) before the pass over them has succeeded: the next
  * owner would trust that no record of theirs lacks a stored offset. */
@@ -2036,6 +2122,7 @@ static void test_shards_lost_session_claims_again(void **state)
     X(test_shards_taken_slot_recovered_first)                                                      \
     X(test_shards_no_offsets_before_the_pass)                                                      \
     X(test_shards_no_give_back_before_the_pass)                                                    \
+    X(test_log_partial_claim)                                                                      \
     X(test_shards_other_count_gives_all_back)                                                      \
     X(test_shards_lost_session_claims_again)
 
