@@ -140,6 +140,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->log.stored_snap);
     obx_free(r->log.write_snap);
     obx_free(r->log.write_about_text);
+    obx_free(r->log.write_about);
     obx_free(r->log.held);
     obx_free(r->log.held_out);
     obx_free(r->log.also_out);
@@ -579,9 +580,8 @@ void relay_kick(struct obx_relay *r, int64_t now)
         obx_event(OBX_LOG_ERROR, "log_in_flight_full",
                   "relay: all %d rows in flight are acknowledged but cannot be stored: more "
                   "rows than relay.max_in_flight wait below the cursor (a transaction that "
-                  "committed after rows with higher ids were published, or, with "
-                  "relay.shards, slots taken far behind the others), and log mode stores them "
-                  "only once all are handed out; raise relay.max_in_flight above that count "
+                  "committed after rows with higher ids were published), and log mode stores "
+                  "them only once all are handed out; raise relay.max_in_flight above that count "
                   "and restart (nothing is lost: the recovery pass finds what reached Kafka)",
                   r->set.max_in_flight);
         r->full_warned_at = now;
@@ -833,9 +833,9 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
     return n_take;
 }
 
-/* Log mode: the fetch's record (*seq), with its claim if the cursor holds;
- * *seq 0 outside log mode. False with no memory for it: the fetch is then
- * set aside. */
+/* Log mode: the fetch's record (*seq), with its claim if the cursor holds
+ * (or a partial one, see cursor_advance); *seq 0 outside log mode. False with no memory for it: the
+ * fetch is then set aside. */
 static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapshot, int64_t now)
 {
     *seq = 0;

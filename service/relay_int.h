@@ -150,7 +150,9 @@ struct log_state {
     bool *ready_about; /* a partial claim's slots (owned; NULL: every slot owned) */
     char *ready_about_text;
 
-    bool has_stored;     /* the stored cursor (loaded, or written by us) */
+    /* The stored cursor (loaded, or written by us). A partial claim's row
+     * moves stored_seq only: the rest stays the last whole one's. */
+    bool has_stored;
     uint64_t stored_seq; /* 0: loaded at the start of the session */
     uint64_t stored_send;
     int64_t stored_batch, stored_hwm;
@@ -162,11 +164,13 @@ struct log_state {
     int64_t write_hwm;
     char *write_snap;
     bool write_partial;     /* about some slots only: stored_hwm and stored_snap stay */
-    char *write_about_text; /* then the slots (its cursor row's) */
-    /* With slots: the highest hwm of any cursor row or claim about each
-     * slot ([set.shards]; loaded with the cursor, raised by each claim
-     * made). A partial claim is about the slots at or below its hwm, so no
-     * cursor row about a slot covers less than the one before it. */
+    bool *write_about;      /* then its slots ([set.shards]) */
+    char *write_about_text; /* ... as its cursor row names them */
+    /* With slots: the highest hwm of the cursor rows about each slot
+     * ([set.shards]; loaded with the cursor, raised by each row written).
+     * A partial claim is about the slots where it, and every claim that
+     * may yet be stored, is at or below its hwm, so no cursor row about a
+     * slot covers less than the one before it. */
     int64_t *slot_hwm;
     bool partial_told;     /* logged since the cursor was loaded */
     uint64_t looked_seq;   /* the ready claim last found to cover nothing */

@@ -80,8 +80,7 @@ uint64_t relay_rec_push(struct obx_relay *r)
     return seq;
 }
 
-/* A claim about slot `slot` up to `hwm` is made: later partial claims
- * about it may not go below. */
+/* A cursor row about slot `slot` up to `hwm` is stored. */
 static void raise_slot_hwm(struct log_state *l, int slot, int64_t hwm)
 {
     if (l->slot_hwm && l->slot_hwm[slot] < hwm)
@@ -97,9 +96,39 @@ void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char 
     f->snap = obx_strdup(snap);
     f->claim = f->snap != NULL; /* no memory: no claim, which is always safe */
     f->hwm = hwm;
-    for (int i = 0; f->claim && relay_sharded(r) && i < r->set.shards; i++)
-        if (r->shard.owned[i])
-            raise_slot_hwm(&r->log, i, hwm);
+}
+
+/* Raises bound[] to `hwm` for the slots of a claim about `about` (NULL:
+ * every slot owned, a whole claim: false, as no partial claim may follow
+ * one that is still to be stored). */
+static bool bound_by(const struct obx_relay *r, int64_t *bound, const bool *about, int64_t hwm)
+{
+    if (!about)
+        return false;
+    for (int i = 0; i < r->set.shards; i++)
+        if (about[i] && bound[i] < hwm)
+            bound[i] = hwm;
+    return true;
+}
+
+/* For each slot, the highest hwm of a cursor row about it that is stored
+ * or may yet be: loaded, written by this relay, the write in flight, and
+ * every claim not dropped. False if a whole claim is among them. */
+static bool slot_bounds(const struct obx_relay *r, int64_t *bound)
+{
+    const struct log_state *l = &r->log;
+    memcpy(bound, l->slot_hwm, (size_t)r->set.shards * sizeof(*bound));
+    if (r->state == OBX_RELAY_MARKING && !bound_by(r, bound, l->write_about, l->write_hwm))
+        return false;
+    if (l->has_ready && l->ready_seq > l->stored_seq &&
+        !bound_by(r, bound, l->ready_about, l->ready_hwm))
+        return false;
+    for (size_t i = 0; i < l->n_recs; i++) {
+        const struct fetch_rec *f = &l->recs[(l->rec_head + i) % l->cap_recs];
+        if (f->claim && !bound_by(r, bound, f->about, f->hwm))
+            return false;
+    }
+    return true;
 }
 
 /* The fetch `seq`, a full one cut below the stored hwm, handed out every
@@ -115,27 +144,28 @@ void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, con
     struct fetch_rec *f = relay_rec_of(r, seq);
     if (!f || f->claim || !l->slot_hwm || !relay_sharded(r))
         return;
+    int64_t *bound = obx_calloc((size_t)r->set.shards, sizeof(*bound));
     int n = 0;
-    for (int i = 0; i < r->set.shards; i++)
-        n += r->shard.owned[i] && l->slot_hwm[i] <= hwm;
-    if (n == 0)
-        return;
+    if (bound && slot_bounds(r, bound))
+        for (int i = 0; i < r->set.shards; i++)
+            n += r->shard.owned[i] && bound[i] <= hwm;
     /* "{" and up to five characters a slot (1023,) and "}" */
     size_t cap = 2 + (size_t)n * 5 + 1;
-    if (!(f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))) ||
+    if (n == 0 || !(f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))) ||
         !(f->about_text = obx_malloc(cap)) || !(f->snap = obx_strdup(snap))) {
-        rec_unclaim(f); /* no memory: no claim, which is always safe */
+        rec_unclaim(f); /* none, or no memory: no claim, which is always safe */
+        obx_free(bound);
         return;
     }
     size_t len = 0;
     f->about_text[len++] = '{';
     for (int i = 0; i < r->set.shards; i++) {
-        if (!r->shard.owned[i] || l->slot_hwm[i] > hwm)
+        if (!r->shard.owned[i] || bound[i] > hwm)
             continue;
         f->about[i] = true;
         len += (size_t)snprintf(f->about_text + len, cap - len, "%s%d", len > 1 ? "," : "", i);
-        raise_slot_hwm(l, i, hwm);
     }
+    obx_free(bound);
     f->about_text[len++] = '}';
     f->about_text[len] = '\0';
     f->claim = true;
@@ -150,7 +180,8 @@ void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, con
 }
 
 /* Records whose rows have all settled leave the ring, oldest first; the
- * newest claim among them becomes ready. */
+ * newest claim among them becomes ready (but a partial one behind a whole
+ * one not yet stored, which is dropped). */
 void relay_recs_settle(struct obx_relay *r)
 {
     struct log_state *l = &r->log;
@@ -504,6 +535,21 @@ static bool ready_covers(const struct log_state *l, const struct slot *s)
            (s->has_key_slot && l->ready_about[s->key_slot] && s->id <= l->ready_hwm);
 }
 
+/* A refused row to dead-letter that a partial claim's cursor row could
+ * cover without listing it (a row whose slot its fetch did not say): the
+ * row would be published by the cursor and in neither Kafka nor
+ * outbox.dead_letters. Such a row waits for a whole claim. */
+static bool partial_leaves_dead(const struct obx_relay *r)
+{
+    const struct log_state *l = &r->log;
+    for (int i = 0; l->ready_about && i < r->set.max_in_flight; i++) {
+        const struct slot *s = &r->slots[i];
+        if (s->state == SLOT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot)
+            return true;
+    }
+    return false;
+}
+
 /* Acknowledged rows of held keys (and dead letters, done with too) that
  * the ready claim covers: published, though a rule leaves their key's rows
  * out, so the cursor row lists them (l->also_out). A hash may match another
@@ -544,8 +590,9 @@ bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
 }
 
 /* Log mode: a cursor row for the ready claim, covering the acknowledged
- * rows of the fetches up to it (and dead-lettering the refused ones among
- * them). Returns true if it was sent. */
+ * rows of the fetches up to it (a partial claim's: those of its slots up
+ * to its hwm), and dead-lettering the refused ones among them. Returns true
+ * if it was sent. */
 bool relay_start_log_write(struct obx_relay *r, int64_t now)
 {
     struct log_state *l = &r->log;
@@ -569,7 +616,7 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
         else if (s->state == SLOT_DEAD)
             r->dead_reasons[n_dead] = s->reason, r->dead_ids[n_dead++] = s->id;
     }
-    if (n_cov + n_dead == 0 && !rule_to_drop(l) && !idle) {
+    if ((n_cov + n_dead == 0 && !rule_to_drop(l) && !idle) || partial_leaves_dead(r)) {
         l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
         return false;
     }
@@ -580,9 +627,10 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     bool restart = l->writes + 1 >= LOG_RESTART_EVERY;
     /* With slots the offsets are rows of kafka_slot_offsets, one per slot
      * and partition, updated: once a second is enough (as mark mode's),
-     * and at once before slots move or the relay stops. */
-    /* Not with a partial claim: acknowledged rows of the other slots may
-     * lie below the offsets, which would be stored for its slots. */
+     * and at once before slots move or the relay stops. Not with a
+     * partial claim: acknowledged rows of the other slots may lie below
+     * the offsets, which would be stored for its slots (left lower, they
+     * cost the next recovery pass a longer read, nothing more). */
     l->offsets_in_write = !l->ready_about && (!relay_sharded(r) || restart || r->draining ||
                                               relay_shards_want_quiet(r) || now >= l->offsets_due);
     r->n_off = 0;
@@ -592,12 +640,18 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     }
     obx_free(l->write_snap);
     obx_free(l->write_about_text);
+    obx_free(l->write_about);
     l->write_about_text = NULL;
+    l->write_about = NULL;
+    size_t about_size = (size_t)r->set.shards * sizeof(*l->write_about);
     if (!(l->write_snap = obx_strdup(l->ready_snap)) ||
-        (l->ready_about && !(l->write_about_text = obx_strdup(l->ready_about_text)))) {
+        (l->ready_about && (!(l->write_about_text = obx_strdup(l->ready_about_text)) ||
+                            !(l->write_about = obx_malloc(about_size))))) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
+    if (l->write_about)
+        memcpy(l->write_about, l->ready_about, about_size);
     struct obx_mark m = {.log = true,
                          .batch = l->stored_batch + 1,
                          .hwm = l->ready_hwm,
@@ -639,8 +693,8 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
 }
 
 /* Every row in flight is acknowledged and no claim can store them (the
- * fetches that handed them out made none): only a fetch that makes one
- * can. */
+ * fetches that handed them out made none, or partial ones about other
+ * slots): only a fetch that makes one can. */
 bool relay_log_unclaimed(const struct obx_relay *r)
 {
     const struct log_state *l = &r->log;
@@ -660,8 +714,15 @@ void relay_log_write_done(struct obx_relay *r)
     /* A partial claim's row is about some slots, below the stored hwm: the
      * claims after it still start from the one before. It covers no held
      * key of the other slots, and stored no offsets. */
-    if (l->write_partial)
+    if (l->write_partial) {
+        for (int i = 0; i < r->set.shards; i++)
+            if (l->write_about[i])
+                raise_slot_hwm(l, i, l->write_hwm);
         return;
+    }
+    for (int i = 0; relay_sharded(r) && i < r->set.shards; i++)
+        if (r->shard.owned[i])
+            raise_slot_hwm(l, i, l->write_hwm);
     l->stored_send = l->write_send;
     l->stored_hwm = l->write_hwm;
     obx_free(l->stored_snap);

@@ -15,9 +15,10 @@
  *
  * In log mode "unmarked" means acknowledged but not yet in a stored cursor
  * row, and a relay also takes slots only when quiet: its cursor rows are
- * about every slot it owns (sql/009), so the claims of its fetches must be
- * too, and after a take it starts its cursor again from the rows about each
- * slot (relay_log.c, obx_relay_on_log_state).
+ * about every slot it owns (sql/009; a partial claim's, about some of them
+ * only), so the claims of its fetches must be too, and after a take it
+ * starts its cursor again from the rows about each slot (relay_log.c,
+ * obx_relay_on_log_state).
  */
 #include "relay_int.h"
 #include "outboxd/alloc.h"
@@ -65,9 +66,9 @@ static void write_set(char *out, size_t cap, const bool *in, const bool *except,
 }
 
 /* Whether the fetches read the slots this relay will give back. Log mode
- * does: the claims its fetches make must be about every slot of the cursor
- * rows it writes (mark_text), and it gives them back only once nothing is
- * in flight. */
+ * does: the whole claims its fetches make must be about every slot of the
+ * cursor rows it writes (mark_text), and it gives them back only once
+ * nothing is in flight. */
 static bool fetch_leaving(const struct obx_relay *r)
 {
     return r->set.log_mode;

@@ -434,8 +434,8 @@ const char *obx_store_sql_log_state(void)
      * key published since (id), 'o' a partition's stored offset (topic,
      * partition, offset), 'x' the highest hwm of any cursor row and
      * whether any is about slots (sql/009), 's' the highest hwm of the
-     * rows about a slot (count, slot, hwm; count and slot NULL: of the rows
-     * about no slots). No 'c' row: no cursor yet.
+     * newest rows (sql/010) about a slot (count, slot, hwm; count and slot
+     * NULL: of the rows about no slots). No 'c' row: no cursor yet.
      * When the newest row is about slots, the 'a' rows are those of every
      * row: each lists only published rows, and a relay that takes slots
      * must go on listing those of the keys it holds. */
@@ -459,7 +459,7 @@ const char *obx_store_sql_log_state(void)
            " UNION ALL"
            " SELECT 's', CASE WHEN l.slots IS NOT NULL THEN l.shards::text END, s.s::text,"
            "        max(l.hwm)::text"
-           " FROM outbox.log_cursor l LEFT JOIN LATERAL unnest(l.slots) AS s(s) ON true"
+           " FROM outbox.log_newest() l LEFT JOIN LATERAL unnest(l.slots) AS s(s) ON true"
            " GROUP BY 2, 3";
 }
 
