@@ -1146,6 +1146,8 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         obx_warn("relay: mark failed: %s", reason);
         if (r->fetch_ride == RIDE_ON_MARK) /* and the fetch beside it */
             fetch_gone(r);
+        if (r->set.log_mode)
+            relay_log_write_failed(r);
         unmark(r);
     } else if (r->state == OBX_RELAY_CLAIMING) {
         obx_warn("relay: claim of slots failed: %s", reason);

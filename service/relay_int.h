@@ -151,7 +151,9 @@ struct log_state {
     char *ready_about_text;
 
     /* The stored cursor (loaded, or written by us). A partial claim's row
-     * moves stored_seq only: the rest stays the last whole one's. */
+     * moves stored_seq, stored_batch, stored_at and writes, and slot_hwm
+     * for its slots; stored_send, stored_hwm and stored_snap stay the last
+     * whole one's. */
     bool has_stored;
     uint64_t stored_seq; /* 0: loaded at the start of the session */
     uint64_t stored_send;
@@ -167,7 +169,8 @@ struct log_state {
     bool *write_about;      /* then its slots ([set.shards]) */
     char *write_about_text; /* ... as its cursor row names them */
     /* With slots: the highest hwm of the cursor rows about each slot
-     * ([set.shards]; loaded with the cursor, raised by each row written).
+     * ([set.shards]; loaded with the cursor, raised by each row written or
+     * perhaps written: a write that failed may have committed).
      * A partial claim is about the slots where it, and every claim that
      * may yet be stored, is at or below its hwm, so no cursor row about a
      * slot covers less than the one before it. */
@@ -404,6 +407,7 @@ struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq);
 uint64_t relay_rec_push(struct obx_relay *r);
 void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
 void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
+void relay_log_write_failed(struct obx_relay *r);
 void relay_recs_settle(struct obx_relay *r);
 void relay_claims_drop_from(struct obx_relay *r, uint64_t seq);
 void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked);

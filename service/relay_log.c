@@ -112,14 +112,13 @@ static bool bound_by(const struct obx_relay *r, int64_t *bound, const bool *abou
 }
 
 /* For each slot, the highest hwm of a cursor row about it that is stored
- * or may yet be: loaded, written by this relay, the write in flight, and
- * every claim not dropped. False if a whole claim is among them. */
+ * or may yet be: loaded, written (or perhaps written) by this relay, and
+ * every claim not dropped. False if a whole claim is among them. Claims
+ * are made as a fetch is answered, never while a write is in flight. */
 static bool slot_bounds(const struct obx_relay *r, int64_t *bound)
 {
     const struct log_state *l = &r->log;
     memcpy(bound, l->slot_hwm, (size_t)r->set.shards * sizeof(*bound));
-    if (r->state == OBX_RELAY_MARKING && !bound_by(r, bound, l->write_about, l->write_hwm))
-        return false;
     if (l->has_ready && l->ready_seq > l->stored_seq &&
         !bound_by(r, bound, l->ready_about, l->ready_hwm))
         return false;
@@ -544,7 +543,8 @@ static bool partial_leaves_dead(const struct obx_relay *r)
     const struct log_state *l = &r->log;
     for (int i = 0; l->ready_about && i < r->set.max_in_flight; i++) {
         const struct slot *s = &r->slots[i];
-        if (s->state == SLOT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot)
+        if (s->state == SLOT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot &&
+            s->id <= l->ready_hwm)
             return true;
     }
     return false;
@@ -700,6 +700,17 @@ bool relay_log_unclaimed(const struct obx_relay *r)
     const struct log_state *l = &r->log;
     return r->set.log_mode && r->to_mark > 0 && r->in_use == r->to_mark &&
            !(l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq);
+}
+
+/* The cursor row in flight failed, and may have committed all the same
+ * (its answer lost): later partial claims about its slots stay at or above
+ * its hwm, as if it had. */
+void relay_log_write_failed(struct obx_relay *r)
+{
+    struct log_state *l = &r->log;
+    for (int i = 0; relay_sharded(r) && i < r->set.shards; i++)
+        if (l->write_partial ? l->write_about[i] : r->shard.owned[i])
+            raise_slot_hwm(l, i, l->write_hwm);
 }
 
 /* The cursor row in flight committed: it is the stored cursor now. */
