@@ -752,6 +752,54 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
     return remove(path);
 }
 
+/* Whether a file of a test's directory is a relay's log. */
+static bool is_relay_log(const char *name)
+{
+    size_t nl = strlen(name);
+    return nl > 4 && strcmp(name + nl - 4, ".log") == 0 && strcmp(name, "postgres.log") != 0 &&
+           strcmp(name, "psql.log") != 0 && strcmp(name, "broker.log") != 0;
+}
+
+#define TAIL_LINES 30
+
+/* The last lines of every relay log of DIR on stdout: ctest shows a test's
+ * output only when it fails (--output-on-failure), and CI keeps no files,
+ * so a failure there comes with what the relays did last. */
+static void print_log_tails(const char *dir)
+{
+    struct dirent **list;
+    int n = scandir(dir, &list, NULL, name_cmp);
+    for (int i = 0; i < n; i++) {
+        const char *name = list[i]->d_name;
+        char path[600];
+        snprintf(path, sizeof(path), "%s/%s", dir, name);
+        FILE *f = is_relay_log(name) ? fopen(path, "r") : NULL;
+        if (f) {
+            static char ring[TAIL_LINES][600];
+            size_t seen = 0;
+            char *line = ring[0];
+            while (fgets(line = ring[seen % TAIL_LINES], sizeof(ring[0]), f)) {
+                size_t l = strlen(line);
+                if (l > 0 && line[l - 1] != '\n') { /* a long line: its start is kept */
+                    int c;
+                    while ((c = fgetc(f)) != EOF && c != '\n') {
+                    }
+                    line[l - 1] = '\n';
+                }
+                seen++;
+            }
+            fclose(f);
+            printf("--- the last lines of %s ---\n", name);
+            for (size_t k = seen > TAIL_LINES ? seen - TAIL_LINES : 0; k < seen; k++)
+                fputs(ring[k % TAIL_LINES], stdout);
+        }
+        free(list[i]);
+    }
+    if (n > 0)
+        free(list);
+    fflush(stdout);
+}
+
 /* Lines no relay may ever log: a bug (OBX_BUG) or an event loop that did
  * not close. Returns the first one found in any relay log of DIR. */
 static bool find_bug_line(const char *dir, char *found, size_t len)
@@ -763,10 +811,7 @@ static bool find_bug_line(const char *dir, char *found, size_t len)
     bool hit = false;
     for (int i = 0; i < n; i++) {
         const char *name = list[i]->d_name;
-        size_t nl = strlen(name);
-        if (!hit && nl > 4 && strcmp(name + nl - 4, ".log") == 0 &&
-            strcmp(name, "postgres.log") != 0 && strcmp(name, "psql.log") != 0 &&
-            strcmp(name, "broker.log") != 0) {
+        if (!hit && is_relay_log(name)) {
             char path[600], line[4096];
             snprintf(path, sizeof(path), "%s/%s", dir, name);
             FILE *f = fopen(path, "r");
@@ -819,8 +864,10 @@ void h_env_stop(struct h_env *e)
     }
     h_pg_stop(e);
     note_long_wait(t0, "env_stop", NULL);
-    if (e->dir[0])
+    if (e->dir[0]) {
         buggy = find_bug_line(e->dir, bug, sizeof(bug));
+        print_log_tails(e->dir);
+    }
     if (e->dir[0]) {
         if (getenv("OBX_IT_KEEP") || buggy)
             fprintf(stderr, "keeping %s\n", e->dir);
