@@ -834,8 +834,8 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
 }
 
 /* Log mode: the fetch's record (*seq), with its claim if the cursor holds
- * (or a partial one, see cursor_advance); *seq 0 outside log mode. False with no memory for it: the
- * fetch is then set aside. */
+ * (or a partial one, see cursor_advance); *seq 0 outside log mode. False
+ * with no memory for it: the fetch is then set aside. */
 static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapshot, int64_t now)
 {
     *seq = 0;

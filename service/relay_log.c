@@ -145,26 +145,24 @@ void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, con
         return;
     int64_t *bound = obx_calloc((size_t)r->set.shards, sizeof(*bound));
     int n = 0;
-    if (bound && slot_bounds(r, bound))
-        for (int i = 0; i < r->set.shards; i++)
-            n += r->shard.owned[i] && bound[i] <= hwm;
+    if (bound && slot_bounds(r, bound) &&
+        (f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))))
+        for (int i = 0; i < r->set.shards; i++) {
+            f->about[i] = r->shard.owned[i] && bound[i] <= hwm;
+            n += f->about[i];
+        }
+    obx_free(bound);
     /* "{" and up to five characters a slot (1023,) and "}" */
     size_t cap = 2 + (size_t)n * 5 + 1;
-    if (n == 0 || !(f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))) ||
-        !(f->about_text = obx_malloc(cap)) || !(f->snap = obx_strdup(snap))) {
+    if (n == 0 || !(f->about_text = obx_malloc(cap)) || !(f->snap = obx_strdup(snap))) {
         rec_unclaim(f); /* none, or no memory: no claim, which is always safe */
-        obx_free(bound);
         return;
     }
     size_t len = 0;
     f->about_text[len++] = '{';
-    for (int i = 0; i < r->set.shards; i++) {
-        if (!r->shard.owned[i] || bound[i] > hwm)
-            continue;
-        f->about[i] = true;
-        len += (size_t)snprintf(f->about_text + len, cap - len, "%s%d", len > 1 ? "," : "", i);
-    }
-    obx_free(bound);
+    for (int i = 0; i < r->set.shards; i++)
+        if (f->about[i])
+            len += (size_t)snprintf(f->about_text + len, cap - len, "%s%d", len > 1 ? "," : "", i);
     f->about_text[len++] = '}';
     f->about_text[len] = '\0';
     f->claim = true;
@@ -702,15 +700,22 @@ bool relay_log_unclaimed(const struct obx_relay *r)
            !(l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq);
 }
 
-/* The cursor row in flight failed, and may have committed all the same
- * (its answer lost): later partial claims about its slots stay at or above
- * its hwm, as if it had. */
-void relay_log_write_failed(struct obx_relay *r)
+/* The cursor row in flight is stored, or may be: slot_hwm of its slots
+ * (a partial one's, or every slot owned) rises to its hwm. */
+static void raise_for_write(struct obx_relay *r)
 {
     struct log_state *l = &r->log;
     for (int i = 0; relay_sharded(r) && i < r->set.shards; i++)
         if (l->write_partial ? l->write_about[i] : r->shard.owned[i])
             raise_slot_hwm(l, i, l->write_hwm);
+}
+
+/* The cursor row in flight failed, and may have committed all the same
+ * (its answer lost): later partial claims about its slots stay at or above
+ * its hwm, as if it had. */
+void relay_log_write_failed(struct obx_relay *r)
+{
+    raise_for_write(r);
 }
 
 /* The cursor row in flight committed: it is the stored cursor now. */
@@ -725,15 +730,9 @@ void relay_log_write_done(struct obx_relay *r)
     /* A partial claim's row is about some slots, below the stored hwm: the
      * claims after it still start from the one before. It covers no held
      * key of the other slots, and stored no offsets. */
-    if (l->write_partial) {
-        for (int i = 0; i < r->set.shards; i++)
-            if (l->write_about[i])
-                raise_slot_hwm(l, i, l->write_hwm);
+    raise_for_write(r);
+    if (l->write_partial)
         return;
-    }
-    for (int i = 0; relay_sharded(r) && i < r->set.shards; i++)
-        if (r->shard.owned[i])
-            raise_slot_hwm(l, i, l->write_hwm);
     l->stored_send = l->write_send;
     l->stored_hwm = l->write_hwm;
     obx_free(l->stored_snap);
