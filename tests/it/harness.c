@@ -333,12 +333,59 @@ static void keep_committed(struct h_env *e)
     PQfinish(c);
 }
 
-static void broker_start(struct h_env *e, const char *const *topics)
+/* Starts argv (the mock broker or the real cluster) with its control
+ * stdin and stdout piped to us, and reads the lines it prints once ready:
+ * "internal <list>" (the real cluster's) and last "bootstrap <list>". */
+static void broker_spawn(struct h_env *e, char *const *argv)
 {
     int in[2], out[2];
+    char line[sizeof(e->bootstrap) + 32];
+    char log[300];
+    snprintf(log, sizeof(log), "%s/broker.log", e->dir);
+    if (pipe(in) != 0 || pipe(out) != 0)
+        fail_msg("pipe: %s", strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0)
+        fail_msg("fork: %s", strerror(errno));
+    if (pid == 0) {
+        child_prepare(NULL, SIGTERM);
+        dup2(in[0], 0);
+        dup2(out[1], 1);
+        if (e->real_kafka) { /* its own words go to a file: the JVMs' to theirs */
+            int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+            if (fd >= 0)
+                dup2(fd, 2);
+        }
+        close(in[1]);
+        close(out[0]);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    e->broker_pid = pid;
+    e->broker_in = fdopen(in[1], "w");
+    e->broker_out = fdopen(out[0], "r");
+    for (;;) {
+        if (!fgets(line, sizeof(line), e->broker_out))
+            fail_msg("%s did not start%s%s", argv[0], e->real_kafka ? "; see " : "",
+                     e->real_kafka ? log : "");
+        line[strcspn(line, "\r\n")] = '\0';
+        if (strncmp(line, "internal ", 9) == 0)
+            snprintf(e->internal, sizeof(e->internal), "%.*s", (int)sizeof(e->internal) - 1,
+                     line + 9);
+        if (strncmp(line, "bootstrap ", 10) == 0)
+            break;
+    }
+    snprintf(e->bootstrap, sizeof(e->bootstrap), "%.*s", (int)sizeof(e->bootstrap) - 1, line + 10);
+    if (!e->internal[0])
+        snprintf(e->internal, sizeof(e->internal), "%s", e->bootstrap);
+}
+
+static void broker_start(struct h_env *e, const char *const *topics)
+{
     char *argv[80];
     int argc = 0;
-    char line[sizeof(e->bootstrap) - 32];
 
     argv[argc++] = OBX_BINARY_DIR "/tests/obx-mock-broker";
     /* OBX_MOCK_PLAIN=1: the bare mock, without its sequence checks, to see
@@ -350,43 +397,76 @@ static void broker_start(struct h_env *e, const char *const *topics)
         argv[argc++] = (char *)topics[i];
     }
     argv[argc] = NULL;
-    if (pipe(in) != 0 || pipe(out) != 0)
-        fail_msg("pipe: %s", strerror(errno));
-    pid_t pid = fork();
-    if (pid < 0)
-        fail_msg("fork: %s", strerror(errno));
-    if (pid == 0) {
-        child_prepare(NULL, SIGTERM);
-        dup2(in[0], 0);
-        dup2(out[1], 1);
-        close(in[1]);
-        close(out[0]);
-        execv(argv[0], argv);
-        _exit(127);
+    broker_spawn(e, argv);
+}
+
+/* The real cluster, in DIR/kafka: its nodes' logs are DIR/kafka/n<i>/kafka.log. */
+static void real_kafka_start(struct h_env *e, const char *const *topics)
+{
+    char *argv[100], nodes[8], dir[300];
+    int argc = 0;
+    snprintf(nodes, sizeof(nodes), "%d", e->kafka.nodes ? e->kafka.nodes : 3);
+    snprintf(dir, sizeof(dir), "%s/kafka", e->dir);
+    argv[argc++] = OBX_BINARY_DIR "/tests/obx-kafka-cluster";
+    argv[argc++] = "-n";
+    argv[argc++] = nodes;
+    argv[argc++] = "-d";
+    argv[argc++] = dir;
+    if (e->kafka.proxy)
+        argv[argc++] = "-x";
+    if (e->kafka.sasl)
+        argv[argc++] = "-s";
+    for (int i = 0; i < 12 && e->kafka.settings[i]; i++) {
+        argv[argc++] = "-o";
+        argv[argc++] = (char *)e->kafka.settings[i];
     }
-    close(in[0]);
-    close(out[1]);
-    e->broker_pid = pid;
-    e->broker_in = fdopen(in[1], "w");
-    e->broker_out = fdopen(out[0], "r");
-    if (!fgets(line, sizeof(line), e->broker_out) || strncmp(line, "bootstrap ", 10) != 0)
-        fail_msg("mock broker did not start");
-    line[strcspn(line, "\r\n")] = '\0';
-    snprintf(e->bootstrap, sizeof(e->bootstrap), "%s", line + 10);
+    for (int i = 0; topics && topics[i] && argc < 96; i++) {
+        argv[argc++] = "-t";
+        argv[argc++] = (char *)topics[i];
+    }
+    argv[argc] = NULL;
+    broker_spawn(e, argv);
+}
+
+static bool broker_vcmd(struct h_env *e, char *reply, size_t len, const char *fmt, va_list ap)
+{
+    int64_t t0 = h_now_ms();
+    char cmd[256];
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    fprintf(e->broker_in, "%s\n", cmd);
+    fflush(e->broker_in);
+    reply[0] = '\0';
+    if (!fgets(reply, (int)len, e->broker_out))
+        return false;
+    reply[strcspn(reply, "\r\n")] = '\0';
+    note_long_wait(t0, "broker", cmd);
+    if (strncmp(reply, "ok", 2) != 0)
+        print_message("broker: %s: %s\n", cmd, reply);
+    return strncmp(reply, "ok", 2) == 0;
 }
 
 bool h_broker_cmd(struct h_env *e, const char *fmt, ...)
 {
-    char reply[256];
+    char reply[512];
     va_list ap;
     va_start(ap, fmt);
-    vfprintf(e->broker_in, fmt, ap);
+    bool ok = broker_vcmd(e, reply, sizeof(reply), fmt, ap);
     va_end(ap);
-    fputc('\n', e->broker_in);
-    fflush(e->broker_in);
-    if (!fgets(reply, sizeof(reply), e->broker_out))
-        return false;
-    return strncmp(reply, "ok", 2) == 0;
+    return ok;
+}
+
+long h_broker_query(struct h_env *e, const char *fmt, ...)
+{
+    char reply[512];
+    va_list ap;
+    va_start(ap, fmt);
+    bool ok = broker_vcmd(e, reply, sizeof(reply), fmt, ap);
+    va_end(ap);
+    char *end;
+    long v = ok ? strtol(reply + 2, &end, 10) : 0;
+    if (!ok || end == reply + 2)
+        fail_msg("broker: no number in the answer \"%s\"", reply);
+    return v;
 }
 
 void h_broker_seq_stats(struct h_env *e, struct h_seq_stats *out)
@@ -541,10 +621,37 @@ void h_env_start(struct h_env *e, const char *const *topics)
     h_env_start_with(e, topics, 0);
 }
 
+static void env_start(struct h_env *e, const char *const *topics, unsigned flags,
+                      const struct h_kafka *k);
+
 void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags)
+{
+    const char *kafka = getenv("OBX_IT_KAFKA");
+    const char *nodes = getenv("OBX_IT_KAFKA_NODES");
+    struct h_kafka k = {.nodes = nodes && *nodes ? atoi(nodes) : 3};
+    if (kafka && *kafka && strcmp(kafka, "real") != 0 && strcmp(kafka, "mock") != 0)
+        fail_msg("OBX_IT_KAFKA is real or mock, not %s", kafka);
+    bool real = (flags & H_REAL_KAFKA) || (kafka && strcmp(kafka, "real") == 0);
+    env_start(e, topics, flags, real ? &k : NULL);
+}
+
+void h_env_start_real(struct h_env *e, const char *const *topics, unsigned flags,
+                      const struct h_kafka *k)
+{
+    static const struct h_kafka defaults = {.nodes = 3};
+    env_start(e, topics, flags, k ? k : &defaults);
+}
+
+/* k NULL: the mock broker. */
+static void env_start(struct h_env *e, const char *const *topics, unsigned flags,
+                      const struct h_kafka *k)
 {
     struct passwd *pw = server_user();
     memset(e, 0, sizeof(*e));
+    if (k) {
+        e->real_kafka = true;
+        e->kafka = *k;
+    }
     if (flags & H_PG_TCP) {
         e->pg_tcp = true;
         e->pg_port = h_free_port();
@@ -566,8 +673,11 @@ void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags
     }
     note_long_wait(t0, "postgres", NULL);
     t0 = h_now_ms();
-    broker_start(e, topics);
-    note_long_wait(t0, "broker", NULL);
+    if (e->real_kafka)
+        real_kafka_start(e, topics);
+    else
+        broker_start(e, topics);
+    note_long_wait(t0, e->real_kafka ? "real kafka" : "broker", NULL);
     e->http_port = h_free_port();
 }
 
@@ -843,7 +953,7 @@ void h_env_stop(struct h_env *e)
     }
     if (e->broker_pid > 0) {
         kill(e->broker_pid, SIGTERM);
-        if (wait_exit(e->broker_pid, 10000) == -1) {
+        if (wait_exit(e->broker_pid, 30000) == -1) {
             kill(e->broker_pid, SIGKILL);
             wait_exit(e->broker_pid, 5000);
         }
@@ -909,6 +1019,18 @@ void h_relay_start(struct h_env *e, const char *failpoints, const char *const *x
              "log.format = json\n" /* events carry names: h_relay_events */
              "relay.on_sent = %s\n",
              e->conninfo, e->bootstrap, e->http_port, mode);
+    if (e->real_kafka) {
+        /* What the idempotent producer takes anyway, said out loud: every
+         * in-sync replica (min.insync.replicas 2 of 3) has each record. */
+        size_t used = strlen(text);
+        used += (size_t)snprintf(text + used, sizeof(text) - used, "kafka.acks = all\n");
+        if (e->kafka.sasl)
+            snprintf(text + used, sizeof(text) - used,
+                     "kafka.security.protocol = SASL_PLAINTEXT\n"
+                     "kafka.sasl.mechanisms = PLAIN\n"
+                     "kafka.sasl.username = relay\n"
+                     "kafka.sasl.password = relay-secret\n");
+    }
     write_file(conf, text);
 
     /* OBX_RELAY_BINARY: the binary under test, e.g. an older build for a
@@ -1192,7 +1314,7 @@ int h_kafka_empty_partitions(struct h_env *e, const char *topic)
 {
     char err[512];
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
-    rd_kafka_conf_set(conf, "bootstrap.servers", e->bootstrap, err, sizeof(err));
+    rd_kafka_conf_set(conf, "bootstrap.servers", e->internal, err, sizeof(err));
     rd_kafka_conf_set(conf, "log_level", "3", err, sizeof(err));
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
     if (!rk)
@@ -1223,7 +1345,7 @@ void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_recor
     char err[512];
     int64_t t0 = h_now_ms();
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
-    rd_kafka_conf_set(conf, "bootstrap.servers", e->bootstrap, err, sizeof(err));
+    rd_kafka_conf_set(conf, "bootstrap.servers", e->internal, err, sizeof(err));
     rd_kafka_conf_set(conf, "group.id", "obx-it-reader", err, sizeof(err));
     rd_kafka_conf_set(conf, "enable.partition.eof", "true", err, sizeof(err));
     rd_kafka_conf_set(conf, "enable.auto.commit", "false", err, sizeof(err));
@@ -1334,6 +1456,73 @@ static int cmp_record_id(const void *a, const void *b)
     const struct h_record *x = *(const struct h_record *const *)a;
     const struct h_record *y = *(const struct h_record *const *)b;
     return x->outbox_id < y->outbox_id ? -1 : x->outbox_id > y->outbox_id;
+}
+
+/* "ts":"2026-12-04T13:07:16.698Z" of a JSON log line, in ms; -1 if none. */
+static int64_t log_line_ms(const char *line)
+{
+    const char *ts = strstr(line, "\"ts\":\"");
+    struct tm tm = {0};
+    int ms = 0;
+    if (!ts || sscanf(ts + 6, "%4d-%2d-%2dT%2d:%2d:%2d.%3dZ", &tm.tm_year, &tm.tm_mon, &tm.tm_mday,
+                      &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &ms) != 7)
+        return -1;
+    tm.tm_year -= 1900;
+    tm.tm_mon -= 1;
+    return (int64_t)timegm(&tm) * 1000 + ms;
+}
+
+/* The high watermark of the first recovery pass that read (topic,
+ * partition) at or after `since_ms`; -1 if none did. */
+static int64_t pass_high_watermark(struct h_env *e, const char *topic, int32_t partition,
+                                   int64_t since_ms)
+{
+    char path[300], line[4096], what[300];
+    snprintf(what, sizeof(what), "recovery: reading %s [%d] from offset ", topic, partition);
+    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    int64_t hw = -1;
+    while (f && hw < 0 && fgets(line, sizeof(line), f)) {
+        const char *m = strstr(line, what);
+        const char *w = m ? strstr(m, "up to the high watermark ") : NULL;
+        if (w && log_line_ms(line) >= since_ms)
+            hw = strtoll(w + strlen("up to the high watermark "), NULL, 10);
+    }
+    if (f)
+        fclose(f);
+    return hw;
+}
+
+size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
+{
+    size_t explained = 0;
+    for (size_t i = 0; i < recs->n; i++) {
+        const struct h_record *first = &recs->v[i], *later = NULL;
+        bool seen_before = false;
+        for (size_t j = 0; j < recs->n; j++) {
+            const struct h_record *x = &recs->v[j];
+            if (j == i || x->outbox_id != first->outbox_id)
+                continue;
+            if (strcmp(x->topic, first->topic) != 0 || x->partition != first->partition)
+                fail_msg("row %lld is in %s [%d] and in %s [%d]", (long long)first->outbox_id,
+                         first->topic, first->partition, x->topic, x->partition);
+            if (x->offset < first->offset)
+                seen_before = true;
+            else
+                later = x;
+        }
+        if (seen_before || !later)
+            continue; /* not a first copy, or no duplicate */
+        int64_t hw = pass_high_watermark(e, first->topic, first->partition, first->timestamp);
+        if (hw < 0 || hw > first->offset)
+            fail_msg(
+                "row %lld was published twice (%s [%d] offsets %lld and %lld), and the "
+                "recovery pass after the first copy (created at %lld ms) %s",
+                (long long)first->outbox_id, first->topic, first->partition,
+                (long long)first->offset, (long long)later->offset, (long long)first->timestamp,
+                hw < 0 ? "is not in the relay's log" : "could see it: not the replication window");
+        explained++;
+    }
+    return explained;
 }
 
 size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,

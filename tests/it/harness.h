@@ -1,6 +1,7 @@
 /*
- * Integration test harness: a throwaway PostgreSQL, the mock Kafka broker
- * process and the real outboxd binary, all children of the test process.
+ * Integration test harness: a throwaway PostgreSQL, Kafka (the mock broker
+ * process, or a real Apache Kafka cluster: obx-kafka-cluster) and the real
+ * outboxd binary, all children of the test process.
  *
  * Every child gets PR_SET_PDEATHSIG, so even a test process killed by a
  * signal leaves no server behind; h_env_stop() stops them in order and
@@ -20,6 +21,14 @@
 #include <cmocka.h>
 #include <libpq-fe.h>
 
+/* A real Kafka cluster (obx-kafka-cluster) rather than the mock. */
+struct h_kafka {
+    int nodes;                /* 1 or 3; 0 = 3 */
+    bool proxy;               /* our TCP proxy before each broker: cut, blackhole, heal */
+    bool sasl;                /* the relay authenticates as "relay" and ACLs apply */
+    const char *settings[12]; /* more broker settings, "key=value", NULL-ended */
+};
+
 struct h_env {
     char dir[256];
     char conninfo[512];
@@ -27,6 +36,12 @@ struct h_env {
     pid_t broker_pid;
     FILE *broker_in, *broker_out;
     char bootstrap[512];
+    /* A real cluster: its brokers' own listener, which no proxy and no SASL
+     * is on; the harness reads records back there, whatever a test does to
+     * the relay's connections. */
+    bool real_kafka;
+    struct h_kafka kafka;
+    char internal[512];
     pid_t relay_pid;
     int relay_starts;
     const char *relay_env[4]; /* extra NAME=value for the relay, NULL-ended */
@@ -42,7 +57,8 @@ struct h_env {
 };
 
 /* h_env_start_with flags. */
-#define H_PG_TCP 1 /* Postgres on TCP (127.0.0.1, a free port), as most deployments */
+#define H_PG_TCP     1 /* Postgres on TCP (127.0.0.1, a free port), as most deployments */
+#define H_REAL_KAFKA 2 /* a real Kafka cluster of 3 nodes, whatever OBX_IT_KAFKA says */
 
 struct h_header {
     char *name;
@@ -70,9 +86,16 @@ struct h_records {
 };
 
 /* Starts Postgres (schema applied) and the broker with `topics`
- * ("name:partitions" strings, NULL-terminated). Fails the test on error. */
+ * ("name:partitions" strings, NULL-terminated; for a real cluster also
+ * "name:partitions:key=value,..." with the topic's settings). Fails the test
+ * on error. The broker is the mock unless OBX_IT_KAFKA=real (then a real
+ * cluster of OBX_IT_KAFKA_NODES nodes, 3 by default: replication factor 3,
+ * min.insync.replicas 2, and the relay's kafka.acks = all). */
 void h_env_start(struct h_env *e, const char *const *topics);
 void h_env_start_with(struct h_env *e, const char *const *topics, unsigned flags);
+/* The same with a real cluster set up as k says (NULL: the defaults). */
+void h_env_start_real(struct h_env *e, const char *const *topics, unsigned flags,
+                      const struct h_kafka *k);
 /* Stops everything that runs and removes the directory. Safe to call twice. */
 void h_env_stop(struct h_env *e);
 
@@ -89,6 +112,10 @@ const char *h_relay_log_path(const struct h_env *e, char *buf, size_t len);
 
 /* Sends a control command to the broker; returns true on "ok". */
 bool h_broker_cmd(struct h_env *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The same for a command that answers "ok <number>" (leader, controller,
+ * coordinator, pid of a real cluster): returns the number; fails the test
+ * on an error, naming the command and the answer. */
+long h_broker_query(struct h_env *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* The broker's sequence checks so far ("stats"): batches checked, refused
  * out of sequence, answered as duplicates of a stored batch. */
@@ -166,6 +193,13 @@ int h_run_suite(const char *group, const struct CMUnitTest *tests, size_t n, int
  * Returns the number of duplicates. */
 size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
                                 bool allow_duplicates);
+
+/* Real Kafka's replication window (doc/guarantees.md): a row published
+ * twice is explained when its first copy lay at or above the high
+ * watermark the relay's next recovery pass read its partition to (the
+ * relay's "recovery_read" lines; it must log at debug level). Fails on a
+ * duplicate it cannot explain that way; returns how many it explained. */
+size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs);
 
 /* A datagram socket DIR/name for sd_notify messages; writes
  * "NOTIFY_SOCKET=path" into var (for relay_env). Returns the fd. */
