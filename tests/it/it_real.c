@@ -1,0 +1,527 @@
+/*
+ * What only a real Apache Kafka cluster has (issue 36): replication and the
+ * in-sync replicas, leader elections, a paused or unreachable leader,
+ * broker-side limits, a topic that does not exist with auto-create off,
+ * ACLs, producer state that expires, compression on disk. Each scenario
+ * starts its own 3-node KRaft cluster (obx-kafka-cluster: replication
+ * factor 3, min.insync.replicas 2; the relay sends with acks=all).
+ *
+ *   it_real [SCENARIO]
+ */
+#include "harness.h"
+#include "scenario.h"
+
+#include <dirent.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <setjmp.h>
+#include <cmocka.h>
+
+static struct h_env env;
+
+static int teardown_env(void **state)
+{
+    (void)state;
+    h_env_stop(&env);
+    return 0;
+}
+
+#define TOPICS ((const char *const[]){"it.a:4", "it.b:3", "it.c:1", NULL})
+
+/* Background writers (scenario.h) until stopped. */
+struct writers {
+    atomic_int stop;
+    struct s_writer w[2];
+    pthread_t t[2];
+};
+
+static void writers_start(struct writers *ws, int pace_ms)
+{
+    atomic_store(&ws->stop, 0);
+    for (int i = 0; i < 2; i++) {
+        ws->w[i] = (struct s_writer){
+            .env = &env, .w = i, .rows_per_tx = 1 + 2 * i, .stop = &ws->stop, .pace_ms = pace_ms};
+        assert_int_equal(pthread_create(&ws->t[i], NULL, s_writer_main, &ws->w[i]), 0);
+    }
+}
+
+static int writers_stop(struct writers *ws)
+{
+    atomic_store(&ws->stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(ws->t[i], NULL);
+    return ws->w[0].written + ws->w[1].written;
+}
+
+/* Drains, then checks every row in Kafka exactly once and in key order. */
+static size_t drain_exactly_once(const char *const *topics)
+{
+    s_wait_drained(&env, 120000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, topics, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    size_t n = recs.n;
+    h_records_free(&recs);
+    return n;
+}
+
+/* A node other than `not_a` and `not_b` (1..3). */
+static int other_node(long not_a, long not_b)
+{
+    for (int id = 1; id <= 3; id++)
+        if (id != not_a && id != not_b)
+            return id;
+    return 1;
+}
+
+static double relay_metric(const char *series)
+{
+    static char body[1 << 18];
+    assert_int_equal(h_http_get(&env, "/metrics", body, sizeof(body)), 200);
+    return h_metric(body, series);
+}
+
+/* The canary for a Kafka upgrade (tests/kafka/pom.xml): librdkafka 2.0.2
+ * enables what the relay relies on against this broker, as its own
+ * feature log says, and a few rows go through once. */
+static void test_protocol_features(void **state)
+{
+    (void)state;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"log.level=debug", "kafka.debug=feature", NULL});
+    s_prefill(&env, "it.a", 50);
+    assert_int_equal(drain_exactly_once(S_TOPICS), 50);
+    static const char *const needed[] = {"IdempotentProducer", "MsgVer2", "BrokerGroupCoordinator",
+                                         "LZ4", "ZSTD"};
+    for (size_t i = 0; i < sizeof(needed) / sizeof(needed[0]); i++) {
+        char line[96];
+        snprintf(line, sizeof(line), "Enabling feature %s", needed[i]);
+        if (!h_relay_log_contains(&env, line))
+            fail_msg("librdkafka did not enable %s against this broker (no '%s' in the relay's "
+                     "log)",
+                     needed[i], line);
+    }
+}
+
+/* The replication window, made wide on purpose: a follower of the only
+ * partition is paused, so the leader holds the relay's records above the
+ * high watermark until replica.lag.time.max.ms drops the follower from the
+ * in-sync set. The relay is killed with them in flight and restarted at
+ * once: its recovery pass reads to the high watermark, cannot see them and
+ * publishes the rows again. Each duplicate must be of exactly that kind. */
+static void test_replication_window(void **state)
+{
+    (void)state;
+    const struct h_kafka k = {.settings = {"replica.lag.time.max.ms=6000", NULL}};
+    h_env_start_real(&env, (const char *const[]){"it.w:1", NULL}, 0, &k);
+    const char *const *debug = (const char *const[]){"log.level=debug", NULL};
+    h_relay_start(&env, NULL, debug);
+    PGconn *c = h_connect(&env);
+    for (int i = 0; i < 20; i++)
+        h_enqueue(c, "it.w", "K", "before", 6, NULL);
+    s_wait_drained(&env, 30000);
+
+    long leader = h_broker_query(&env, "leader it.w 0");
+    long controller = h_broker_query(&env, "controller");
+    int follower = other_node(leader, controller);
+    assert_true(h_broker_cmd(&env, "pause %d", follower));
+    for (int i = 0; i < 50; i++)
+        h_enqueue(c, "it.w", "K", "in the window", 13, NULL);
+    /* Sent and waiting for the paused follower's acknowledgement. */
+    int64_t deadline = h_now_ms() + 10000;
+    while (relay_metric("outboxd_rows_in_flight") < 1 && h_now_ms() < deadline)
+        h_sleep_ms(50);
+    assert_true(relay_metric("outboxd_rows_in_flight") >= 1);
+    h_sleep_ms(300);
+    assert_int_equal(h_relay_stop(&env, SIGKILL, 10000), 128 + SIGKILL);
+    h_relay_start(&env, NULL, debug);
+    s_wait_drained(&env, 60000);
+    assert_true(h_broker_cmd(&env, "cont %d", follower));
+    assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.w", NULL}, &recs);
+    size_t dups = h_check_db_matches_kafka(&env, &recs, true);
+    size_t explained = h_explain_duplicates(&env, &recs);
+    assert_int_equal(dups, explained);
+    assert_true(dups > 0); /* the window was open: otherwise this test showed nothing */
+    print_message("replication window: %zu of 50 rows published twice, each first copy above the "
+                  "high watermark the recovery pass read to\n",
+                  dups);
+    h_records_free(&recs);
+    PQfinish(c);
+}
+
+/* The leader of a partition the writers use, killed -9 five times, each
+ * time the new one; the old one comes back in between. With acks=all and
+ * min.insync.replicas 2 an acknowledged record is on a follower that
+ * becomes leader, and the idempotent producer's state moves with it. */
+static void test_leader_kill_chase(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL, NULL);
+    s_wait_sent(&env, 200, 30000);
+    for (int i = 0; i < 5; i++) {
+        long leader = h_broker_query(&env, "leader it.a 0");
+        assert_true(leader >= 1 && leader <= 3);
+        assert_true(h_broker_cmd(&env, "kill %ld", leader));
+        int64_t deadline = h_now_ms() + 30000;
+        long now;
+        while ((now = h_broker_query(&env, "leader it.a 0")) == leader || now < 0) {
+            if (h_now_ms() > deadline)
+                fail_msg("kill %d: no new leader of it.a [0] within 30 s", i);
+            h_sleep_ms(200);
+        }
+        h_sleep_ms(1000);
+        assert_true(h_broker_cmd(&env, "start %ld", leader));
+        assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    }
+    int written = writers_stop(&ws);
+    size_t n = drain_exactly_once(S_TOPICS);
+    print_message("leader killed 5 times: %zu records (%d rows by writers), exactly once\n", n,
+                  written);
+}
+
+/* Every node restarted in turn under load: cleanly (SIGTERM, controlled
+ * shutdown moves leadership first), then hard (kill -9 and start). */
+static void test_rolling_restarts(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL, NULL);
+    s_wait_sent(&env, 200, 30000);
+    for (int id = 1; id <= 3; id++) {
+        assert_true(h_broker_cmd(&env, "restart %d", id));
+        assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    }
+    for (int id = 1; id <= 3; id++) {
+        assert_true(h_broker_cmd(&env, "kill %d", id));
+        h_sleep_ms(1500);
+        assert_true(h_broker_cmd(&env, "start %d", id));
+        assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    }
+    int written = writers_stop(&ws);
+    size_t n = drain_exactly_once(S_TOPICS);
+    print_message("clean and hard rolling restarts: %zu records (%d rows by writers), exactly "
+                  "once\n",
+                  n, written);
+}
+
+/* The quorum's active controller killed -9 under load, twice (the other
+ * two elect a new one), and the group coordinator of the recovery pass's
+ * consumer (group.id outboxd-recovery: it commits nothing, but librdkafka
+ * looks the coordinator up), each time with the relay killed and
+ * restarted, so that its recovery pass runs while that node is gone. */
+static void test_controller_and_coordinator_killed(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL, NULL);
+    s_wait_sent(&env, 200, 30000);
+    for (int i = 0; i < 3; i++) {
+        long victim = i < 2 ? h_broker_query(&env, "controller")
+                            : h_broker_query(&env, "coordinator group outboxd-recovery");
+        assert_true(h_broker_cmd(&env, "kill %ld", victim));
+        if (i < 2)
+            assert_true(h_broker_query(&env, "controller") != victim);
+        assert_int_equal(h_relay_stop(&env, SIGKILL, 10000), 128 + SIGKILL);
+        h_relay_start(&env, NULL, NULL);
+        h_sleep_ms(3000);
+        assert_true(h_broker_cmd(&env, "start %ld", victim));
+        assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    }
+    int written = writers_stop(&ws);
+    size_t n = drain_exactly_once(S_TOPICS);
+    print_message("active controller killed twice, then the recovery group's coordinator (the "
+                  "relay killed and restarted each time): %zu records (%d rows by writers), "
+                  "exactly once\n",
+                  n, written);
+}
+
+/* A leader paused (SIGSTOP) for longer than the relay's request timeout
+ * and the brokers' session timeout: its requests time out, the controller
+ * fences it and another replica leads; it then wakes up with requests of
+ * ours it had read but not answered. */
+static void test_leader_paused(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL, (const char *const[]){"kafka.request.timeout.ms=3000", NULL});
+    s_wait_sent(&env, 200, 30000);
+    long leader = h_broker_query(&env, "leader it.a 0");
+    assert_true(h_broker_cmd(&env, "pause %ld", leader));
+    h_sleep_ms(8000);
+    int64_t sent = s_sent_count(&env);
+    assert_true(h_broker_cmd(&env, "cont %ld", leader));
+    assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    int written = writers_stop(&ws);
+    size_t n = drain_exactly_once(S_TOPICS);
+    print_message("leader paused 8 s (request timeout 3 s): %lld rows sent while it was, %zu "
+                  "records (%d rows by writers), exactly once\n",
+                  (long long)sent, n, written);
+}
+
+/* Every broker down for longer than a finite kafka.message.timeout.ms:
+ * records time out in the producer (possibly persisted or not), the
+ * recovery pass cannot reach Kafka and waits; once the cluster is back,
+ * every row is there once. */
+static void test_all_brokers_down(void **state)
+{
+    (void)state;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"kafka.message.timeout.ms=4000",
+                                        "kafka.request.timeout.ms=2000",
+                                        "relay.retry_backoff=300ms", NULL});
+    s_prefill(&env, "it.a", 300);
+    s_wait_drained(&env, 30000);
+    assert_true(h_broker_cmd(&env, "kill all"));
+    s_prefill(&env, "it.b", 300);
+    s_prefill(&env, "it.c", 300);
+    h_sleep_ms(9000);
+    assert_int_equal(s_sent_count(&env), 300);
+    assert_true(h_broker_cmd(&env, "start all"));
+    assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    assert_int_equal(drain_exactly_once(S_TOPICS), 900);
+    assert_true(
+        h_relay_events(&env, "publish_failed", NULL) + h_relay_log_count(&env, "timed out") > 0);
+}
+
+/* The relay's connections cut (reset, new ones refused) and blackholed
+ * (open, nothing forwarded) by our TCP proxy, while the brokers among
+ * themselves are fine. */
+static void test_connections_cut(void **state)
+{
+    (void)state;
+    struct writers ws;
+    const struct h_kafka k = {.proxy = true};
+    h_env_start_real(&env, TOPICS, 0, &k);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL, (const char *const[]){"kafka.request.timeout.ms=3000", NULL});
+    s_wait_sent(&env, 200, 30000);
+    for (int i = 0; i < 3; i++) {
+        assert_true(h_broker_cmd(&env, "cut all"));
+        h_sleep_ms(2000);
+        assert_true(h_broker_cmd(&env, "heal all"));
+        h_sleep_ms(1000);
+    }
+    long leader = h_broker_query(&env, "leader it.a 0");
+    assert_true(h_broker_cmd(&env, "blackhole %ld", leader));
+    h_sleep_ms(6000);
+    assert_true(h_broker_cmd(&env, "heal %ld", leader));
+    int written = writers_stop(&ws);
+    size_t n = drain_exactly_once(S_TOPICS);
+    print_message("connections cut 3 times and a leader blackholed 6 s: %zu records (%d rows), "
+                  "exactly once\n",
+                  n, written);
+}
+
+/* Refusals a broker makes and the mock cannot: a row larger than the
+ * topic's max.message.bytes (the client's limit is larger), a topic that
+ * does not exist (auto-create off), and, with SASL, a topic the relay's
+ * user may not write. Under dead_letter each goes to outbox.dead_letters
+ * with its reason; under retry its key waits. Either way the other topics
+ * and keys go on. */
+static void refusals(bool dead_letter)
+{
+    const struct h_kafka k = {.sasl = true};
+    h_env_start_real(
+        &env,
+        (const char *const[]){"it.a:2", "it.small:1:max.message.bytes=10000", "it.denied:1", NULL},
+        0, &k);
+    /* It may see and read the topic (so the recovery pass can), not write
+     * to it. A topic it may not even describe stops the recovery pass, and
+     * so every topic, until it may: doc/guarantees.md. */
+    assert_true(h_broker_cmd(&env, "acl allow User:relay it.denied describe"));
+    assert_true(h_broker_cmd(&env, "acl allow User:relay it.denied read"));
+    assert_true(h_broker_cmd(&env, "acl deny User:relay it.denied write"));
+    PGconn *c = h_connect(&env);
+    int64_t big = h_sql_int(
+        c, "SELECT outbox.enqueue('it.small', 'B', convert_to(repeat('x', 20000), 'UTF8'))");
+    int64_t missing = h_enqueue(c, "it.missing", "M", "nowhere", 7, NULL);
+    int64_t denied = h_enqueue(c, "it.denied", "D", "forbidden", 9, NULL);
+    for (int i = 0; i < 20; i++)
+        h_enqueue(c, "it.small", "S", "small", 5, NULL);
+    s_prefill(&env, "it.a", 300);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){
+                      dead_letter ? "relay.on_reject=dead_letter" : "relay.on_reject=retry",
+                      "kafka.batch.size=8000", "kafka.topic.metadata.propagation.max.ms=1000",
+                      "relay.retry_backoff=300ms", NULL});
+    const char *reasons[][2] = {
+        {"it.small", "too large"}, {"it.missing", "unknown topic"}, {"it.denied", "authoriz"}};
+    int64_t ids[] = {big, missing, denied};
+    if (dead_letter) {
+        s_wait_drained(&env, 60000);
+        for (int i = 0; i < 3; i++)
+            if (h_sql_int(c,
+                          "SELECT count(*) FROM outbox.dead_letters WHERE id = %lld"
+                          " AND reason ILIKE '%%%s%%'",
+                          (long long)ids[i], reasons[i][1]) != 1)
+                fail_msg("row %lld (%s) is not dead-lettered as '%s'", (long long)ids[i],
+                         reasons[i][0], reasons[i][1]);
+        assert_int_equal(drain_exactly_once((const char *const[]){"it.a", "it.small", NULL}), 320);
+        PQfinish(c);
+        return;
+    }
+    /* retry: everything else goes out while the three keys wait. */
+    int64_t deadline = h_now_ms() + 60000;
+    while (h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL") > 3 &&
+           h_now_ms() < deadline)
+        h_sleep_ms(200);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"), 3);
+    h_sleep_ms(2000); /* retried meanwhile, and still refused */
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(h_sql_int(c,
+                                   "SELECT count(*) FROM outbox.events WHERE id = %lld"
+                                   " AND sent_at IS NULL",
+                                   (long long)ids[i]),
+                         1);
+    assert_true(relay_metric("outboxd_keys_held_back") >= 3);
+    /* Put right: the relay's user may write, the topic exists, the row is
+     * made small. Each held row goes out then, once. */
+    assert_true(h_broker_cmd(&env, "acl remove User:relay it.denied write"));
+    assert_true(h_broker_cmd(&env, "acl allow User:relay it.denied write"));
+    assert_true(h_broker_cmd(&env, "topic it.missing 1"));
+    h_sql(c, "UPDATE outbox.events SET payload = 'fixed' WHERE id = %lld", (long long)big);
+    assert_int_equal(drain_exactly_once((const char *const[]){"it.a", "it.small", "it.missing",
+                                                              "it.denied", NULL}),
+                     323);
+    PQfinish(c);
+}
+
+static void test_refusals_dead_letter(void **state)
+{
+    (void)state;
+    refusals(true);
+}
+
+static void test_refusals_retry(void **state)
+{
+    (void)state;
+    refusals(false);
+}
+
+/* The broker forgets an idle producer's state after
+ * producer.id.expiration.ms; the relay, idle that long, writes again and
+ * must neither stop on a fatal error nor publish a row twice. */
+static void test_producer_state_expires(void **state)
+{
+    (void)state;
+    const struct h_kafka k = {.settings = {"producer.id.expiration.ms=3000",
+                                           "producer.id.expiration.check.interval.ms=500", NULL}};
+    h_env_start_real(&env, TOPICS, 0, &k);
+    h_relay_start(&env, NULL, NULL);
+    for (int round = 0; round < 3; round++) {
+        s_prefill(&env, round == 1 ? "it.b" : "it.a", 200);
+        s_wait_drained(&env, 30000);
+        h_sleep_ms(7000); /* idle: well past the expiry and its check */
+    }
+    /* Neither a fatal error nor a producer replaced after one. */
+    assert_int_equal(h_relay_log_count(&env, "kafka: fatal error"), 0);
+    assert_int_equal(h_relay_log_count(&env, "librdkafka stopped the producer"), 0);
+    static char body[4096];
+    assert_int_equal(h_http_get(&env, "/readyz", body, sizeof(body)), 200);
+    assert_int_equal(drain_exactly_once(S_TOPICS), 600);
+}
+
+/* Bytes of the partition's segment files on node `id` (DIR/kafka/n<id>). */
+static long long segment_bytes(int id, const char *topic, int partition)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/kafka/n%d/data/%s-%d", env.dir, id, topic, partition);
+    DIR *d = opendir(path);
+    if (!d)
+        fail_msg("no directory %s", path);
+    long long total = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        size_t len = strlen(de->d_name);
+        char file[900];
+        struct stat st;
+        if (len < 4 || strcmp(de->d_name + len - 4, ".log") != 0)
+            continue;
+        snprintf(file, sizeof(file), "%s/%s", path, de->d_name);
+        if (stat(file, &st) == 0)
+            total += st.st_size;
+    }
+    closedir(d);
+    return total;
+}
+
+/* Each codec: rows read back intact, and the leader's segment holds far
+ * fewer bytes than the payloads (the broker kept the producer's batches
+ * compressed). */
+static void compression(const char *codec)
+{
+    char setting[64];
+    snprintf(setting, sizeof(setting), "kafka.compression.type=%s", codec);
+    h_env_start_real(&env, (const char *const[]){"it.z:1", NULL}, 0, NULL);
+    PGconn *c = h_connect(&env);
+    h_sql(c, "SELECT outbox.enqueue('it.z', 'k' || (i %% 7)::text,"
+             " convert_to(repeat('compressible payload ' || (i %% 10)::text || ' ', 100), 'UTF8'))"
+             " FROM generate_series(1, 1000) i");
+    h_relay_start(&env, NULL, (const char *const[]){setting, "kafka.linger.ms=20", NULL});
+    assert_int_equal(drain_exactly_once((const char *const[]){"it.z", NULL}), 1000);
+    long leader = h_broker_query(&env, "leader it.z 0");
+    long long payload = 1000LL * 100 * 23, on_disk = segment_bytes((int)leader, "it.z", 0);
+    print_message("%s: %lld payload bytes, %lld bytes in the leader's segment\n", codec, payload,
+                  on_disk);
+    if (on_disk <= 0 || on_disk * 4 > payload)
+        fail_msg("%s: the segment holds %lld bytes for %lld payload bytes: not compressed", codec,
+                 on_disk, payload);
+    PQfinish(c);
+}
+
+static void test_compression_gzip(void **state)
+{
+    (void)state;
+    compression("gzip");
+}
+
+static void test_compression_lz4(void **state)
+{
+    (void)state;
+    compression("lz4");
+}
+
+static void test_compression_zstd(void **state)
+{
+    (void)state;
+    compression("zstd");
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_protocol_features, teardown_env),
+        cmocka_unit_test_teardown(test_replication_window, teardown_env),
+        cmocka_unit_test_teardown(test_leader_kill_chase, teardown_env),
+        cmocka_unit_test_teardown(test_rolling_restarts, teardown_env),
+        cmocka_unit_test_teardown(test_controller_and_coordinator_killed, teardown_env),
+        cmocka_unit_test_teardown(test_leader_paused, teardown_env),
+        cmocka_unit_test_teardown(test_all_brokers_down, teardown_env),
+        cmocka_unit_test_teardown(test_connections_cut, teardown_env),
+        cmocka_unit_test_teardown(test_refusals_dead_letter, teardown_env),
+        cmocka_unit_test_teardown(test_refusals_retry, teardown_env),
+        cmocka_unit_test_teardown(test_producer_state_expires, teardown_env),
+        cmocka_unit_test_teardown(test_compression_gzip, teardown_env),
+        cmocka_unit_test_teardown(test_compression_lz4, teardown_env),
+        cmocka_unit_test_teardown(test_compression_zstd, teardown_env),
+    };
+    return H_RUN_SUITE(tests, argc, argv);
+}
