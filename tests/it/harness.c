@@ -429,6 +429,9 @@ static void real_kafka_start(struct h_env *e, const char *const *topics)
 }
 
 static bool broker_vcmd(struct h_env *e, char *reply, size_t len, const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0)));
+
+static bool broker_vcmd(struct h_env *e, char *reply, size_t len, const char *fmt, va_list ap)
 {
     int64_t t0 = h_now_ms();
     char cmd[256];
