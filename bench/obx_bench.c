@@ -60,6 +60,12 @@
  *    drain, PAIRS pairs in alternating order. Prints rates, their ratio
  *    (b)/(a) and the CPU per row of the relay's backend and of outboxd
  *    (steadier than rates on a few shared cores).
+ * OBX_BENCH_REAL=ROUNDS (--rows N), against a real Apache Kafka cluster
+ * (bench/run --kafka real; OBX_BENCH_BROKER_PIDS: its JVMs)
+ *    ROUNDS rounds of the Kafka-side limit (2.) and outboxd's drain in mark
+ *    mode (3.), alternating, each with its rate and CPU per row: the relay,
+ *    its Postgres backend, the brokers, the whole machine; then ROUNDS
+ *    rounds of the bare producer's latency at 1,000 rows/s and outboxd's.
  * OBX_BENCH_SHARDS=ROUNDS (--rows N) [OBX_BENCH_SHARDS_MODE=mark|delete|log]
  *    Several active relays (relay.shards, mark mode by default): the drain of N rows
  *    by one relay alone (relay.shards = 1), and by 1, 2 and 4 relays
@@ -1589,6 +1595,86 @@ static void kafka_floor(const struct opts *o, int rate, struct lat_result *res)
     direct_producer = NULL;
 }
 
+/* ---- against a real cluster (OBX_BENCH_REAL) ---- */
+
+/* The brokers' CPU so far (OBX_BENCH_BROKER_PIDS, comma-separated), s. */
+static double brokers_cpu_s(void)
+{
+    const char *pids = getenv("OBX_BENCH_BROKER_PIDS");
+    double total = 0;
+    for (const char *p = pids; p && *p;) {
+        char *end;
+        long pid = strtol(p, &end, 10);
+        if (end == p || pid <= 0)
+            die("OBX_BENCH_BROKER_PIDS", "want process ids separated by commas");
+        struct proc_stats st = {0};
+        proc_stats((pid_t)pid, &st);
+        total += st.cpu_s;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return total;
+}
+
+struct broker_meter {
+    double cpu0, cpu_s;
+};
+
+static void broker_meter_start(void *arg)
+{
+    struct broker_meter *m = arg;
+    m->cpu0 = brokers_cpu_s();
+}
+
+static void broker_meter_stop(void *arg)
+{
+    struct broker_meter *m = arg;
+    m->cpu_s = brokers_cpu_s() - m->cpu0;
+}
+
+static void real_kafka_table(const struct opts *o, int rounds)
+{
+    printf("| round | run | rows/s | relay CPU us/row | relay backend CPU us/row | brokers CPU "
+           "us/row | machine CPU us/row |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+    for (int r = 1; r <= rounds; r++) {
+        double machine_us, b0 = brokers_cpu_s();
+        double rate = kafka_limit(o, 200, &machine_us);
+        printf("| %d | bare idempotent producer | %.0f | | | %.1f | %.1f |\n", r, rate,
+               (brokers_cpu_s() - b0) * 1e6 / o->rows, machine_us);
+        struct broker_meter m = {0};
+        struct drain_hook hook = {broker_meter_start, broker_meter_stop, &m};
+        struct drain_result d;
+        drain(o, OBX_ON_SENT_MARK, o->rows, 200, false, &d, NULL, &hook);
+        printf("| %d | outboxd drain, mark mode | %.0f | %.1f | %.1f | %.1f | %.1f |\n", r,
+               d.rows_per_s, d.cpu_per_100k * 10, d.pg_cpu_ms_per_1k, m.cpu_s * 1e6 / o->rows,
+               d.machine_us);
+        fflush(stdout);
+    }
+    printf("\n| 1,000 rows/s, commit to record read | round | achieved/s | p50 ms | p99 ms | "
+           "p99.9 ms | max ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+    /* Alternating, the bare producer first: the brokers' JIT warms up
+     * over the run, which would otherwise favour whoever goes last. */
+    for (int r = 1; r <= rounds; r++) {
+        struct lat_result lat, floor;
+        kafka_floor(o, 1000, &floor);
+        printf("| bare idempotent producer (from send) | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n",
+               r, floor.achieved, floor.p50, floor.p99, floor.p999, floor.max);
+        pid_t relay = spawn_outboxd(o, OBX_ON_SENT_MARK, NULL);
+        sleep(2);
+        PGconn *c = connect_db(o);
+        exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+        PQfinish(c);
+        sleep(2);
+        c = connect_db(o);
+        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+        PQfinish(c);
+        latency(o, 1000, &lat);
+        stop_outboxd(relay);
+        printf("| outboxd | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n", r, lat.achieved, lat.p50,
+               lat.p99, lat.p999, lat.max);
+        fflush(stdout);
+    }
+}
+
 /* ---- what the application's database does to the relay ---- */
 
 static double per_1k_ms(double cpu_s, long rows)
@@ -2061,6 +2147,11 @@ int main(int argc, char **argv)
             shard_on_sent = mode_of("OBX_BENCH_SHARDS_MODE", mode);
         long rounds = strtol(getenv("OBX_BENCH_SHARDS"), NULL, 10);
         shard_table(&o, rounds < 1 ? 3 : (int)rounds);
+        return 0;
+    }
+    if (getenv("OBX_BENCH_REAL")) {
+        long rounds = strtol(getenv("OBX_BENCH_REAL"), NULL, 10);
+        real_kafka_table(&o, rounds < 1 ? 3 : (int)rounds);
         return 0;
     }
     if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
