@@ -4,6 +4,10 @@
 #
 # After sandbox_start: $work, $conninfo, $bootstrap are set. SANDBOX_BROKER
 # names the mock broker binary (default: the test build's).
+# SANDBOX_KAFKA=real starts a real Apache Kafka cluster instead (3 KRaft
+# nodes, replication factor 3, min.insync.replicas 2: the test build's
+# obx-kafka-cluster, or SANDBOX_KAFKA_BINARY; SANDBOX_KAFKA_NODES=1 for one
+# node).
 
 sandbox_pids=()
 pg_bin=$(pg_config --bindir)
@@ -26,10 +30,24 @@ sandbox_start() {
     psql -X -q -v ON_ERROR_STOP=1 -d "$conninfo" -f "$f"
   done
   for t in "$@"; do args+=(-t "$t"); done
-  "${SANDBOX_BROKER:-build/tests/obx-mock-broker}" ${SANDBOX_BROKER_OPTS:-} "${args[@]}" -f "$work/bootstrap" </dev/null \
+  local broker=${SANDBOX_BROKER:-build/tests/obx-mock-broker} tries=100
+  if [ "${SANDBOX_KAFKA:-mock}" = real ]; then
+    broker=${SANDBOX_KAFKA_BINARY:-build/tests/obx-kafka-cluster} tries=1200
+    args+=(-n "${SANDBOX_KAFKA_NODES:-3}" -d "$work/kafka")
+  fi
+  "$broker" ${SANDBOX_BROKER_OPTS:-} "${args[@]}" -f "$work/bootstrap" </dev/null \
     >"$work/broker.log" 2>&1 &
   sandbox_pids+=($!)
-  for _ in $(seq 100); do [ -s "$work/bootstrap" ] && break; sleep 0.1; done
+  for _ in $(seq "$tries"); do
+    [ -s "$work/bootstrap" ] && break
+    kill -0 "${sandbox_pids[-1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ ! -s "$work/bootstrap" ]; then
+    echo "sandbox: $broker did not start; its log:" >&2
+    tail -n 20 "$work/broker.log" >&2
+    return 1
+  fi
   bootstrap=$(cat "$work/bootstrap")
 }
 
