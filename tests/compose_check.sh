@@ -28,4 +28,9 @@ relays=$(grep -c '/etc/outboxd/outboxd.conf' <<<"$cfg" || true)
 shards=$(awk -F'= *' '/^relay.shards/ {print $2+0}' config/compose/outboxd.conf)
 [[ "$relays" -ge 2 && "${shards:-1}" -gt 1 ]] ||
   { echo "compose: expected two relays sharing slots, found $relays with relay.shards = ${shards:-1}"; exit 1; }
+# Its Kafka is the one the real-kafka tests run (tests/kafka/pom.xml).
+pinned=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' tests/kafka/pom.xml)
+images=$(awk '/image: apache\/kafka:/ {sub(/.*apache\/kafka:/, ""); print}' <<<"$cfg" | sort -u)
+[[ -n "$pinned" && "$images" == "$pinned" ]] ||
+  { echo "compose: apache/kafka images are '$images', tests/kafka/pom.xml pins '$pinned'"; exit 1; }
 echo "compose: valid"
