@@ -173,20 +173,56 @@ static int parse_long(const char *s, long *out)
     return (errno || *end) ? -1 : 0;
 }
 
-/* A TCP port that was free on 127.0.0.1 a moment ago. */
-static int free_port(void)
+/* Whether `port` (0: any) can be bound on 127.0.0.1 now; the bound port. */
+static int try_port(int port)
 {
-    struct sockaddr_in a = {.sin_family = AF_INET};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     socklen_t len = sizeof(a);
-    int port = -1;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int got = -1;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
         getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
+        got = ntohs(a.sin_port);
     if (fd >= 0)
         close(fd);
-    return port;
+    return got;
+}
+
+/* A TCP port that was free on 127.0.0.1 a moment ago, below the kernel's
+ * ephemeral range: a port in that range can be taken, between our probe
+ * and the node's bind or while a node is down for a restart, as the local
+ * end of any outgoing connection (a node once failed to start with
+ * "Address already in use" on its controller port). Never one handed out
+ * before by this process. */
+static int free_port(void)
+{
+    static int given[4 * MAX_NODES + 8];
+    static unsigned n_given;
+    static uint64_t seed;
+    int lo = 0, hi = 0;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2)
+            lo = 0;
+        fclose(f);
+    }
+    if (!seed)
+        seed = (uint64_t)getpid() * 2654435761u ^ (uint64_t)now_ms();
+    int first = lo - 12000 > 1024 ? lo - 12000 : 1024;
+    for (int attempt = 0; lo > first && attempt < 500; attempt++) {
+        seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+        int port = first + (int)((seed >> 33) % (uint64_t)(lo - first));
+        bool seen = false;
+        for (unsigned i = 0; i < n_given; i++)
+            seen = seen || given[i] == port;
+        if (!seen && try_port(port) == port) {
+            if (n_given < sizeof(given) / sizeof(given[0]))
+                given[n_given++] = port;
+            return port;
+        }
+    }
+    return try_port(0); /* no range to stay below: any free one */
 }
 
 static int write_text(const char *path, const char *text)
@@ -225,6 +261,15 @@ static char *read_text(const char *path)
     return s;
 }
 
+/* In a child before exec: every descriptor but 0, 1 and 2 closed, so that
+ * no node holds a socket of the proxy or a pipe of ours open. */
+static void close_inherited(void)
+{
+    long max = sysconf(_SC_OPEN_MAX);
+    for (int fd = 3; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+        close(fd);
+}
+
 /* Runs argv to completion with stdout and stderr appended to log; returns
  * its exit status, or -1. */
 static int run(char *const argv[], const char *log)
@@ -239,6 +284,7 @@ static int run(char *const argv[], const char *log)
             dup2(fd, 1);
             dup2(fd, 2);
         }
+        close_inherited();
         execv(argv[0], argv);
         _exit(127);
     }
@@ -428,6 +474,7 @@ static pid_t spawn_java(char **argv, const char *log, const char *cwd)
             dup2(devnull, 0);
         if (cwd && chdir(cwd) != 0)
             _exit(126);
+        close_inherited();
         execv(argv[0], argv);
         _exit(127);
     }

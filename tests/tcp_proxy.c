@@ -80,7 +80,7 @@ static int listen_on(int port)
 {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     int one = 1;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -1;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -97,7 +97,11 @@ static int listen_on(int port)
 
 static void accept_one(int l)
 {
-    int cfd = accept(tp.listen_fd[l], NULL, NULL);
+    /* Close-on-exec, as every socket here: a node started later (fork and
+     * exec in this process) would keep a copy of it, and our close would
+     * then never reach the client (the connection of a broker that shut
+     * down stayed open to the relay, which waited for its answer). */
+    int cfd = accept4(tp.listen_fd[l], NULL, NULL, SOCK_CLOEXEC);
     if (cfd < 0)
         return;
     if (tp.active[l] == TP_CUT || tp.nconns == TP_MAX_CONNS) {
@@ -106,7 +110,7 @@ static void accept_one(int l)
     }
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)tp.target_port[l])};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    int bfd = socket(AF_INET, SOCK_STREAM, 0);
+    int bfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     /* A loopback connect succeeds or is refused at once (a broker that is
      * down): then the client is refused too, as it would be without us. */
     if (bfd < 0 || connect(bfd, (struct sockaddr *)&a, sizeof(a)) != 0) {
