@@ -78,6 +78,16 @@ static void child_prepare(struct passwd *pw, int deathsig)
         _exit(126);
 }
 
+/* In a child before exec: every descriptor but 0, 1 and 2 closed, so that
+ * a relay or a server keeps no copy of the test's sockets and pipes (a
+ * writer's Postgres session, the broker's control pipe) open. */
+static void close_inherited(void)
+{
+    long max = sysconf(_SC_OPEN_MAX);
+    for (int fd = 3; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+        close(fd);
+}
+
 /* Forks argv with stdout and stderr appended to `log`; the child runs as
  * `pw` (NULL = us) and gets `deathsig` when the test process dies. */
 static pid_t spawn(char *const argv[], char *const envp[], struct passwd *pw, int deathsig,
@@ -93,6 +103,7 @@ static pid_t spawn(char *const argv[], char *const envp[], struct passwd *pw, in
             dup2(fd, 1);
             dup2(fd, 2);
         }
+        close_inherited();
         execve(argv[0], argv, envp ? envp : environ);
         _exit(127);
     }
@@ -356,8 +367,7 @@ static void broker_spawn(struct h_env *e, char *const *argv)
             if (fd >= 0)
                 dup2(fd, 2);
         }
-        close(in[1]);
-        close(out[0]);
+        close_inherited();
         execv(argv[0], argv);
         _exit(127);
     }
@@ -1475,19 +1485,18 @@ static int64_t log_line_ms(const char *line)
     return (int64_t)timegm(&tm) * 1000 + ms;
 }
 
-/* The high watermark of the first recovery pass that read (topic,
- * partition) at or after `since_ms`; -1 if none did. */
-static int64_t pass_high_watermark(struct h_env *e, const char *topic, int32_t partition,
-                                   int64_t since_ms)
+int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t partition,
+                                  int64_t since_ms, int64_t until_ms, bool last)
 {
     char path[300], line[4096], what[300];
     snprintf(what, sizeof(what), "recovery: reading %s [%d] from offset ", topic, partition);
     FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
     int64_t hw = -1;
-    while (f && hw < 0 && fgets(line, sizeof(line), f)) {
+    while (f && (last || hw < 0) && fgets(line, sizeof(line), f)) {
         const char *m = strstr(line, what);
         const char *w = m ? strstr(m, "up to the high watermark ") : NULL;
-        if (w && log_line_ms(line) >= since_ms)
+        int64_t at = w ? log_line_ms(line) : -1;
+        if (w && at >= since_ms && at <= until_ms)
             hw = strtoll(w + strlen("up to the high watermark "), NULL, 10);
     }
     if (f)
@@ -1515,7 +1524,8 @@ size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
         }
         if (seen_before || !later)
             continue; /* not a first copy, or no duplicate */
-        int64_t hw = pass_high_watermark(e, first->topic, first->partition, first->timestamp);
+        int64_t hw = h_recovery_high_watermark(e, first->topic, first->partition, first->timestamp,
+                                               INT64_MAX, false);
         if (hw < 0 || hw > first->offset)
             fail_msg(
                 "row %lld was published twice (%s [%d] offsets %lld and %lld), and the "
