@@ -1,10 +1,12 @@
 /*
  * obx-chaos: randomized, seeded fault schedules against the real outboxd,
- * a throwaway PostgreSQL (on TCP) and the mock Kafka broker, and a checker
- * that compares what the writers committed with what arrived in Kafka.
+ * a throwaway PostgreSQL (on TCP) and Kafka (the mock broker, or with
+ * --kafka real a 3-node Apache Kafka cluster behind our TCP proxy), and a
+ * checker that compares what the writers committed with what arrived in
+ * Kafka.
  *
- *   obx-chaos [--seed S] [--schedules N] [--seconds T] [--faults a,b,...]
- *             [--keep-going] [--list-faults] [--print]
+ *   obx-chaos [--kafka mock|real] [--seed S] [--schedules N] [--seconds T]
+ *             [--faults a,b,...] [--keep-going] [--list-faults] [--print]
  *
  * Schedule k of a run has the seed S + k; `--seed X --schedules 1` replays
  * schedule X (the same relays, writers' choices and fault timeline; the
@@ -18,7 +20,8 @@
  * faults drawn on a timeline so that they overlap. Then everything is healed
  * and checked: no committed row lost, no rolled-back row published, per-key
  * order, payloads byte for byte, duplicates only in the windows the README
- * names (counted per window), no stall (everything published within
+ * names (counted per window; on real Kafka also the replication window:
+ * a first copy no recovery pass could see yet), no stall (everything published within
  * DRAIN_DEADLINE_MS of healing), every relay stops on SIGTERM within its
  * shutdown.timeout, no sanitizer report and no "cannot happen" line.
  */
@@ -47,6 +50,14 @@
 
 static const char *const topics[] = {"chaos.a", "chaos.b", "chaos.c", NULL};
 static const char *const topic_spec[] = {"chaos.a:4", "chaos.b:3", "chaos.c:1", NULL};
+/* On a real cluster the broker refuses what is above MAX_MESSAGE_BYTES (a
+ * batch's overhead above it is allowed); the relays' batches stay within
+ * REAL_BATCH_BYTES, so that only a row too large alone is refused. */
+#define REAL_TOPIC_LIMIT "max.message.bytes=101000"
+#define REAL_BATCH_BYTES "100000"
+static const char *const real_topic_spec[] = {"chaos.a:4:" REAL_TOPIC_LIMIT,
+                                              "chaos.b:3:" REAL_TOPIC_LIMIT,
+                                              "chaos.c:1:" REAL_TOPIC_LIMIT, NULL};
 
 /* ---- seeded randomness (splitmix64) ---- */
 
@@ -94,6 +105,15 @@ enum fault_kind {
     F_JOIN,           /* one more relay joins for dur, then leaves on SIGTERM (with
                        * relay.shards: slots handed to it and back) */
     F_JOIN_CRASH,     /* one more relay joins for dur, then dies by kill -9 */
+    /* Faults of a real cluster (--kafka real); the node is the leader of a
+     * busy partition or a drawn one (target_node). */
+    F_NODE_KILL9,  /* kill -9 of a node, started again after dur */
+    F_NODES_KILL9, /* kill -9 of every node, started again after dur */
+    F_NODE_PAUSE,  /* SIGSTOP of a node for dur */
+    F_LEADER_MOVE, /* a leader stopped cleanly (controlled shutdown hands its partitions
+                    * to other replicas), started again after dur */
+    F_CUT,         /* the relays' connections to a node (or all) reset and refused for dur */
+    F_BLACKHOLE,   /* a node (or all) forwards nothing to the relays for dur */
     F_COUNT
 };
 
@@ -114,10 +134,32 @@ static const char *const fault_names[F_COUNT] = {"kill9",
                                                  "takeover",
                                                  "slow-acks",
                                                  "join",
-                                                 "join-crash"};
+                                                 "join-crash",
+                                                 "node-kill9",
+                                                 "nodes-kill9",
+                                                 "node-pause",
+                                                 "leader-move",
+                                                 "cut",
+                                                 "blackhole"};
 
-/* Faults drawn unless --faults says otherwise: all of them. */
-static const unsigned default_faults = (1u << F_COUNT) - 1;
+/* What only the mock broker can do (its control commands), and what only a
+ * real cluster can; the rest (relays, Postgres) runs on either. */
+#define MOCK_FAULTS                                                                                \
+    (1u << F_BROKERS_DOWN | 1u << F_BROKER_DOWN | 1u << F_PRODUCE_ERRORS | 1u << F_REJECT_ERRORS | \
+     1u << F_RTT | 1u << F_SLOW_ACKS)
+#define REAL_FAULTS                                                                                \
+    (1u << F_NODE_KILL9 | 1u << F_NODES_KILL9 | 1u << F_NODE_PAUSE | 1u << F_LEADER_MOVE |         \
+     1u << F_CUT | 1u << F_BLACKHOLE)
+#define ALL_FAULTS ((1u << F_COUNT) - 1)
+
+/* --kafka real: a 3-node cluster rather than the mock. */
+static bool opt_real;
+
+/* Faults drawn unless --faults says otherwise: all that the broker has. */
+static unsigned default_faults(void)
+{
+    return ALL_FAULTS & ~(opt_real ? MOCK_FAULTS : REAL_FAULTS);
+}
 
 struct fault {
     enum fault_kind kind;
@@ -138,13 +180,16 @@ struct schedule {
 
 /* How often each kind is drawn, relative to the others. Lost sessions (cut
  * while frozen, or terminated under a running relay) weigh most: they are
- * where the timing bugs of relays live. The join faults are drawn apart
+ * where the timing bugs of relays live. A real cluster's faults are close
+ * to half of its schedules' draws. The join faults are drawn apart
  * (gen_schedule), 0 here. */
 static const int fault_weight[F_COUNT] = {
     [F_KILL9] = 2,       [F_STOP] = 1,           [F_TERMINATE] = 3,     [F_FREEZE_CUT] = 3,
     [F_PG_FAST] = 1,     [F_PG_IMMEDIATE] = 1,   [F_PG_DOWN] = 1,       [F_BROKERS_DOWN] = 1,
     [F_BROKER_DOWN] = 1, [F_PRODUCE_ERRORS] = 1, [F_REJECT_ERRORS] = 1, [F_RTT] = 1,
     [F_SIGTERM] = 1,     [F_SIGHUP] = 1,         [F_TAKEOVER] = 2,      [F_SLOW_ACKS] = 1,
+    [F_NODE_KILL9] = 3,  [F_NODES_KILL9] = 1,    [F_NODE_PAUSE] = 2,    [F_LEADER_MOVE] = 2,
+    [F_CUT] = 3,         [F_BLACKHOLE] = 2,
 };
 
 static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
@@ -203,10 +248,11 @@ static int relays_of(const struct schedule *s)
 static void print_schedule(FILE *out, const struct schedule *s)
 {
     fprintf(out,
-            "schedule seed %llu: %d relay%s (%d joining), %s mode, relay.shards = %d, %d ms, %d "
+            "schedule seed %llu%s: %d relay%s (%d joining), %s mode, relay.shards = %d, %d ms, %d "
             "faults:\n",
-            (unsigned long long)s->seed, s->n_relays, s->n_relays > 1 ? "s" : "", s->n_guests,
-            s->mode, s->shards, s->duration_ms, s->n_faults);
+            (unsigned long long)s->seed, opt_real ? " (real Kafka)" : "", s->n_relays,
+            s->n_relays > 1 ? "s" : "", s->n_guests, s->mode, s->shards, s->duration_ms,
+            s->n_faults);
     for (int i = 0; i < s->n_faults; i++)
         fprintf(out, "  at %5d ms  %-20s relay %d  for %d ms\n", s->f[i].at_ms,
                 fault_names[s->f[i].kind], s->f[i].relay, s->f[i].dur_ms);
@@ -425,11 +471,14 @@ struct run {
     int rtt_ms;     /* latency an rtt fault set, 0 = none */
     bool slow_acks; /* the schedule has slow-acks: relays time records out */
     /* Windows the README names in which duplicates are expected. */
-    bool zombie_window;     /* a relay frozen while its session ended, with another to take over */
-    struct h_seq_stats seq; /* the broker's sequence checks, at the end */
-    long timed_out;         /* relay log lines of records timed out (slow-acks; the
-                             * possibly-persisted ones are logged one a second) */
-    int64_t timeline_t0;    /* when the faults' clock started */
+    bool zombie_window;      /* a relay frozen while its session ended, with another to take over */
+    size_t dups_replicating; /* real Kafka: duplicates whose first copy no recovery pass saw */
+    int node_of[MAX_FAULTS]; /* real Kafka: the node each fault hit (0: all, -1: none) */
+    int nodes_hit;           /* real Kafka: node faults going on */
+    struct h_seq_stats seq;  /* the broker's sequence checks, at the end */
+    long timed_out;          /* relay log lines of records timed out (slow-acks; the
+                              * possibly-persisted ones are logged one a second) */
+    int64_t timeline_t0;     /* when the faults' clock started */
     char findings[8][512];
     int n_findings;
     unsigned fault_counts[F_COUNT];
@@ -502,13 +551,19 @@ static void relay_start(struct run *x, int i)
     char mode[32], shards[32];
     snprintf(mode, sizeof(mode), "relay.on_sent=%s", x->s.mode);
     snprintf(shards, sizeof(shards), "relay.shards=%d", x->s.shards);
-    const char *xargs[12] = {rl->conninfo,
-                             "relay.on_reject=dead_letter",
-                             "kafka.message.max.bytes=100000",
-                             mode,
-                             shutdown,
-                             shards};
-    int n = 6;
+    const char *xargs[16] = {rl->conninfo, "relay.on_reject=dead_letter", mode, shutdown, shards};
+    int n = 5;
+    if (opt_real) {
+        /* The brokers refuse the rows above the topics' max.message.bytes
+         * (REAL_TOPIC_LIMIT), not the producer, whose batches stay below
+         * it; the recovery passes' high watermarks are logged (at debug
+         * level) to tell the replication window's duplicates. */
+        xargs[n++] = "kafka.message.max.bytes=1000000";
+        xargs[n++] = "kafka.batch.size=" REAL_BATCH_BYTES;
+        xargs[n++] = "log.level=debug";
+    } else {
+        xargs[n++] = "kafka.message.max.bytes=100000"; /* MAX_MESSAGE_BYTES */
+    }
     /* A finite message timeout (issue 21.1): a record whose acknowledgement
      * comes later fails "possibly persisted"; its row holds its key until
      * the recovery pass has looked for it in Kafka. */
@@ -517,7 +572,7 @@ static void relay_start(struct run *x, int i)
         xargs[n++] = "kafka.request.timeout.ms=1000";
     }
     snprintf(extra, sizeof(extra), "%s", getenv("OBX_CHAOS_X") ? getenv("OBX_CHAOS_X") : "");
-    for (char *tok = strtok(extra, ";"); tok && n < 11; tok = strtok(NULL, ";"))
+    for (char *tok = strtok(extra, ";"); tok && n < 15; tok = strtok(NULL, ";"))
         xargs[n++] = tok;
     xargs[n] = NULL;
     h_relay_start(&rl->env, NULL, xargs);
@@ -653,6 +708,29 @@ static void relay_sigterm(struct run *x, int i, const char *when)
     if (rc != 0)
         finding(x, "relay %d: SIGTERM%s gave exit %d after %lld ms", i, when, rc,
                 (long long)(h_now_ms() - t0));
+}
+
+/* The node a real cluster's fault hits: in half the draws the leader of a
+ * partition of chaos.a (where most keys go), else one by the draw; the
+ * choice is the schedule's, the leader the cluster's at that moment. */
+static int target_node(struct run *x, const struct fault *f)
+{
+    if (f->at_ms % 2 == 0) {
+        long leader = h_broker_query(&x->env, "leader chaos.a %d", f->dur_ms % 4);
+        if (leader > 0)
+            return (int)leader;
+    }
+    return 1 + (f->at_ms / 7 + f->relay) % 3;
+}
+
+/* A real cluster's node command that must succeed (starting a node waits
+ * until it is in the metadata). */
+static void node_cmd(struct run *x, const char *cmd, int node)
+{
+    char which[16];
+    snprintf(which, sizeof(which), node > 0 ? "%d" : "all", node);
+    if (!h_broker_cmd(&x->env, "%s %s", cmd, which))
+        finding(x, "the cluster did not do \"%s %s\"", cmd, which);
 }
 
 /* One step of the timeline: phase 0 starts a fault, phase 1 ends it. */
@@ -799,15 +877,54 @@ static void apply(struct run *x, const struct fault *f, int phase)
         } else {
             /* Killed while acknowledgements lag: records it sent are in
              * Kafka, not yet marked, for the next holder to find. */
-            h_broker_cmd(e, "rtt all %d", x->rtt_ms > 250 ? x->rtt_ms : 250);
+            if (!opt_real) /* a real cluster's acknowledgements lag by themselves */
+                h_broker_cmd(e, "rtt all %d", x->rtt_ms > 250 ? x->rtt_ms : 250);
             h_sleep_ms(400);
             kill(act->env.relay_pid, SIGKILL);
             relay_wait_dead(act);
-            h_broker_cmd(e, "rtt all %d", x->rtt_ms);
+            if (!opt_real)
+                h_broker_cmd(e, "rtt all %d", x->rtt_ms);
             relay_start(x, a);
         }
         break;
     }
+    case F_NODE_KILL9:
+    case F_NODE_PAUSE:
+    case F_LEADER_MOVE:
+        /* The node hit at phase 0 is the one phase 1 brings back. A clean
+         * stop needs the controllers' quorum: with another node down or
+         * paused it could wait for a minute, so it is left out then. */
+        if (phase == 0) {
+            bool skip = f->kind == F_LEADER_MOVE && x->nodes_hit > 0;
+            x->node_of[f - x->s.f] = skip ? -1 : target_node(x, f);
+            if (skip)
+                break;
+            x->nodes_hit++;
+            node_cmd(x,
+                     f->kind == F_NODE_KILL9   ? "kill"
+                     : f->kind == F_NODE_PAUSE ? "pause"
+                                               : "stop",
+                     x->node_of[f - x->s.f]);
+        } else if (x->node_of[f - x->s.f] > 0) {
+            x->nodes_hit--;
+            node_cmd(x, f->kind == F_NODE_PAUSE ? "cont" : "start", x->node_of[f - x->s.f]);
+        }
+        break;
+    case F_NODES_KILL9:
+        x->nodes_hit += phase == 0 ? 1 : -1;
+        node_cmd(x, phase == 0 ? "kill" : "start", 0);
+        break;
+    case F_CUT:
+    case F_BLACKHOLE:
+        /* One node, or every node in a quarter of the draws. */
+        if (phase == 0)
+            x->node_of[f - x->s.f] = f->dur_ms % 4 == 0 ? 0 : target_node(x, f);
+        node_cmd(x,
+                 phase == 1         ? "heal"
+                 : f->kind == F_CUT ? "cut"
+                                    : "blackhole",
+                 x->node_of[f - x->s.f]);
+        break;
     case F_COUNT:
         break;
     }
@@ -928,9 +1045,15 @@ static void heal(struct run *x)
         h_pg_start(e);
         x->pg_down = false;
     }
-    h_broker_cmd(e, "up all");
-    h_broker_cmd(e, "rtt all 0");
-    h_broker_cmd(e, "clear-errors 0");
+    if (opt_real) {
+        node_cmd(x, "cont", 0);
+        node_cmd(x, "start", 0);
+        node_cmd(x, "heal", 0);
+    } else {
+        h_broker_cmd(e, "up all");
+        h_broker_cmd(e, "rtt all 0");
+        h_broker_cmd(e, "clear-errors 0");
+    }
     for (int i = 0; i < relays_of(&x->s); i++) {
         struct relay *rl = &x->relay[i];
         if (rl->alive && rl->stopped) {
@@ -1055,6 +1178,23 @@ static bool same_content(const struct row *w, const struct h_record *k)
            (k->value_len == w->payload_len && fnv(k->value, k->value_len) == w->hash);
 }
 
+/* Real Kafka's replication window (doc/guarantees.md): a row published
+ * twice whose first copy lay at or above the high watermark to which a
+ * relay's last recovery pass before the second copy read its partition:
+ * that pass could not see it yet. */
+static bool replicating(struct run *x, const struct h_record *first, const struct h_record *again)
+{
+    if (!opt_real || first->partition != again->partition || strcmp(first->topic, again->topic))
+        return false;
+    for (int i = 0; i < relays_of(&x->s); i++) {
+        int64_t hw = h_recovery_high_watermark(&x->relay[i].env, first->topic, first->partition,
+                                               first->timestamp, again->timestamp, true);
+        if (hw >= 0 && hw <= first->offset)
+            return true;
+    }
+    return false;
+}
+
 static void check(struct run *x)
 {
     struct rows all = {0};
@@ -1124,7 +1264,7 @@ static void check(struct run *x)
             }
             k++;
         }
-        size_t copies = 0;
+        size_t copies = 0, first = k;
         for (; k < recs.n && byid[k]->outbox_id == w->id; k++, copies++)
             if (!same_content(w, byid[k]) && corrupt++ == 0)
                 snprintf(ex_corrupt, sizeof(ex_corrupt),
@@ -1150,7 +1290,9 @@ static void check(struct run *x)
             snprintf(ex_corrupt, sizeof(ex_corrupt), "id %lld: published and %s", (long long)w->id,
                      is_dead ? "dead-lettered" : "above message.max.bytes");
         }
-        if (copies > 1) {
+        if (copies > 1 && replicating(x, byid[first], byid[first + 1])) {
+            x->dups_replicating += copies - 1;
+        } else if (copies > 1) {
             dups += copies - 1;
             ex_dup = w->id;
         }
@@ -1230,7 +1372,11 @@ static void run_schedule(struct run *x)
     for (int i = 0; i < x->s.n_faults; i++)
         if (x->s.f[i].kind == F_SLOW_ACKS)
             x->slow_acks = true;
-    h_env_start_with(&x->env, topic_spec, H_PG_TCP);
+    if (opt_real)
+        h_env_start_real(&x->env, real_topic_spec, H_PG_TCP,
+                         &(struct h_kafka){.nodes = 3, .proxy = true});
+    else
+        h_env_start_with(&x->env, topic_spec, H_PG_TCP);
     for (int i = 0; i < relays_of(&x->s); i++) {
         struct relay *rl = &x->relay[i];
         rl->env = x->env;
@@ -1285,7 +1431,8 @@ static void run_schedule(struct run *x)
         if (x->relay[i].alive)
             relay_sigterm(x, i, " at the end");
     check(x);
-    h_broker_seq_stats(&x->env, &x->seq);
+    if (!opt_real) /* the sequence checks are the mock's */
+        h_broker_seq_stats(&x->env, &x->seq);
     for (int i = 0; i < relays_of(&x->s); i++)
         x->timed_out += h_relay_log_count(&x->relay[i].env, "Local: Message timed out");
     if (x->seq.unchecked)
@@ -1307,11 +1454,19 @@ static bool opt_sharing;     /* --sharing: only schedules with relay.shards abov
 struct totals {
     int schedules, failed;
     unsigned faults[F_COUNT];
-    size_t committed, records, rolled_back, dead, dups_zombie;
+    size_t committed, records, rolled_back, dead, dups_zombie, dups_replicating;
     unsigned long seq_out_of_order, seq_duplicates;
     long timed_out;
     unsigned fatal_restarts;
 };
+
+/* A real cluster's duplicates of the replication window, as a note. */
+static const char *replicating_note(size_t n)
+{
+    static char note[64];
+    snprintf(note, sizeof(note), " (%zu more of the replication window)", n);
+    return note;
+}
 
 static void test_chaos(void **state)
 {
@@ -1341,19 +1496,25 @@ static void test_chaos(void **state)
         t.rolled_back += run.rolled_back;
         t.dead += run.dead;
         t.dups_zombie += run.duplicates; /* any other duplicate is a finding */
+        t.dups_replicating += run.dups_replicating;
         t.seq_out_of_order += run.seq.out_of_order;
         t.seq_duplicates += run.seq.duplicates;
+        char seq[96] = ""; /* the sequence checks are the mock's */
+        if (!opt_real)
+            snprintf(seq, sizeof(seq),
+                     "broker refused %lu batches out of sequence, recognised %lu "
+                     "resent; ",
+                     run.seq.out_of_order, run.seq.duplicates);
         fprintf(stderr,
                 "chaos: seed %llu: %d relays%s%s, %d faults, %zu rows committed (%zu uncertain), "
-                "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s; %ld time-out "
-                "reports; broker refused %lu batches out of sequence, recognised %lu resent; %u "
-                "restarted after a fatal error -> %s\n",
+                "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s%s; %ld time-out "
+                "reports; %s%u restarted after a fatal error -> %s\n",
                 (unsigned long long)run.s.seed, run.s.n_relays,
                 run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
                 run.s.n_faults, run.committed, run.uncertain, run.rolled_back, run.dead,
                 run.records, run.duplicates, run.zombie_window ? " [zombie window]" : "",
-                run.timed_out, run.seq.out_of_order, run.seq.duplicates, run.fatal_restarts,
-                run.n_findings ? "FINDINGS" : "ok");
+                opt_real ? replicating_note(run.dups_replicating) : "", run.timed_out, seq,
+                run.fatal_restarts, run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
         t.fatal_restarts += run.fatal_restarts;
         if (run.n_findings) {
@@ -1392,14 +1553,18 @@ static void test_chaos(void **state)
     for (int f = 0; f < F_COUNT; f++)
         if (t.faults[f])
             fprintf(stderr, " %s %u", fault_names[f], t.faults[f]);
-    fprintf(
-        stderr,
-        "\nchaos: %zu rows committed, %zu rolled back, %zu dead-lettered, %zu records; "
-        "duplicates: %zu, all in zombie windows; %ld time-out reports logged; the broker refused "
-        "%lu batches out of sequence and recognised %lu resent ones; %u relays restarted after a "
-        "fatal error\n",
-        t.committed, t.rolled_back, t.dead, t.records, t.dups_zombie, t.timed_out,
-        t.seq_out_of_order, t.seq_duplicates, t.fatal_restarts);
+    char seq[128] = "";
+    if (!opt_real)
+        snprintf(seq, sizeof(seq),
+                 "the broker refused %lu batches out of sequence and recognised %lu resent ones; ",
+                 t.seq_out_of_order, t.seq_duplicates);
+    fprintf(stderr,
+            "\nchaos: %zu rows committed, %zu rolled back, %zu dead-lettered, %zu records; "
+            "duplicates: %zu, all in zombie windows%s; %ld time-out reports logged; %s%u relays "
+            "restarted after a fatal error\n",
+            t.committed, t.rolled_back, t.dead, t.records, t.dups_zombie,
+            opt_real ? replicating_note(t.dups_replicating) : "", t.timed_out, seq,
+            t.fatal_restarts);
     if (t.failed)
         fail_msg("chaos: %d of %d schedules had findings (seeds above)", t.failed, t.schedules);
 }
@@ -1411,18 +1576,19 @@ static unsigned parse_faults(const char *list)
     snprintf(buf, sizeof(buf), "%s", list);
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         int k = 0;
-        if (strcmp(tok, "default") == 0) {
-            mask |= default_faults;
-            continue;
-        }
-        if (strcmp(tok, "all") == 0) {
-            mask |= (1u << F_COUNT) - 1;
+        if (strcmp(tok, "default") == 0 || strcmp(tok, "all") == 0) {
+            mask |= default_faults();
             continue;
         }
         while (k < F_COUNT && strcmp(fault_names[k], tok) != 0)
             k++;
         if (k == F_COUNT) {
             fprintf(stderr, "obx-chaos: unknown fault '%s' (--list-faults)\n", tok);
+            exit(2);
+        }
+        if (!(default_faults() & (1u << k))) {
+            fprintf(stderr, "obx-chaos: fault '%s' needs %s\n", tok,
+                    opt_real ? "the mock broker (no --kafka real)" : "--kafka real");
             exit(2);
         }
         mask |= 1u << k;
@@ -1434,7 +1600,7 @@ int main(int argc, char **argv)
 {
     opt_seed = (uint64_t)time(NULL) * 1000003u ^ (uint64_t)getpid();
     opt_seed %= 1000000000ULL;
-    opt_faults = default_faults;
+    const char *faults = "default";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--seed") == 0 && v) {
@@ -1447,7 +1613,14 @@ int main(int argc, char **argv)
             opt_seconds = atoi(v);
             i++;
         } else if (strcmp(a, "--faults") == 0 && v) {
-            opt_faults = parse_faults(v);
+            faults = v; /* read once --kafka is known */
+            i++;
+        } else if (strcmp(a, "--kafka") == 0 && v) {
+            if (strcmp(v, "mock") != 0 && strcmp(v, "real") != 0) {
+                fprintf(stderr, "obx-chaos: --kafka is mock or real, not '%s'\n", v);
+                return 2;
+            }
+            opt_real = strcmp(v, "real") == 0;
             i++;
         } else if (strcmp(a, "--mode") == 0 && v) {
             if (strcmp(v, "mark") != 0 && strcmp(v, "delete") != 0 && strcmp(v, "log") != 0) {
@@ -1465,16 +1638,20 @@ int main(int argc, char **argv)
         } else if (strcmp(a, "--list-faults") == 0) {
             for (int k = 0; k < F_COUNT; k++)
                 printf("%s%s\n", fault_names[k],
-                       default_faults & (1u << k) ? "" : " (not in the default set)");
+                       MOCK_FAULTS & (1u << k)   ? " (mock broker only)"
+                       : REAL_FAULTS & (1u << k) ? " (--kafka real only)"
+                                                 : "");
             return 0;
         } else {
-            fprintf(stderr, "usage: obx-chaos [--seed S] [--schedules N] [--seconds T] "
-                            "[--faults a,b,...|default|all] [--mode mark|delete|log] [--sharing] "
+            fprintf(stderr, "usage: obx-chaos [--kafka mock|real] [--seed S] [--schedules N] "
+                            "[--seconds T] [--faults a,b,...|default] [--mode mark|delete|log] "
+                            "[--sharing] "
                             "[--keep-going] "
                             "[--list-faults] [--print]\n");
             return 2;
         }
     }
+    opt_faults = parse_faults(faults);
     if (opt_schedules == 0 && opt_seconds == 0)
         opt_schedules = 1;
     if (opt_print) {
