@@ -716,8 +716,8 @@ static void relay_sigterm(struct run *x, int i, const char *when)
 static int target_node(struct run *x, const struct fault *f)
 {
     if (f->at_ms % 2 == 0) {
-        long leader = h_broker_query(&x->env, "leader chaos.a %d", f->dur_ms % 4);
-        if (leader > 0)
+        long leader = -1; /* none while nodes are down: then the drawn one */
+        if (h_broker_number(&x->env, &leader, "leader chaos.a %d", f->dur_ms % 4) && leader > 0)
             return (int)leader;
     }
     return 1 + (f->at_ms / 7 + f->relay) % 3;

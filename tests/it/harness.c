@@ -468,18 +468,40 @@ bool h_broker_cmd(struct h_env *e, const char *fmt, ...)
     return ok;
 }
 
+/* A command's answer "ok <number>" into *out; false on an error. */
+static bool broker_vnumber(struct h_env *e, long *out, char *reply, size_t len, const char *fmt,
+                           va_list ap) __attribute__((format(printf, 5, 0)));
+static bool broker_vnumber(struct h_env *e, long *out, char *reply, size_t len, const char *fmt,
+                           va_list ap)
+{
+    char *end;
+    if (!broker_vcmd(e, reply, len, fmt, ap))
+        return false;
+    *out = strtol(reply + 2, &end, 10);
+    return end != reply + 2;
+}
+
 long h_broker_query(struct h_env *e, const char *fmt, ...)
+{
+    char reply[512];
+    long v = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    bool ok = broker_vnumber(e, &v, reply, sizeof(reply), fmt, ap);
+    va_end(ap);
+    if (!ok)
+        fail_msg("broker: no number in the answer \"%s\"", reply);
+    return v;
+}
+
+bool h_broker_number(struct h_env *e, long *out, const char *fmt, ...)
 {
     char reply[512];
     va_list ap;
     va_start(ap, fmt);
-    bool ok = broker_vcmd(e, reply, sizeof(reply), fmt, ap);
+    bool ok = broker_vnumber(e, out, reply, sizeof(reply), fmt, ap);
     va_end(ap);
-    char *end;
-    long v = ok ? strtol(reply + 2, &end, 10) : 0;
-    if (!ok || end == reply + 2)
-        fail_msg("broker: no number in the answer \"%s\"", reply);
-    return v;
+    return ok;
 }
 
 void h_broker_seq_stats(struct h_env *e, struct h_seq_stats *out)

@@ -116,6 +116,10 @@ bool h_broker_cmd(struct h_env *e, const char *fmt, ...) __attribute__((format(p
  * coordinator, pid of a real cluster): returns the number; fails the test
  * on an error, naming the command and the answer. */
 long h_broker_query(struct h_env *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The same without failing: false when the cluster answers an error (a
+ * partition without a leader while nodes are down). */
+bool h_broker_number(struct h_env *e, long *out, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* The broker's sequence checks so far ("stats"): batches checked, refused
  * out of sequence, answered as duplicates of a stored batch. */
