@@ -475,10 +475,11 @@ struct run {
     size_t dups_replicating; /* real Kafka: duplicates whose first copy no recovery pass saw */
     int node_of[MAX_FAULTS]; /* real Kafka: the node each fault hit (0: all, -1: none) */
     int nodes_hit;           /* real Kafka: node faults going on */
-    struct h_seq_stats seq;  /* the broker's sequence checks, at the end */
-    long timed_out;          /* relay log lines of records timed out (slow-acks; the
-                              * possibly-persisted ones are logged one a second) */
-    int64_t timeline_t0;     /* when the faults' clock started */
+    bool node_down[4], node_paused[4]; /* real Kafka, by node id (1-3) */
+    struct h_seq_stats seq;            /* the broker's sequence checks, at the end */
+    long timed_out;                    /* relay log lines of records timed out (slow-acks; the
+                                        * possibly-persisted ones are logged one a second) */
+    int64_t timeline_t0;               /* when the faults' clock started */
     char findings[8][512];
     int n_findings;
     unsigned fault_counts[F_COUNT];
@@ -729,8 +730,38 @@ static void node_cmd(struct run *x, const char *cmd, int node)
 {
     char which[16];
     snprintf(which, sizeof(which), node > 0 ? "%d" : "all", node);
+    bool down = strcmp(cmd, "kill") == 0 || strcmp(cmd, "stop") == 0;
+    bool up = strcmp(cmd, "start") == 0, pause = strcmp(cmd, "pause") == 0;
+    bool cont = strcmp(cmd, "cont") == 0;
+    for (int id = 1; id <= 3; id++) {
+        if (node > 0 && id != node)
+            continue;
+        if (down || up)
+            x->node_down[id] = down;
+        if (down || cont || (pause && !x->node_down[id]))
+            x->node_paused[id] = pause;
+    }
     if (!h_broker_cmd(&x->env, "%s %s", cmd, which))
         finding(x, "the cluster did not do \"%s %s\"", cmd, which);
+}
+
+/* Ends a node's fault: starts it again. A start waits until the running
+ * nodes are in the metadata, which takes the controllers' quorum (2 of 3
+ * running and not paused): when the node alone would not make one (the
+ * others killed or paused by overlapping faults), every node is continued
+ * and started, as an operator would bring the cluster back, rather than
+ * wait 90 s for a quorum that cannot form. */
+static void node_start(struct run *x, int node)
+{
+    int active = 0;
+    for (int id = 1; id <= 3; id++)
+        active += id == node || (!x->node_down[id] && !x->node_paused[id]);
+    if (active >= 2) {
+        node_cmd(x, "start", node);
+        return;
+    }
+    node_cmd(x, "cont", 0);
+    node_cmd(x, "start", 0);
 }
 
 /* One step of the timeline: phase 0 starts a fault, phase 1 ends it. */
@@ -907,7 +938,10 @@ static void apply(struct run *x, const struct fault *f, int phase)
                      x->node_of[f - x->s.f]);
         } else if (x->node_of[f - x->s.f] > 0) {
             x->nodes_hit--;
-            node_cmd(x, f->kind == F_NODE_PAUSE ? "cont" : "start", x->node_of[f - x->s.f]);
+            if (f->kind == F_NODE_PAUSE)
+                node_cmd(x, "cont", x->node_of[f - x->s.f]);
+            else
+                node_start(x, x->node_of[f - x->s.f]);
         }
         break;
     case F_NODES_KILL9:
