@@ -52,8 +52,10 @@ static const char *const topics[] = {"chaos.a", "chaos.b", "chaos.c", NULL};
 static const char *const topic_spec[] = {"chaos.a:4", "chaos.b:3", "chaos.c:1", NULL};
 /* On a real cluster the broker refuses what is above MAX_MESSAGE_BYTES (a
  * batch's overhead above it is allowed); the relays' batches stay within
- * REAL_BATCH_BYTES, so that only a row too large alone is refused. */
-#define REAL_TOPIC_LIMIT "max.message.bytes=101000"
+ * REAL_BATCH_BYTES, so that only a row too large alone is refused. Records
+ * carry the time the leader appended them: the replication window's
+ * excuse needs to know that a copy was in the log (replicating()). */
+#define REAL_TOPIC_LIMIT "max.message.bytes=101000,message.timestamp.type=LogAppendTime"
 #define REAL_BATCH_BYTES "100000"
 static const char *const real_topic_spec[] = {"chaos.a:4:" REAL_TOPIC_LIMIT,
                                               "chaos.b:3:" REAL_TOPIC_LIMIT,
@@ -711,14 +713,14 @@ static void relay_sigterm(struct run *x, int i, const char *when)
                 (long long)(h_now_ms() - t0));
 }
 
-/* The node a real cluster's fault hits: in half the draws the leader of a
- * partition of chaos.a (where most keys go), else one by the draw; the
+/* The node a real cluster's fault hits: in half the draws the leader of
+ * chaos.c's one partition (a third of the rows), else one by the draw; the
  * choice is the schedule's, the leader the cluster's at that moment. */
 static int target_node(struct run *x, const struct fault *f)
 {
     if (f->at_ms % 2 == 0) {
         long leader = -1; /* none while nodes are down: then the drawn one */
-        if (h_broker_number(&x->env, &leader, "leader chaos.a %d", f->dur_ms % 4) && leader > 0)
+        if (h_broker_number(&x->env, &leader, "leader chaos.c 0") && leader > 0)
             return (int)leader;
     }
     return 1 + (f->at_ms / 7 + f->relay) % 3;
@@ -755,7 +757,7 @@ static void node_start(struct run *x, int node)
 {
     int active = 0;
     for (int id = 1; id <= 3; id++)
-        active += id == node || (!x->node_down[id] && !x->node_paused[id]);
+        active += !x->node_paused[id] && (id == node || !x->node_down[id]);
     if (active >= 2) {
         node_cmd(x, "start", node);
         return;
@@ -928,8 +930,10 @@ static void apply(struct run *x, const struct fault *f, int phase)
         if (phase == 0) {
             bool skip = f->kind == F_LEADER_MOVE && x->nodes_hit > 0;
             x->node_of[f - x->s.f] = skip ? -1 : target_node(x, f);
-            if (skip)
+            if (skip) {
+                x->fault_counts[f->kind]--; /* not done: not counted */
                 break;
+            }
             x->nodes_hit++;
             node_cmd(x,
                      f->kind == F_NODE_KILL9   ? "kill"
@@ -946,6 +950,8 @@ static void apply(struct run *x, const struct fault *f, int phase)
         break;
     case F_NODES_KILL9:
         x->nodes_hit += phase == 0 ? 1 : -1;
+        if (phase == 1)
+            node_cmd(x, "cont", 0); /* a node paused since would keep the quorum away */
         node_cmd(x, phase == 0 ? "kill" : "start", 0);
         break;
     case F_CUT:
@@ -1212,21 +1218,27 @@ static bool same_content(const struct row *w, const struct h_record *k)
            (k->value_len == w->payload_len && fnv(k->value, k->value_len) == w->hash);
 }
 
-/* Real Kafka's replication window (doc/guarantees.md): a row published
- * twice whose first copy lay at or above the high watermark to which a
- * relay's last recovery pass before the second copy read its partition:
- * that pass could not see it yet. */
+/* Real Kafka's replication window (doc/guarantees.md): a copy published
+ * again after a copy that the leader had appended (LogAppendTime) but that
+ * lay at or above the high watermark of the last recovery pass, of any
+ * relay, before the next copy was appended: the pass could not see it yet.
+ * A copy still queued in a producer at that pass is not excused: its
+ * append time is after the pass. */
 static bool replicating(struct run *x, const struct h_record *first, const struct h_record *again)
 {
     if (!opt_real || first->partition != again->partition || strcmp(first->topic, again->topic))
         return false;
+    int64_t latest = -1, hw = -1;
     for (int i = 0; i < relays_of(&x->s); i++) {
-        int64_t hw = h_recovery_high_watermark(&x->relay[i].env, first->topic, first->partition,
-                                               first->timestamp, again->timestamp, true);
-        if (hw >= 0 && hw <= first->offset)
-            return true;
+        int64_t at = -1;
+        int64_t h = h_recovery_high_watermark(&x->relay[i].env, first->topic, first->partition,
+                                              first->timestamp, again->timestamp, true, &at);
+        if (h >= 0 && at > latest) {
+            latest = at;
+            hw = h;
+        }
     }
-    return false;
+    return hw >= 0 && hw <= first->offset;
 }
 
 static void check(struct run *x)
@@ -1324,11 +1336,13 @@ static void check(struct run *x)
             snprintf(ex_corrupt, sizeof(ex_corrupt), "id %lld: published and %s", (long long)w->id,
                      is_dead ? "dead-lettered" : "above message.max.bytes");
         }
-        if (copies > 1 && replicating(x, byid[first], byid[first + 1])) {
-            x->dups_replicating += copies - 1;
-        } else if (copies > 1) {
-            dups += copies - 1;
-            ex_dup = w->id;
+        for (size_t n = first; n + 1 < first + copies; n++) {
+            if (replicating(x, byid[n], byid[n + 1])) {
+                x->dups_replicating++;
+            } else {
+                dups++;
+                ex_dup = w->id;
+            }
         }
     }
     for (; k < recs.n; k++) {
@@ -1678,7 +1692,7 @@ int main(int argc, char **argv)
             return 0;
         } else {
             fprintf(stderr, "usage: obx-chaos [--kafka mock|real] [--seed S] [--schedules N] "
-                            "[--seconds T] [--faults a,b,...|default] [--mode mark|delete|log] "
+                            "[--seconds T] [--faults a,b,...|default|all] [--mode mark|delete|log] "
                             "[--sharing] "
                             "[--keep-going] "
                             "[--list-faults] [--print]\n");

@@ -1508,7 +1508,7 @@ static int64_t log_line_ms(const char *line)
 }
 
 int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t partition,
-                                  int64_t since_ms, int64_t until_ms, bool last)
+                                  int64_t since_ms, int64_t until_ms, bool last, int64_t *at_ms)
 {
     char path[300], line[4096], what[300];
     snprintf(what, sizeof(what), "recovery: reading %s [%d] from offset ", topic, partition);
@@ -1518,8 +1518,11 @@ int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t pa
         const char *m = strstr(line, what);
         const char *w = m ? strstr(m, "up to the high watermark ") : NULL;
         int64_t at = w ? log_line_ms(line) : -1;
-        if (w && at >= since_ms && at <= until_ms)
+        if (w && at >= since_ms && at <= until_ms) {
             hw = strtoll(w + strlen("up to the high watermark "), NULL, 10);
+            if (at_ms)
+                *at_ms = at;
+        }
     }
     if (f)
         fclose(f);
@@ -1547,7 +1550,7 @@ size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
         if (seen_before || !later)
             continue; /* not a first copy, or no duplicate */
         int64_t hw = h_recovery_high_watermark(e, first->topic, first->partition, first->timestamp,
-                                               INT64_MAX, false);
+                                               INT64_MAX, false, NULL);
         if (hw < 0 || hw > first->offset)
             fail_msg(
                 "row %lld was published twice (%s [%d] offsets %lld and %lld), and the "

@@ -206,9 +206,10 @@ size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
 size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs);
 /* The high watermark of the first (or the last) recovery pass in the
  * relay's log (at debug level) that read (topic, partition) between
- * since_ms and until_ms; -1 if none did. */
+ * since_ms and until_ms, and when it did in *at_ms (may be NULL); -1 if
+ * none did. */
 int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t partition,
-                                  int64_t since_ms, int64_t until_ms, bool last);
+                                  int64_t since_ms, int64_t until_ms, bool last, int64_t *at_ms);
 
 /* A datagram socket DIR/name for sd_notify messages; writes
  * "NOTIFY_SOCKET=path" into var (for relay_env). Returns the fd. */
