@@ -1241,6 +1241,28 @@ static bool replicating(struct run *x, const struct h_record *first, const struc
     return hw >= 0 && hw <= first->offset;
 }
 
+/* What a real cluster's unexcused duplicate looked like: both copies and
+ * each relay's last recovery pass between them, for the one who looks. */
+static void explain_duplicate(struct run *x, const struct h_record *a, const struct h_record *b)
+{
+    fprintf(stderr,
+            "  duplicate: id %lld in %s [%d] at %lld (appended %lld) and [%d] at %lld (%lld)\n",
+            (long long)a->outbox_id, a->topic, a->partition, (long long)a->offset,
+            (long long)a->timestamp, b->partition, (long long)b->offset, (long long)b->timestamp);
+    for (int i = 0; i < relays_of(&x->s); i++) {
+        int64_t at = -1, first_at = -1;
+        int64_t last = h_recovery_high_watermark(&x->relay[i].env, a->topic, a->partition,
+                                                 a->timestamp - 60000, b->timestamp, true, &at);
+        int64_t first =
+            h_recovery_high_watermark(&x->relay[i].env, a->topic, a->partition,
+                                      a->timestamp - 60000, b->timestamp, false, &first_at);
+        fprintf(stderr,
+                "    relay %d: passes before the second copy: first at %lld to %lld, last at %lld "
+                "to %lld\n",
+                i, (long long)first_at, (long long)first, (long long)at, (long long)last);
+    }
+}
+
 static void check(struct run *x)
 {
     struct rows all = {0};
@@ -1340,6 +1362,8 @@ static void check(struct run *x)
             if (replicating(x, byid[n], byid[n + 1])) {
                 x->dups_replicating++;
             } else {
+                if (opt_real && dups < 5)
+                    explain_duplicate(x, byid[n], byid[n + 1]);
                 dups++;
                 ex_dup = w->id;
             }
