@@ -1218,13 +1218,35 @@ static bool same_content(const struct row *w, const struct h_record *k)
            (k->value_len == w->payload_len && fnv(k->value, k->value_len) == w->hash);
 }
 
+/* The slot (relay.shards) of a written row, as the relays compute it; -1
+ * without shards or if Postgres cannot say. */
+static int row_slot(PGconn *c, const struct row *w, int shards)
+{
+    if (shards < 2)
+        return -1;
+    char id[24], n[12];
+    snprintf(id, sizeof(id), "%lld", (long long)w->id);
+    snprintf(n, sizeof(n), "%d", shards);
+    const char *params[3] = {w->key, id, n};
+    PGresult *r = PQexecParams(c, "SELECT outbox.slot_of($1, $2::bigint, $3::integer)", 3, NULL,
+                               params, NULL, NULL, 0);
+    int slot =
+        PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 ? atoi(PQgetvalue(r, 0, 0)) : -1;
+    PQclear(r);
+    return slot;
+}
+
 /* Real Kafka's replication window (doc/guarantees.md): a copy published
  * again after a copy that the leader had appended (LogAppendTime) but that
- * lay at or above the high watermark of the last recovery pass, of any
- * relay, before the next copy was appended: the pass could not see it yet.
- * A copy still queued in a producer at that pass is not excused: its
- * append time is after the pass. */
-static bool replicating(struct run *x, const struct h_record *first, const struct h_record *again)
+ * lay at or above the high watermark of the last recovery pass before the
+ * next copy was appended: the pass could not see it yet. Only the passes
+ * of a relay that held the row's slot count (slot -1: any relay's, since
+ * without shards only the lock's holder makes passes): another relay's
+ * pass ignores the row whatever it read. A copy still queued in a
+ * producer at that pass is not excused: its append time is after the
+ * pass. */
+static bool replicating(struct run *x, const struct h_record *first, const struct h_record *again,
+                        int slot)
 {
     if (!opt_real || first->partition != again->partition || strcmp(first->topic, again->topic))
         return false;
@@ -1232,7 +1254,7 @@ static bool replicating(struct run *x, const struct h_record *first, const struc
     for (int i = 0; i < relays_of(&x->s); i++) {
         int64_t at = -1;
         int64_t h = h_recovery_high_watermark(&x->relay[i].env, first->topic, first->partition,
-                                              first->timestamp, again->timestamp, true, &at);
+                                              first->timestamp, again->timestamp, true, slot, &at);
         if (h >= 0 && at > latest) {
             latest = at;
             hw = h;
@@ -1243,19 +1265,22 @@ static bool replicating(struct run *x, const struct h_record *first, const struc
 
 /* What a real cluster's unexcused duplicate looked like: both copies and
  * each relay's last recovery pass between them, for the one who looks. */
-static void explain_duplicate(struct run *x, const struct h_record *a, const struct h_record *b)
+static void explain_duplicate(struct run *x, const struct h_record *a, const struct h_record *b,
+                              int slot)
 {
     fprintf(stderr,
-            "  duplicate: id %lld in %s [%d] at %lld (appended %lld) and [%d] at %lld (%lld)\n",
-            (long long)a->outbox_id, a->topic, a->partition, (long long)a->offset,
+            "  duplicate: id %lld (slot %d) in %s [%d] at %lld (appended %lld) and [%d] at %lld "
+            "(%lld)\n",
+            (long long)a->outbox_id, slot, a->topic, a->partition, (long long)a->offset,
             (long long)a->timestamp, b->partition, (long long)b->offset, (long long)b->timestamp);
     for (int i = 0; i < relays_of(&x->s); i++) {
         int64_t at = -1, first_at = -1;
-        int64_t last = h_recovery_high_watermark(&x->relay[i].env, a->topic, a->partition,
-                                                 a->timestamp - 60000, b->timestamp, true, &at);
+        int64_t last =
+            h_recovery_high_watermark(&x->relay[i].env, a->topic, a->partition,
+                                      a->timestamp - 60000, b->timestamp, true, slot, &at);
         int64_t first =
             h_recovery_high_watermark(&x->relay[i].env, a->topic, a->partition,
-                                      a->timestamp - 60000, b->timestamp, false, &first_at);
+                                      a->timestamp - 60000, b->timestamp, false, slot, &first_at);
         fprintf(stderr,
                 "    relay %d: passes before the second copy: first at %lld to %lld, last at %lld "
                 "to %lld\n",
@@ -1358,12 +1383,13 @@ static void check(struct run *x)
             snprintf(ex_corrupt, sizeof(ex_corrupt), "id %lld: published and %s", (long long)w->id,
                      is_dead ? "dead-lettered" : "above message.max.bytes");
         }
+        int slot = copies > 1 && opt_real ? row_slot(c, w, x->s.shards) : -1;
         for (size_t n = first; n + 1 < first + copies; n++) {
-            if (replicating(x, byid[n], byid[n + 1])) {
+            if (replicating(x, byid[n], byid[n + 1], slot)) {
                 x->dups_replicating++;
             } else {
                 if (opt_real && dups < 5)
-                    explain_duplicate(x, byid[n], byid[n + 1]);
+                    explain_duplicate(x, byid[n], byid[n + 1], slot);
                 dups++;
                 ex_dup = w->id;
             }

@@ -1507,15 +1507,34 @@ static int64_t log_line_ms(const char *line)
     return (int64_t)timegm(&tm) * 1000 + ms;
 }
 
-int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t partition,
-                                  int64_t since_ms, int64_t until_ms, bool last, int64_t *at_ms)
+/* Whether the slot list "3,4,5 (" that follows "holds " names slot. */
+static bool holds_slot(const char *list, int slot)
 {
+    while (*list >= '0' && *list <= '9') {
+        char *end;
+        long n = strtol(list, &end, 10);
+        if (n == slot)
+            return true;
+        list = *end == ',' ? end + 1 : end;
+    }
+    return false;
+}
+
+int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t partition,
+                                  int64_t since_ms, int64_t until_ms, bool last, int slot,
+                                  int64_t *at_ms)
+{
+    static const char took[] = "\"event\":\"slots_taken\"";
     char path[300], line[4096], what[300];
     snprintf(what, sizeof(what), "recovery: reading %s [%d] from offset ", topic, partition);
     FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
     int64_t hw = -1;
+    bool held = slot < 0; /* the slot in the relay's last list of holdings */
     while (f && (last || hw < 0) && fgets(line, sizeof(line), f)) {
-        const char *m = strstr(line, what);
+        const char *holds = slot >= 0 && strstr(line, took) ? strstr(line, "; holds ") : NULL;
+        if (holds)
+            held = holds_slot(holds + strlen("; holds "), slot);
+        const char *m = held ? strstr(line, what) : NULL;
         const char *w = m ? strstr(m, "up to the high watermark ") : NULL;
         int64_t at = w ? log_line_ms(line) : -1;
         if (w && at >= since_ms && at <= until_ms) {
@@ -1550,7 +1569,7 @@ size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
         if (seen_before || !later)
             continue; /* not a first copy, or no duplicate */
         int64_t hw = h_recovery_high_watermark(e, first->topic, first->partition, first->timestamp,
-                                               INT64_MAX, false, NULL);
+                                               INT64_MAX, false, -1, NULL);
         if (hw < 0 || hw > first->offset)
             fail_msg(
                 "row %lld was published twice (%s [%d] offsets %lld and %lld), and the "

@@ -207,9 +207,12 @@ size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs);
 /* The high watermark of the first (or the last) recovery pass in the
  * relay's log (at debug level) that read (topic, partition) between
  * since_ms and until_ms, and when it did in *at_ms (may be NULL); -1 if
- * none did. */
+ * none did. With slot >= 0 (relay.shards), only passes made while the
+ * relay held that slot (its last "took ... slots; holds" line before the
+ * pass lists it) count: a pass matches only rows of the slots it holds. */
 int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t partition,
-                                  int64_t since_ms, int64_t until_ms, bool last, int64_t *at_ms);
+                                  int64_t since_ms, int64_t until_ms, bool last, int slot,
+                                  int64_t *at_ms);
 
 /* A datagram socket DIR/name for sd_notify messages; writes
  * "NOTIFY_SOCKET=path" into var (for relay_env). Returns the fd. */
