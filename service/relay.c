@@ -198,6 +198,8 @@ static struct slot *slot_alloc(struct obx_relay *r, int64_t id, uint32_t topic)
 
 void relay_slot_release(struct obx_relay *r, struct slot *s)
 {
+    if (s->orphan)
+        r->n_orphans--;
     if (s->state == SLOT_ACKED || s->state == SLOT_DEAD)
         r->to_mark--;
     if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
@@ -561,8 +563,8 @@ void relay_kick(struct obx_relay *r, int64_t now)
     if (relay_sharded(r) && relay_start_claim(r, now))
         return;
     if (!r->recovered) {
-        if (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded)
-            return; /* the pass must see where this session's records landed */
+        if (r->n_orphans > 0 || (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded))
+            return; /* the pass must see where this or a lost session's records landed */
         if (relay_sharded(r) && !r->shard.known)
             return; /* the pass is over the slots a claim gives */
         r->pass_unknowns = r->unknowns;
@@ -617,24 +619,29 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
     r->now = now;
     if (r->state == OBX_RELAY_STOPPED || r->state == OBX_RELAY_WAIT_PG)
         return;
-    /* A mark in flight may or may not have committed: mark those rows again
-     * after the reconnect (the statement is idempotent). */
-    unmark(r);
     fetch_gone(r);               /* the fetch in flight, if any */
     relay_release_all_parked(r); /* never handed to Kafka: no relay lock, no publishing */
-    if (r->set.log_mode) {
-        /* The next session starts from the stored cursor, as a restart
-         * does: another relay may have published and stored since. What
-         * this one acknowledged is found in Kafka by the recovery pass,
-         * which waits for the reports still outstanding. */
-        for (int i = 0; i < r->set.max_in_flight; i++) {
-            struct slot *s = &r->slots[i];
-            if (s->state == SLOT_PRODUCED)
-                s->orphan = true;
-            else if (s->state != SLOT_FREE)
-                relay_slot_release(r, s);
+    /* Nothing of this session is confirmed by id in the next: that one
+     * may run on a server whose history was rewound (a failover to an
+     * asynchronous standby, a restore), where these ids belong to other
+     * rows; a mark or dead letter by bare id would drop them unpublished.
+     * What this session acknowledged is found in Kafka by the next
+     * session's recovery pass, which matches content and waits for the
+     * reports still outstanding (a mark in flight may or may not have
+     * committed: the pass finds those rows marked, or marks them); in log
+     * mode the next session starts from the stored cursor, as a restart
+     * does. The offsets noted for the next mark go too: stored before the
+     * pass, they would start it above records it has to find. */
+    for (int i = 0; i < r->set.max_in_flight; i++) {
+        struct slot *s = &r->slots[i];
+        if (s->state == SLOT_PRODUCED && !s->orphan) {
+            s->orphan = true;
+            r->n_orphans++;
+        } else if (s->state != SLOT_FREE && s->state != SLOT_PRODUCED) {
+            relay_slot_release(r, s);
         }
     }
+    r->n_off = 0;
     relay_log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
     relay_shards_lost(r);
     /* The relay lock went with the session: another relay may have

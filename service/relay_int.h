@@ -62,7 +62,7 @@ struct slot {
     uint64_t key_hash;      /* set.one_per_key and a key: its obx_keycount_hash */
     uint64_t log_hash;      /* log mode and a key: its obx_keycount_hash */
     uint64_t seq;           /* log mode: the fetch that handed it out */
-    bool orphan;            /* log mode: handed out by a session that is gone */
+    bool orphan;            /* handed out by a session that is gone */
     bool has_key_slot;      /* the fetch said its slot of relay.shards: key_slot */
     int32_t key_slot;
 };
@@ -355,6 +355,7 @@ struct obx_relay {
     bool key_waits;
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
+    size_t n_orphans;     /* of them, handed out by a session that is gone */
     int64_t alone_id;     /* a row tried alone, handed to Kafka, report pending (NO_ID: none) */
     enum fetch_answer fetch_answer; /* see relay_ignore_fetch */
 

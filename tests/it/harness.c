@@ -265,6 +265,11 @@ void h_pg_stop(struct h_env *e)
     h_pg_restart_stop(e, SIGINT);
 }
 
+void h_pg_crash(struct h_env *e)
+{
+    h_pg_restart_stop(e, SIGQUIT);
+}
+
 void h_pg_restart(struct h_env *e, const char *mode)
 {
     h_pg_restart_stop(e, strcmp(mode, "immediate") == 0 ? SIGQUIT : SIGINT);
@@ -1221,6 +1226,23 @@ long h_relay_log_sum(struct h_env *e, const char *prefix)
     }
     fclose(f);
     return sum;
+}
+
+int h_relay_backend_waiting(PGconn *c, const char *query_prefix)
+{
+    int64_t deadline = h_now_ms() + 20000;
+    while (h_now_ms() < deadline) {
+        int64_t pid = h_sql_int(c,
+                                "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
+                                " WHERE application_name = 'outboxd' AND wait_event_type = 'Lock'"
+                                " AND query LIKE '%s%%'",
+                                query_prefix);
+        if (pid > 0)
+            return (int)pid;
+        h_sleep_ms(50);
+    }
+    fail_msg("the relay never waited on the lock in '%s...'", query_prefix);
+    return 0;
 }
 
 PGconn *h_connect(struct h_env *e)

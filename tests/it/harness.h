@@ -105,6 +105,9 @@ void h_pg_start(struct h_env *e);
  * recovery. h_env_stop() stops it. */
 void h_standby_start(struct h_env *e);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
+/* Immediate shutdown (SIGQUIT): no checkpoint, every session cut, as a
+ * crash of the server leaves them; not started again. */
+void h_pg_crash(struct h_env *e);
 /* Stops the server with `mode` ("fast" or "immediate") and starts it again. */
 void h_pg_restart(struct h_env *e, const char *mode);
 /* Path of the relay's log (DIR/<relay_name>.log) into buf. */
@@ -138,6 +141,10 @@ int h_relay_stop(struct h_env *e, int sig, int timeout_ms);
 int h_relay_wait(struct h_env *e, int timeout_ms);
 /* True if DIR/relay.log contains `needle`. */
 bool h_relay_log_contains(struct h_env *e, const char *needle);
+/* Waits (20 s at most, else fails) until a backend of the relay waits on a
+ * lock while running a statement that starts with `query_prefix` ("" for
+ * any); returns its pid. */
+int h_relay_backend_waiting(PGconn *c, const char *query_prefix);
 /* Fails the test unless `needle` shows up in DIR/relay.log within timeout_ms. */
 void h_wait_log(struct h_env *e, const char *needle, int timeout_ms);
 /* Lines of the relay's log holding `needle`. */

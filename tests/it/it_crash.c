@@ -284,25 +284,6 @@ static void test_kill_loop(void **state)
                   recovered());
 }
 
-/* Waits until the relay's backend waits on a lock while running a statement
- * that starts with `query_prefix`; returns its pid. */
-static int relay_backend_waiting(PGconn *c, const char *query_prefix)
-{
-    int64_t deadline = h_now_ms() + 20000;
-    while (h_now_ms() < deadline) {
-        int64_t pid = h_sql_int(c,
-                                "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
-                                " WHERE application_name = 'outboxd' AND wait_event_type = 'Lock'"
-                                " AND query LIKE '%s%%'",
-                                query_prefix);
-        if (pid > 0)
-            return (int)pid;
-        h_sleep_ms(50);
-    }
-    fail_msg("the relay never waited on the lock in '%s...'", query_prefix);
-    return 0;
-}
-
 /* The relay's backend terminated while its fetch waits on a lock: nothing
  * was produced from it; the relay reconnects and goes on. */
 static void test_terminate_during_fetch(void **state)
@@ -316,7 +297,7 @@ static void test_terminate_during_fetch(void **state)
     h_sql(lock, "LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE");
     h_sql(lock, "INSERT INTO outbox.events (topic, key, payload)"
                 " SELECT 'it.a', 'k' || (g %% 7), 'x'::bytea FROM generate_series(1, 2000) g");
-    int pid = relay_backend_waiting(c, "SELECT b.id"); /* the next poll's fetch */
+    int pid = h_relay_backend_waiting(c, "SELECT b.id"); /* the next poll's fetch */
     assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
     h_sql(lock, "COMMIT");
     h_wait_metric_min(&env, "outboxd_postgres_reconnects_total", 1, 10000);
@@ -341,7 +322,7 @@ static void test_terminate_during_mark(void **state)
     h_relay_start(&env, NULL, NULL);
     const char *mode = getenv("OBX_IT_ON_SENT");
     int pid =
-        relay_backend_waiting(c, mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH alone");
+        h_relay_backend_waiting(c, mode && strcmp(mode, "log") == 0 ? "WITH c AS" : "WITH alone");
     assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
     h_sql(lock, "COMMIT");
     h_wait_metric_min(&env, "outboxd_postgres_reconnects_total", 1, 10000);

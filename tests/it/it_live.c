@@ -254,6 +254,179 @@ static void test_multi_host(void **state)
     assert_int_equal(h_relay_events(&env, "postgres_unreachable", "timed out connecting"), 0);
 }
 
+/* Rows of the new history (the promoted server's obx_test.committed, less
+ * its dead letters) and the records of Kafka that carry their id AND their
+ * content: none is a row lost, two a row published twice. Records of the
+ * lost history (ids the old primary gave out after the standby stopped
+ * receiving) may share a row's id with other content; they do not count. */
+static void check_new_history(PGconn *np, const char *mode)
+{
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    PGresult *r = PQexecParams(np,
+                               "SELECT id, topic, key, payload FROM obx_test.committed c"
+                               " WHERE NOT EXISTS (SELECT FROM outbox.dead_letters d"
+                               "                   WHERE d.id = c.id) ORDER BY id",
+                               0, NULL, NULL, NULL, NULL, 0);
+    assert_int_equal(PQresultStatus(r), PGRES_TUPLES_OK);
+    int rows = PQntuples(r), lost = 0, twice = 0, other_history = 0;
+    char lost_ids[256] = "";
+    for (int i = 0; i < rows; i++) {
+        int64_t id = strtoll(PQgetvalue(r, i, 0), NULL, 10);
+        const char *topic = PQgetvalue(r, i, 1);
+        bool key_null = PQgetisnull(r, i, 2);
+        const char *key = PQgetvalue(r, i, 2);
+        size_t plen = 0;
+        unsigned char *payload =
+            PQgetisnull(r, i, 3)
+                ? NULL
+                : PQunescapeBytea((const unsigned char *)PQgetvalue(r, i, 3), &plen);
+        int copies = 0;
+        for (size_t j = 0; j < recs.n; j++) {
+            const struct h_record *x = &recs.v[j];
+            if (x->outbox_id != id)
+                continue;
+            bool same =
+                strcmp(x->topic, topic) == 0 && key_null == (x->key == NULL) &&
+                (key_null || (x->key_len == strlen(key) && memcmp(x->key, key, x->key_len) == 0)) &&
+                (payload == NULL) == (x->value == NULL) &&
+                (!payload || (x->value_len == plen && memcmp(x->value, payload, plen) == 0));
+            if (same)
+                copies++;
+            else
+                other_history++;
+        }
+        PQfreemem(payload);
+        if (copies == 0 && lost++ < 10) {
+            size_t o = strlen(lost_ids);
+            snprintf(lost_ids + o, sizeof(lost_ids) - o, " %lld", (long long)id);
+        }
+        if (copies > 1)
+            twice++;
+    }
+    PQclear(r);
+    h_records_free(&recs);
+    print_message("%s mode: %d rows of the new history, %d lost, %d published twice; %d records "
+                  "of the lost history share an id with one of them\n",
+                  mode, rows, lost, twice, other_history);
+    if (lost > 0)
+        fail_msg("%s mode: %d rows of the new history were never published (ids%s...)", mode, lost,
+                 lost_ids);
+    assert_int_equal(twice, 0);
+    assert_true(other_history > 0); /* ids were reused: the case under test */
+}
+
+/* Issue 37.1-2: a failover to an asynchronous standby. The standby stops
+ * receiving; the primary takes more rows, which the relay publishes; the
+ * primary crashes in the middle of that stream while the relay is stopped
+ * (SIGSTOP) holding rows in flight, acknowledged and being marked; the
+ * standby is promoted and the application writes there at once, reusing
+ * the ids the lost history had given out; then the relay goes on (SIGCONT)
+ * and finds the new primary by its host list. Rows of the new history
+ * share ids with records in Kafka: nothing of the old session may be
+ * confirmed by its id on the new server, and the recovery pass must not
+ * start above records it has to find. */
+static void failover_async_standby(const char *mode)
+{
+    char ci[700], on_sent[64], sci[300];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    h_standby_start(&env);
+    snprintf(ci, sizeof(ci),
+             "postgres.conninfo=host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres",
+             env.pg_port, env.standby_port);
+    snprintf(on_sent, sizeof(on_sent), "relay.on_sent=%s", mode);
+    snprintf(sci, sizeof(sci), "host=127.0.0.1 port=%d user=postgres dbname=postgres",
+             env.standby_port);
+    s_prefill(&env, "it.a", 500);
+    h_relay_start(&env, NULL, (const char *const[]){ci, on_sent, NULL});
+    expect_caught_up("start", 15000);
+
+    /* The standby has all of it, then stops receiving. */
+    PGconn *p = h_connect(&env);
+    PGconn *sb = PQconnectdb(sci);
+    assert_int_equal(PQstatus(sb), CONNECTION_OK);
+    char lsn[64];
+    PGresult *lr = PQexec(p, "SELECT pg_current_wal_lsn()::text");
+    assert_int_equal(PQresultStatus(lr), PGRES_TUPLES_OK);
+    snprintf(lsn, sizeof(lsn), "%s", PQgetvalue(lr, 0, 0));
+    PQclear(lr);
+    int64_t deadline = h_now_ms() + 20000;
+    while (h_sql_int(sb, "SELECT (pg_last_wal_replay_lsn() >= '%s')::int", lsn) != 1) {
+        if (h_now_ms() > deadline)
+            fail_msg("the standby did not replay up to %s", lsn);
+        h_sleep_ms(20);
+    }
+    h_sql(sb, "ALTER SYSTEM SET primary_conninfo = ''");
+    h_sql(sb, "SELECT pg_reload_conf()");
+    deadline = h_now_ms() + 20000;
+    while (h_sql_int(sb, "SELECT count(*) FROM pg_stat_wal_receiver") > 0) {
+        if (h_now_ms() > deadline)
+            fail_msg("the standby's WAL receiver did not stop");
+        h_sleep_ms(20);
+    }
+    int64_t standby_top = h_sql_int(sb, "SELECT coalesce(max(id), 0) FROM outbox.events");
+
+    /* The primary alone takes a stream of rows, published as they come. */
+    struct writer wr;
+    atomic_store(&wr.stop, 0);
+    wr.w =
+        (struct s_writer){.env = &env, .w = 0, .rows_per_tx = 20, .stop = &wr.stop, .pace_ms = 1};
+    assert_int_equal(pthread_create(&wr.t, NULL, s_writer_main, &wr.w), 0);
+    deadline = h_now_ms() + 30000;
+    while (h_sql_int(p,
+                     "SELECT (SELECT count(*) FROM obx_test.committed WHERE id > %lld)"
+                     "     - (SELECT count(*) FROM outbox.unpublished WHERE id > %lld)",
+                     (long long)standby_top, (long long)standby_top) < 3000 ||
+           h_sql_int(p, "SELECT count(*) FROM outbox.unpublished") == 0) {
+        if (h_now_ms() > deadline)
+            fail_msg("the relay did not publish 3,000 rows of the primary alone in 30 s");
+        h_sleep_ms(10);
+    }
+    /* In the middle of it: the relay stands still with what it holds, the
+     * primary crashes. */
+    assert_int_equal(kill(env.relay_pid, SIGSTOP), 0);
+    int64_t old_top = h_sql_int(p, "SELECT max(id) FROM obx_test.committed");
+    PQfinish(p);
+    h_pg_crash(&env);
+    atomic_store(&wr.stop, 1);
+    pthread_join(wr.t, NULL);
+
+    /* The standby is promoted; the application writes there at once, past
+     * every id the lost history gave out. */
+    assert_int_equal(h_sql_int(sb, "SELECT pg_promote(true, 60)::int"), 1);
+    h_sql(sb,
+          "INSERT INTO outbox.events (topic, key, payload)"
+          " SELECT 'it.a', 'k' || (g %% 7), convert_to('promoted ' || g, 'UTF8')"
+          "   FROM generate_series(1, %lld) g",
+          (long long)(old_top - standby_top + 2000)); /* the writer went on a little */
+    assert_int_equal(kill(env.relay_pid, SIGCONT), 0);
+
+    /* Every row of the new history goes out once, with its own content. */
+    snprintf(env.conninfo, sizeof(env.conninfo), "%s", sci);
+    expect_caught_up("the failover", 30000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    check_new_history(sb, mode);
+    PQfinish(sb);
+}
+
+static void test_failover_async_standby_mark(void **state)
+{
+    (void)state;
+    failover_async_standby("mark");
+}
+
+static void test_failover_async_standby_delete(void **state)
+{
+    (void)state;
+    failover_async_standby("delete");
+}
+
+static void test_failover_async_standby_log(void **state)
+{
+    (void)state;
+    failover_async_standby("log");
+}
+
 /* Issue 21.5: after a failover the old primary, now a hot standby, is
  * often still first in host=a,b. The relay goes on to the primary at once
  * (target_session_attrs=read-write is its default), and one told to accept
@@ -794,6 +967,9 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_pg_restarts, teardown_env),
         cmocka_unit_test_teardown(test_multi_host, teardown_env),
         cmocka_unit_test_teardown(test_standby_first_in_hosts, teardown_env),
+        cmocka_unit_test_teardown(test_failover_async_standby_mark, teardown_env),
+        cmocka_unit_test_teardown(test_failover_async_standby_delete, teardown_env),
+        cmocka_unit_test_teardown(test_failover_async_standby_log, teardown_env),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
         cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
