@@ -92,6 +92,29 @@ size_t obx_format_id(int64_t id, char *buf)
     return len;
 }
 
+bool obx_parse_id(const char *s, size_t len, int64_t *out)
+{
+    bool neg = len > 0 && s[0] == '-';
+    size_t i = neg ? 1 : 0;
+    if (i == len || len > 20)
+        return false;
+    /* Up to 2^63 in magnitude, the most negative id included. */
+    uint64_t v = 0, max = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
+    for (; i < len; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return false;
+        unsigned d = (unsigned)(s[i] - '0');
+        if (v > (max - d) / 10)
+            return false;
+        v = v * 10 + d;
+    }
+    if (neg && v > 0)
+        *out = v == (uint64_t)INT64_MAX + 1 ? INT64_MIN : -(int64_t)v;
+    else
+        *out = (int64_t)v;
+    return true;
+}
+
 size_t obx_format_rfc3339(int64_t unix_us, char *buf, size_t len)
 {
     time_t secs = (time_t)(unix_us / 1000000);

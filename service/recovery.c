@@ -6,6 +6,7 @@
 #include "outboxd/failpoint.h"
 #include "outboxd/kafka.h"
 #include "outboxd/metrics.h"
+#include "outboxd/record.h"
 #include "outboxd/log.h"
 #include "outboxd/relay.h"
 #include "outboxd/store.h"
@@ -343,33 +344,25 @@ static int part_index(struct obx_recovery *rec, const char *topic, int32_t parti
 }
 
 /* Parses the FIRST outbox-id header, the relay's own (a user header of the
- * same name comes after it); -1 if absent or not a decimal id. */
-static int64_t outbox_id(const rd_kafka_message_t *m)
+ * same name comes after it): false if absent or not an id. */
+static bool outbox_id(const rd_kafka_message_t *m, int64_t *id)
 {
     rd_kafka_headers_t *hdrs;
     const void *val;
     size_t len;
-    int64_t id = 0;
-    if (rd_kafka_message_headers(m, &hdrs) != RD_KAFKA_RESP_ERR_NO_ERROR ||
-        rd_kafka_header_get(hdrs, 0, "outbox-id", &val, &len) != RD_KAFKA_RESP_ERR_NO_ERROR ||
-        !val || len == 0 || len > 19)
-        return -1;
-    for (size_t i = 0; i < len; i++) {
-        char c = ((const char *)val)[i];
-        if (c < '0' || c > '9')
-            return -1;
-        id = id * 10 + (c - '0');
-    }
-    return id;
+    return rd_kafka_message_headers(m, &hdrs) == RD_KAFKA_RESP_ERR_NO_ERROR &&
+           rd_kafka_header_get(hdrs, 0, "outbox-id", &val, &len) == RD_KAFKA_RESP_ERR_NO_ERROR &&
+           val && obx_parse_id(val, len, id);
 }
 
 static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int topic)
 {
-    int64_t id = outbox_id(m);
+    int64_t id;
     /* Not ours, not an unsent id, or not storable as our text key: it
      * cannot match a row. Keeping only candidates bounds memory when a
      * partition is read from its start. */
-    if (id < rec->id_lo || id > rec->id_hi || (m->key && !obx_valid_text(m->key, m->key_len)))
+    if (!outbox_id(m, &id) || id < rec->id_lo || id > rec->id_hi ||
+        (m->key && !obx_valid_text(m->key, m->key_len)))
         return 0;
     if (rec->n_found == rec->cap_found) {
         size_t cap = rec->cap_found ? rec->cap_found * 2 : 256;

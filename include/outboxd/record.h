@@ -85,5 +85,8 @@ size_t obx_format_rfc3339(int64_t unix_us, char *buf, size_t len);
 
 /* Writes id as decimal ASCII into buf (at least 21 bytes); returns length. */
 size_t obx_format_id(int64_t id, char *buf);
+/* Reads what obx_format_id writes (an optional '-', then digits, within
+ * int64); false for anything else, overflow included. */
+bool obx_parse_id(const char *s, size_t len, int64_t *out);
 
 #endif

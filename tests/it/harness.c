@@ -1361,8 +1361,10 @@ static void records_add(struct h_records *out, const rd_kafka_message_t *m)
             r->headers[i].value_len = len;
             r->nheaders++;
             /* The first outbox-id is the relay's (DESIGN 1.2). */
-            if (strcmp(name, "outbox-id") == 0 && val && r->outbox_id < 0)
+            if (strcmp(name, "outbox-id") == 0 && val && !r->has_id) {
                 r->outbox_id = strtoll(r->headers[i].value, NULL, 10);
+                r->has_id = true;
+            }
         }
     }
 }
@@ -1622,7 +1624,7 @@ size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
     /* Kafka records sorted by outbox id, to walk both in id order. */
     const struct h_record **byid = malloc((recs->n + 1) * sizeof(*byid));
     for (size_t i = 0; i < recs->n; i++) {
-        if (recs->v[i].outbox_id < 0)
+        if (!recs->v[i].has_id)
             fail_msg("a record in %s has no outbox-id header", recs->v[i].topic);
         byid[i] = &recs->v[i];
     }

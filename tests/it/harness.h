@@ -75,6 +75,7 @@ struct h_record {
     char *value; /* NULL = tombstone */
     size_t value_len;
     int64_t outbox_id; /* from the (first) outbox-id header; -1 if missing */
+    bool has_id;       /* that header was there (ids may be -1 and below) */
     int64_t timestamp; /* the record's timestamp (producer's create time), ms */
     struct h_header *headers;
     size_t nheaders;
