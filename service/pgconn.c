@@ -24,8 +24,14 @@ void obx_pg_params(struct obx_pg_params *p, const char *conninfo, const char *ap
         p->keys[n] = "connect_timeout";
         p->values[n++] = p->timeout;
     }
-    p->keys[n] = "dbname"; /* last: the user's conninfo, expanded here, wins */
+    p->keys[n] = "dbname"; /* the user's conninfo, expanded here, wins over the above */
     p->values[n++] = conninfo;
+    /* ... but not over this: keys, topics and headers leave in UTF-8 (the
+     * contract), and the recovery pass compares what it reads in Kafka
+     * with rows as the server gives them. Unpinned, libpq would take the
+     * database's encoding (LATIN1, say) or PGCLIENTENCODING. */
+    p->keys[n] = "client_encoding";
+    p->values[n++] = "UTF8";
     p->keys[n] = NULL;
     p->values[n] = NULL;
 }

@@ -13,8 +13,8 @@
 #include <libpq-fe.h>
 
 struct obx_pg_params {
-    const char *keys[8];
-    const char *values[8];
+    const char *keys[10];
+    const char *values[10];
     char timeout[16];
 };
 

@@ -349,6 +349,12 @@ static void keep_committed(struct h_env *e)
     PQfinish(c);
 }
 
+void h_schema_apply(struct h_env *e)
+{
+    apply_migrations(e);
+    keep_committed(e);
+}
+
 /* Starts argv (the mock broker or the real cluster) with its control
  * stdin and stdout piped to us, and reads the lines it prints once ready:
  * "internal <list>" (the real cluster's) and last "bootstrap <list>". */

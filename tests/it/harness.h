@@ -106,6 +106,9 @@ void h_pg_start(struct h_env *e);
  * recovery. h_env_stop() stops it. */
 void h_standby_start(struct h_env *e);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
+/* Applies sql/ and the checker's trigger to the database e->conninfo names
+ * (h_env_start has done so for its own). */
+void h_schema_apply(struct h_env *e);
 /* Immediate shutdown (SIGQUIT): no checkpoint, every session cut, as a
  * crash of the server leaves them; not started again. */
 void h_pg_crash(struct h_env *e);

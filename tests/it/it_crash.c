@@ -269,6 +269,45 @@ static void test_crash_negative_ids(void **state)
     assert_true(recovered() > 0);
 }
 
+/* Issue 37.13: a database in LATIN1 (the relay's conninfo says nothing of
+ * the encoding). Keys and headers leave in UTF-8 as the contract says, and
+ * the recovery pass recognises the records it finds after a crash. */
+static void test_latin1_database(void **state)
+{
+    (void)state;
+    char relay_ci[700];
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    h_sql(c, "CREATE DATABASE latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C'"
+             " TEMPLATE template0");
+    PQfinish(c);
+    snprintf(relay_ci, sizeof(relay_ci), "postgres.conninfo=%s dbname=latin1", env.conninfo);
+    /* The checker reads the rows in UTF-8, as Kafka should have them. */
+    size_t len = strlen(env.conninfo);
+    snprintf(env.conninfo + len, sizeof(env.conninfo) - len, " dbname=latin1 client_encoding=UTF8");
+    h_schema_apply(&env);
+    c = h_connect(&env);
+    h_sql(c, "INSERT INTO outbox.events (topic, key, payload, headers)"
+             " SELECT 'it.b', 'caf\xc3\xa9-' || (g %% 20), convert_to('row ' || g, 'UTF8'),"
+             "        jsonb_build_object('city', 'Z\xc3\xbcrich')"
+             "   FROM generate_series(1, 2000) g");
+    PQfinish(c);
+    const char *const args[] = {relay_ci, NULL};
+    h_relay_start(&env, "ack.after=crash@1", args);
+    assert_int_equal(h_relay_wait(&env, 60000), KILLED);
+    h_relay_start(&env, NULL, args);
+    struct h_records recs = {0};
+    assert_int_equal(drain_and_check(), 2000);
+    assert_true(recovered() > 0);
+    h_kafka_read_all(&env, (const char *const[]){"it.b", NULL}, &recs);
+    const struct h_header *city = h_record_header(&recs.v[0], "city");
+    assert_non_null(city);
+    assert_int_equal(city->value_len, 7);
+    assert_memory_equal(city->value, "Z\xc3\xbcrich", 7);
+    assert_memory_equal(recs.v[0].key, "caf\xc3\xa9-", 6);
+    h_records_free(&recs);
+}
+
 /* kill -9 at random moments while writers write: zero lost, zero twice.
  * OBX_KILLS sets the number of kills (the soak runs hundreds). */
 static void test_kill_loop(void **state)
@@ -840,6 +879,7 @@ int main(int argc, char **argv)
         T(test_crash_recover_after_scan),
         T(test_crash_recover_before_commit),
         T(test_crash_negative_ids),
+        T(test_latin1_database),
         T(test_kill_loop),
         T(test_terminate_during_fetch),
         T(test_terminate_during_mark),
