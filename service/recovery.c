@@ -394,6 +394,15 @@ static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int 
     return 0;
 }
 
+/* Topic `t` holds nothing to read: offsets stored for it (a deleted
+ * topic) are left behind, not read. */
+static void topic_empty(struct obx_recovery *rec, int t)
+{
+    for (size_t i = 0; i < rec->n_parts; i++)
+        if (rec->parts[i].topic == t)
+            rec->parts[i].gone = rec->parts[i].done = rec->parts[i].resolved = true;
+}
+
 /* Adds every partition of topic `t` to the plan's read list, and marks
  * stored partitions that no longer exist as gone. */
 static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t)
@@ -401,8 +410,14 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
     const struct rd_kafka_metadata *md = NULL;
     rd_kafka_topic_t *rkt = rd_kafka_topic_new(rk, rec->topics[t], NULL);
     if (!rkt) {
-        snprintf(rec->error, sizeof(rec->error), "topic handle for %s", rec->topics[t]);
-        return -1;
+        /* A name librdkafka takes for no topic (over 512 bytes): none of
+         * our records can be in it, and its row is refused when produced
+         * (relay.on_reject). Failing the pass would stop every topic. */
+        obx_warn("recovery: a topic of %zu bytes, \"%.40s...\", cannot exist in Kafka: nothing "
+                 "to read there",
+                 strlen(rec->topics[t]), rec->topics[t]);
+        topic_empty(rec, t);
+        return 0;
     }
     rd_kafka_resp_err_t e = rd_kafka_metadata(rk, 0, rkt, &md, REQUEST_TIMEOUT_MS);
     rd_kafka_topic_destroy(rkt);
@@ -415,12 +430,14 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
     rd_kafka_resp_err_t terr =
         md->topic_cnt == 1 ? md->topics[0].err : RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC;
     if (terr == RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART ||
-        terr == RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC) {
-        /* The topic does not exist: nothing can be in it. Offsets stored
-         * for it (a deleted topic) are left behind, not read. */
-        for (size_t i = 0; i < rec->n_parts; i++)
-            if (rec->parts[i].topic == t)
-                rec->parts[i].gone = rec->parts[i].done = rec->parts[i].resolved = true;
+        terr == RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC || terr == RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION) {
+        /* The topic does not exist, or Kafka calls its name invalid (a
+         * space, over 249 characters): nothing can be in it. */
+        if (terr == RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION)
+            obx_warn("recovery: Kafka calls the topic name \"%.250s\" invalid: nothing to read "
+                     "there",
+                     rec->topics[t]);
+        topic_empty(rec, t);
         rd_kafka_metadata_destroy(md);
         return 0;
     }
