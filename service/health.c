@@ -174,6 +174,8 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
         .ack_latency = &h->ack_latency,
         .batch_rows = obx_pg_batch_rows(p->pg),
         .pg_reconnects = obx_pg_reconnects(p->pg),
+        .pg_history_changes = obx_pg_history_changes(p->pg),
+        .pg_timeline = obx_pg_timeline(p->pg),
         .rows_recovered = obx_recovery_rows_recovered(p->recovery),
         .rows_purged = obx_maint_rows_purged(p->maint),
         .librdkafka_version = rd_kafka_version_str(),

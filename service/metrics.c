@@ -251,6 +251,13 @@ static void render_health(struct obx_buf *out, const struct obx_metrics_gauges *
            g->postgres_connected ? 1 : 0);
     simple(out, "outboxd_postgres_reconnects_total", "counter",
            "Postgres connection attempts after the first one.", (double)g->pg_reconnects);
+    simple(out, "outboxd_postgres_history_changes_total", "counter",
+           "Sessions whose server was on another history (system identifier or timeline) than "
+           "the last session's: a failover to a standby, a restore, a cut-over.",
+           (double)g->pg_history_changes);
+    simple(out, "outboxd_postgres_timeline", "gauge",
+           "The timeline of the Postgres server the relay last connected to (0 before the first).",
+           (double)g->pg_timeline);
     simple(out, "outboxd_kafka_connected", "gauge",
            "1 when the last metadata request to Kafka succeeded.", g->kafka_connected ? 1 : 0);
     simple(out, "outboxd_ready", "gauge", "1 when /readyz answers 200.", g->ready ? 1 : 0);

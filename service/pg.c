@@ -73,6 +73,11 @@ struct obx_pg {
     bool started;        /* a first connection was attempted */
     bool standby_logged; /* this session said it stands by */
     long schema_version;
+    /* The history of the session being set up, of the last one that was
+     * ready ("" before the first), and how often it changed. */
+    char system_id[24], ready_system_id[24];
+    long timeline, ready_timeline;
+    uint64_t history_changes;
     PGresult *result; /* first result of the statement in flight */
     char target[256]; /* "host:port/db as user", for logs; no password */
     struct pg_request req;
@@ -449,10 +454,12 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
     }
     long version = 0, id_cache = 1;
     bool in_recovery = false;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 3) {
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 5) {
         version = strtol(obx_store_col(res, 0, "version"), NULL, 10);
         in_recovery = obx_store_col_true(res, 0, "in_recovery");
         id_cache = strtol(obx_store_col(res, 0, "id_cache"), NULL, 10);
+        snprintf(pg->system_id, sizeof(pg->system_id), "%s", obx_store_col(res, 0, "system_id"));
+        pg->timeline = strtol(obx_store_col(res, 0, "timeline"), NULL, 10);
     }
     if (in_recovery) {
         /* Its snapshots do not list the primary's running writers, so late
@@ -475,12 +482,34 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
     send_setup_prepare(pg, 1);
 }
 
+/* Says so when this session's server is on another history than the last
+ * ready session's: ids it hands out from now on may be ids whose records
+ * are already in Kafka. Nothing of the old session is confirmed by id in
+ * this one (relay.c): the recovery pass matches what it finds by content. */
+static void note_history(struct obx_pg *pg)
+{
+    if (pg->ready_system_id[0] &&
+        (strcmp(pg->system_id, pg->ready_system_id) != 0 || pg->timeline != pg->ready_timeline)) {
+        pg->history_changes++;
+        obx_event(OBX_LOG_WARN, "history_changed",
+                  "postgres: %s is on another history than the last session's server (system "
+                  "%s timeline %ld, was system %s timeline %ld): a failover to a standby, a "
+                  "restore or a cut-over; ids may be handed out again, and nothing of the old "
+                  "session is confirmed by id: the recovery pass matches records by content",
+                  pg->target, pg->system_id, pg->timeline, pg->ready_system_id, pg->ready_timeline);
+    }
+    snprintf(pg->ready_system_id, sizeof(pg->ready_system_id), "%s", pg->system_id);
+    pg->ready_timeline = pg->timeline;
+}
+
 /* The lock is held and the rows repaired: the relay may go. */
 static void become_ready(struct obx_pg *pg)
 {
     change_state(pg, OBX_PG_READY, "relay lock acquired");
-    obx_event(OBX_LOG_INFO, "postgres_ready", "postgres: connected to %s (schema version %ld)",
-              pg->target, pg->schema_version);
+    obx_event(OBX_LOG_INFO, "postgres_ready",
+              "postgres: connected to %s (schema version %ld, system %s, timeline %ld)", pg->target,
+              pg->schema_version, pg->system_id, pg->timeline);
+    note_history(pg);
     if (pg->lost_pending) { /* the old session's end comes first */
         uv_timer_stop(&pg->deferred);
         pg->lost_pending = false;
@@ -1284,6 +1313,16 @@ int obx_pg_send_mark(struct obx_pg *pg, const struct obx_mark *m, obx_pg_done_fn
 uint64_t obx_pg_reconnects(const struct obx_pg *pg)
 {
     return pg->reconnects;
+}
+
+uint64_t obx_pg_history_changes(const struct obx_pg *pg)
+{
+    return pg->history_changes;
+}
+
+long obx_pg_timeline(const struct obx_pg *pg)
+{
+    return pg->ready_timeline;
 }
 
 const struct obx_histogram *obx_pg_batch_rows(const struct obx_pg *pg)

@@ -60,6 +60,8 @@ struct obx_metrics_gauges {
     const struct obx_histogram *ack_latency;   /* seconds from created_at to acknowledgement */
     const struct obx_histogram *batch_rows;    /* rows per fetch */
     uint64_t pg_reconnects;                    /* connection attempts after the first */
+    uint64_t pg_history_changes;               /* obx_pg_history_changes */
+    long pg_timeline;                          /* obx_pg_timeline */
     uint64_t rows_recovered;                   /* rows the recovery pass found in Kafka */
     uint64_t rows_purged;                      /* rows deleted by retention */
     const char *librdkafka_version, *libuv_version;

@@ -152,6 +152,11 @@ int obx_pg_check_conninfo(const char *conninfo, char *err, size_t errlen) OBX_WA
 
 /* For /metrics: connection attempts after the first; rows per fetch. */
 uint64_t obx_pg_reconnects(const struct obx_pg *pg);
+/* Sessions that found their server on another history (system identifier
+ * or timeline) than the last ready session's. */
+uint64_t obx_pg_history_changes(const struct obx_pg *pg);
+/* The timeline of the last ready session's server (0 before the first). */
+long obx_pg_timeline(const struct obx_pg *pg);
 const struct obx_histogram *obx_pg_batch_rows(const struct obx_pg *pg);
 
 #endif

@@ -404,6 +404,10 @@ static void failover_async_standby(const char *mode)
     /* Every row of the new history goes out once, with its own content. */
     snprintf(env.conninfo, sizeof(env.conninfo), "%s", sci);
     expect_caught_up("the failover", 30000);
+    /* It knows the history changed: the promoted standby is on timeline 2. */
+    assert_int_equal(h_relay_events(&env, "history_changed", "timeline 2, was system"), 1);
+    h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
+    h_wait_metric(&env, "outboxd_postgres_timeline", 2, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     check_new_history(sb, mode);
     PQfinish(sb);
