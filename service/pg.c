@@ -78,8 +78,9 @@ struct obx_pg {
     char system_id[24], ready_system_id[24];
     long timeline, ready_timeline;
     uint64_t history_changes;
-    PGresult *result; /* first result of the statement in flight */
-    char target[256]; /* "host:port/db as user", for logs; no password */
+    bool history_warned; /* said once that the server refuses it */
+    PGresult *result;    /* first result of the statement in flight */
+    char target[256];    /* "host:port/db as user", for logs; no password */
     struct pg_request req;
 
     struct obx_row *rows; /* batch_size rows, decoded from each fetch */
@@ -98,7 +99,8 @@ struct obx_pg {
     struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
     int64_t *sorted_ids;       /* the mark's ids (relay.max_in_flight), sorted into ranges */
     size_t max_ids;
-    int setup_step; /* 0: the schema check and SETs; then each prepared statement */
+    int setup_step; /* 0: the schema check and SETs; then each prepared statement;
+                     * then HISTORY_STEP */
     bool repairing; /* LOCKING: the lock is held, the xid repair in flight */
 };
 
@@ -110,7 +112,7 @@ struct obx_pg {
 #define STMT_MARK         "obx_mark"
 #define STMT_MARK_PLAIN   "obx_mark_plain"
 #define STMT_MARK_FETCH   "obx_mark_fetch"
-enum { N_PREPARES = 4 };
+enum { N_PREPARES = 4, HISTORY_STEP = N_PREPARES + 1 };
 
 static const char *const state_names[] = {"disconnected", "connecting", "setup", "locking",
                                           "standby",      "ready",      "busy",  "closed"};
@@ -429,12 +431,36 @@ static void try_lock(struct obx_pg *pg)
                                             : "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
 }
 
+/* The history's answer: without it (refused, see OBX_STORE_SQL_HISTORY)
+ * this session is not compared with the last one. */
+static void finish_history(struct obx_pg *pg, const PGresult *res)
+{
+    pg->system_id[0] = '\0';
+    pg->timeline = 0;
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 2) {
+        snprintf(pg->system_id, sizeof(pg->system_id), "%s", obx_store_col(res, 0, "system_id"));
+        pg->timeline = strtol(obx_store_col(res, 0, "timeline"), NULL, 10);
+    } else if (!pg->history_warned) {
+        pg->history_warned = true;
+        obx_warn("postgres: cannot read the server's system identifier and timeline (%s): a "
+                 "change of history (a failover, a restore) is not logged",
+                 PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY)
+                     ? PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY)
+                     : "no answer");
+    }
+    try_lock(pg);
+}
+
 /* The schema check and SETs answered. */
 static void finish_setup(struct obx_pg *pg, const PGresult *res)
 {
     char reason[512];
     const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
 
+    if (pg->setup_step == HISTORY_STEP) {
+        finish_history(pg, res);
+        return;
+    }
     if (PQresultStatus(res) != PGRES_TUPLES_OK && PQresultStatus(res) != PGRES_COMMAND_OK) {
         if (state && pg->setup_step == 0 &&
             (strcmp(state, "42P01") == 0 || strcmp(state, "3F000") == 0)) {
@@ -446,20 +472,20 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         return;
     }
     if (pg->setup_step > 0) { /* a statement prepared */
-        if (pg->setup_step < N_PREPARES)
+        if (pg->setup_step < N_PREPARES) {
             send_setup_prepare(pg, ++pg->setup_step);
-        else
-            try_lock(pg);
+        } else {
+            pg->setup_step = HISTORY_STEP;
+            send_setup_statement(pg, OBX_STORE_SQL_HISTORY);
+        }
         return;
     }
     long version = 0, id_cache = 1;
     bool in_recovery = false;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 5) {
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 3) {
         version = strtol(obx_store_col(res, 0, "version"), NULL, 10);
         in_recovery = obx_store_col_true(res, 0, "in_recovery");
         id_cache = strtol(obx_store_col(res, 0, "id_cache"), NULL, 10);
-        snprintf(pg->system_id, sizeof(pg->system_id), "%s", obx_store_col(res, 0, "system_id"));
-        pg->timeline = strtol(obx_store_col(res, 0, "timeline"), NULL, 10);
     }
     if (in_recovery) {
         /* Its snapshots do not list the primary's running writers, so late
@@ -488,6 +514,8 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
  * this one (relay.c): the recovery pass matches what it finds by content. */
 static void note_history(struct obx_pg *pg)
 {
+    if (!pg->system_id[0])
+        return; /* unknown: nothing to compare, and the last known one stays */
     if (pg->ready_system_id[0] &&
         (strcmp(pg->system_id, pg->ready_system_id) != 0 || pg->timeline != pg->ready_timeline)) {
         pg->history_changes++;
@@ -506,9 +534,12 @@ static void note_history(struct obx_pg *pg)
 static void become_ready(struct obx_pg *pg)
 {
     change_state(pg, OBX_PG_READY, "relay lock acquired");
-    obx_event(OBX_LOG_INFO, "postgres_ready",
-              "postgres: connected to %s (schema version %ld, system %s, timeline %ld)", pg->target,
-              pg->schema_version, pg->system_id, pg->timeline);
+    char history[64] = "";
+    if (pg->system_id[0])
+        snprintf(history, sizeof(history), ", system %s, timeline %ld", pg->system_id,
+                 pg->timeline);
+    obx_event(OBX_LOG_INFO, "postgres_ready", "postgres: connected to %s (schema version %ld%s)",
+              pg->target, pg->schema_version, history);
     note_history(pg);
     if (pg->lost_pending) { /* the old session's end comes first */
         uv_timer_stop(&pg->deferred);

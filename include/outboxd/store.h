@@ -230,18 +230,20 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
     " pg_get_serial_sequence('outbox.events', 'id')::regclass), 1))"
 /* The relay session's first statement. One row: version (the schema's),
  * in_recovery (a hot standby: the relay publishes only from a primary,
- * whose snapshots list every running writer), id_cache, and the history
- * the server is on: system_id (initdb's identifier: a restore of a dump
- * or a logical copy has another) and timeline (a promoted standby and a
- * point-in-time restore start a new one; read from the WAL file being
- * written, which changes at promotion, where pg_control_checkpoint() waits
- * for a checkpoint). */
+ * whose snapshots list every running writer), id_cache. */
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
     "SELECT coalesce(max(version), 0) AS version, pg_is_in_recovery() AS "                         \
-    "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache,"                                         \
-    " (SELECT system_identifier FROM pg_control_system())::text AS system_id,"                     \
-    " CASE WHEN pg_is_in_recovery() THEN 0 ELSE ('x' || substr(pg_walfile_name("                   \
-    "pg_current_wal_lsn()), 1, 8))::bit(32)::int END AS timeline FROM outbox.schema_migrations"
+    "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache FROM outbox.schema_migrations"
+/* The history a primary is on, read after the setup; a server that refuses
+ * it (a managed service may revoke pg_control_system() or lack
+ * pg_current_wal_lsn()) only goes without the check. One row: system_id
+ * (initdb's identifier: a restored dump or a logical copy has another) and
+ * timeline (a promoted standby and a point-in-time restore start a new
+ * one; read from the WAL file being written, which changes at promotion,
+ * where pg_control_checkpoint() waits for a checkpoint). */
+#define OBX_STORE_SQL_HISTORY                                                                      \
+    "SELECT (SELECT system_identifier FROM pg_control_system())::text AS system_id,"               \
+    " ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int AS timeline"
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
  * commits for ever (sql/006). One row: how many. */
