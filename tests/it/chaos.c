@@ -1145,6 +1145,13 @@ static int cmp_rec(const void *a, const void *b)
     const struct h_record *y = *(const struct h_record *const *)b;
     if (x->outbox_id != y->outbox_id)
         return x->outbox_id < y->outbox_id ? -1 : 1;
+    /* Copies of one row in the order they were appended: a keyless row
+     * published again may land in another partition, whose offsets say
+     * nothing about this one's. */
+    if (x->timestamp != y->timestamp)
+        return x->timestamp < y->timestamp ? -1 : 1;
+    if (x->partition != y->partition)
+        return x->partition < y->partition ? -1 : 1;
     return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
@@ -1248,7 +1255,11 @@ static int row_slot(PGconn *c, const struct row *w, int shards)
 static bool replicating(struct run *x, const struct h_record *first, const struct h_record *again,
                         int slot)
 {
-    if (!opt_real || first->partition != again->partition || strcmp(first->topic, again->topic))
+    /* A keyed row's copies share a partition; a keyless one's second copy
+     * goes wherever the partitioner sends it, and what counts is whether
+     * the pass could see the first in its own. */
+    if (!opt_real || (first->key && first->partition != again->partition) ||
+        strcmp(first->topic, again->topic))
         return false;
     int64_t latest = -1, hw = -1;
     for (int i = 0; i < relays_of(&x->s); i++) {

@@ -1578,6 +1578,18 @@ int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t pa
     return hw;
 }
 
+/* Whether copy x of a row was appended before copy y: by time, as a
+ * keyless row's second copy may land in another partition, whose offsets
+ * say nothing about the first's. */
+static bool copy_before(const struct h_record *x, const struct h_record *y)
+{
+    if (x->timestamp != y->timestamp)
+        return x->timestamp < y->timestamp;
+    if (x->partition != y->partition)
+        return x->partition < y->partition;
+    return x->offset < y->offset;
+}
+
 size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
 {
     size_t explained = 0;
@@ -1588,10 +1600,11 @@ size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
             const struct h_record *x = &recs->v[j];
             if (j == i || x->outbox_id != first->outbox_id)
                 continue;
-            if (strcmp(x->topic, first->topic) != 0 || x->partition != first->partition)
+            if (strcmp(x->topic, first->topic) != 0 ||
+                (first->key && x->partition != first->partition))
                 fail_msg("row %lld is in %s [%d] and in %s [%d]", (long long)first->outbox_id,
                          first->topic, first->partition, x->topic, x->partition);
-            if (x->offset < first->offset)
+            if (copy_before(x, first))
                 seen_before = true;
             else
                 later = x;
