@@ -346,7 +346,7 @@ static long lost_session_rows(void)
  * share ids with records in Kafka: nothing of the old session may be
  * confirmed by its id on the new server, and the recovery pass must not
  * start above records it has to find. */
-static void failover_async_standby(const char *mode)
+static void failover_async_standby(const char *mode, bool restarted)
 {
     char ci[700], on_sent[64], sci[300];
     h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
@@ -406,7 +406,10 @@ static void failover_async_standby(const char *mode)
     }
     /* In the middle of it: the relay stands still with what it holds, the
      * primary crashes. */
-    assert_int_equal(kill(env.relay_pid, SIGSTOP), 0);
+    if (restarted) /* or it dies with the primary and is started after */
+        assert_int_equal(h_relay_stop(&env, SIGKILL, 10000), 128 + SIGKILL);
+    else
+        assert_int_equal(kill(env.relay_pid, SIGSTOP), 0);
     int64_t old_top = h_sql_int(p, "SELECT max(id) FROM obx_test.committed");
     PQfinish(p);
     h_pg_crash(&env);
@@ -421,17 +424,23 @@ static void failover_async_standby(const char *mode)
           " SELECT 'it.a', 'k' || (g %% 7), convert_to('promoted ' || g, 'UTF8')"
           "   FROM generate_series(1, %lld) g",
           (long long)(old_top - standby_top + 2000)); /* the writer went on a little */
-    assert_int_equal(kill(env.relay_pid, SIGCONT), 0);
+    if (restarted)
+        h_relay_start(&env, NULL, (const char *const[]){ci, on_sent, NULL});
+    else
+        assert_int_equal(kill(env.relay_pid, SIGCONT), 0);
 
     /* Every row of the new history goes out once, with its own content. */
     snprintf(env.conninfo, sizeof(env.conninfo), "%s", sci);
     expect_caught_up("the failover", 30000);
-    /* It knows the history changed: the promoted standby is on timeline 2. */
-    h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
+    /* A relay that lived through it knows the history changed: the
+     * promoted standby is on timeline 2. */
+    h_wait_metric(&env, "outboxd_postgres_history_changes_total", restarted ? 0 : 1, 5000);
     h_wait_metric(&env, "outboxd_postgres_timeline", 2, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     check_new_history(sb, mode);
     PQfinish(sb);
+    if (restarted)
+        return;
     assert_int_equal(h_relay_events(&env, "history_changed", "timeline 2, was system"), 1);
     /* The case under test: the lost session held rows it had handed to
      * Kafka and not confirmed (before, it confirmed them by id later). */
@@ -441,19 +450,28 @@ static void failover_async_standby(const char *mode)
 static void test_failover_async_standby_mark(void **state)
 {
     (void)state;
-    failover_async_standby("mark");
+    failover_async_standby("mark", false);
 }
 
 static void test_failover_async_standby_delete(void **state)
 {
     (void)state;
-    failover_async_standby("delete");
+    failover_async_standby("delete", false);
 }
 
 static void test_failover_async_standby_log(void **state)
 {
     (void)state;
-    failover_async_standby("log");
+    failover_async_standby("log", false);
+}
+
+/* The same with the relay killed as the primary dies and started once the
+ * standby is promoted and written to: the pass reads from the offsets the
+ * standby had, and matches by content. */
+static void test_failover_async_standby_restarted(void **state)
+{
+    (void)state;
+    failover_async_standby("mark", true);
 }
 
 /* Issue 21.5: after a failover the old primary, now a hot standby, is
@@ -999,6 +1017,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_failover_async_standby_mark, teardown_env),
         cmocka_unit_test_teardown(test_failover_async_standby_delete, teardown_env),
         cmocka_unit_test_teardown(test_failover_async_standby_log, teardown_env),
+        cmocka_unit_test_teardown(test_failover_async_standby_restarted, teardown_env),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
         cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
