@@ -616,6 +616,11 @@ static void scan_work(uv_work_t *w)
         {"enable.auto.commit", "false"},
         {"enable.partition.eof", "true"},
         {"isolation.level", "read_uncommitted"},
+        /* A position that retention removed while the pass read elsewhere
+         * (between chunks): go on from the first record left, not from
+         * the end (librdkafka's default), which would skip records the
+         * pass has to find. */
+        {"auto.offset.reset", "earliest"},
         /* Read sequentially with a small prefetch: the default (64 MiB
          * queued per consumer) would dominate outboxd's memory. */
         {"queued.max.messages.kbytes", "2048"},
