@@ -256,7 +256,8 @@ static void render_health(struct obx_buf *out, const struct obx_metrics_gauges *
            "the last session's: a failover to a standby, a restore, a cut-over.",
            (double)g->pg_history_changes);
     simple(out, "outboxd_postgres_timeline", "gauge",
-           "The timeline of the Postgres server the relay last connected to (0 before the first).",
+           "The timeline of the last Postgres server whose history could be read (0 before the "
+           "first).",
            (double)g->pg_timeline);
     simple(out, "outboxd_kafka_connected", "gauge",
            "1 when the last metadata request to Kafka succeeded.", g->kafka_connected ? 1 : 0);

@@ -632,22 +632,27 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
      * mode the next session starts from the stored cursor, as a restart
      * does. The offsets noted for the next mark go too: stored before the
      * pass, they would start it above records it has to find. */
-    size_t let_go = 0;
+    size_t acked = 0, refused = 0, awaiting = 0;
     for (int i = 0; i < r->set.max_in_flight; i++) {
         struct slot *s = &r->slots[i];
         if (s->state == SLOT_PRODUCED && !s->orphan) {
             s->orphan = true;
             r->n_orphans++;
+            awaiting++;
         } else if (s->state != SLOT_FREE && s->state != SLOT_PRODUCED) {
+            if (s->state == SLOT_DEAD || s->state == SLOT_DEAD_MARKING)
+                refused++;
+            else
+                acked++;
             relay_slot_release(r, s);
-            let_go++;
         }
     }
-    if (let_go + r->n_orphans > 0)
+    if (acked + awaiting + refused > 0)
         obx_info("relay: the lost session leaves %zu rows acknowledged (or being confirmed) "
                  "and %zu awaiting Kafka's report to the next session's recovery pass, which "
-                 "finds in Kafka what landed; none is confirmed by its id",
-                 let_go, r->n_orphans);
+                 "finds in Kafka what landed, and %zu refused rows to be fetched again; none is "
+                 "confirmed by its id",
+                 acked, awaiting, refused);
     r->n_off = 0;
     relay_log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
     relay_shards_lost(r);

@@ -1578,16 +1578,17 @@ int64_t h_recovery_high_watermark(struct h_env *e, const char *topic, int32_t pa
     return hw;
 }
 
-/* Whether copy x of a row was appended before copy y: by time, as a
- * keyless row's second copy may land in another partition, whose offsets
- * say nothing about the first's. */
+/* Whether copy x of a row came before copy y: in one partition by offset;
+ * a keyless row's copy in another partition by its timestamp (the
+ * producer's create time here: the relay that made the first copy was
+ * killed, so none of its copies was still queued when the pass read). */
 static bool copy_before(const struct h_record *x, const struct h_record *y)
 {
+    if (x->partition == y->partition)
+        return x->offset < y->offset;
     if (x->timestamp != y->timestamp)
         return x->timestamp < y->timestamp;
-    if (x->partition != y->partition)
-        return x->partition < y->partition;
-    return x->offset < y->offset;
+    return x->partition < y->partition;
 }
 
 size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)

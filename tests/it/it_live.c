@@ -336,6 +336,21 @@ static long lost_session_rows(void)
     return sum;
 }
 
+/* The failover's writer: outlives a test that fails while it writes, until
+ * the teardown stops it. */
+static struct writer failover_writer;
+static bool failover_writing;
+
+static int teardown_failover(void **state)
+{
+    if (failover_writing) {
+        atomic_store(&failover_writer.stop, 1);
+        pthread_join(failover_writer.t, NULL);
+        failover_writing = false;
+    }
+    return teardown_env(state);
+}
+
 /* Issue 37.1-2: a failover to an asynchronous standby. The standby stops
  * receiving; the primary takes more rows, which the relay publishes; the
  * primary crashes in the middle of that stream while the relay is stopped
@@ -389,11 +404,12 @@ static void failover_async_standby(const char *mode, bool restarted)
     assert_true(h_broker_cmd(&env, "rtt all 100"));
 
     /* The primary alone takes a stream of rows, published as they come. */
-    struct writer wr;
-    atomic_store(&wr.stop, 0);
-    wr.w =
-        (struct s_writer){.env = &env, .w = 0, .rows_per_tx = 20, .stop = &wr.stop, .pace_ms = 1};
-    assert_int_equal(pthread_create(&wr.t, NULL, s_writer_main, &wr.w), 0);
+    struct writer *wr = &failover_writer;
+    atomic_store(&wr->stop, 0);
+    wr->w =
+        (struct s_writer){.env = &env, .w = 0, .rows_per_tx = 20, .stop = &wr->stop, .pace_ms = 1};
+    assert_int_equal(pthread_create(&wr->t, NULL, s_writer_main, &wr->w), 0);
+    failover_writing = true;
     deadline = h_now_ms() + 30000;
     while (h_sql_int(p,
                      "SELECT (SELECT count(*) FROM obx_test.committed WHERE id > %lld)"
@@ -413,8 +429,10 @@ static void failover_async_standby(const char *mode, bool restarted)
     int64_t old_top = h_sql_int(p, "SELECT max(id) FROM obx_test.committed");
     PQfinish(p);
     h_pg_crash(&env);
-    atomic_store(&wr.stop, 1);
-    pthread_join(wr.t, NULL);
+    atomic_store(&wr->stop, 1);
+    pthread_join(wr->t, NULL);
+    failover_writing = false;
+    assert_true(h_broker_cmd(&env, "rtt all 0")); /* what follows need not wait */
 
     /* The standby is promoted; the application writes there at once, past
      * every id the lost history gave out. */
@@ -1014,10 +1032,10 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_pg_restarts, teardown_env),
         cmocka_unit_test_teardown(test_multi_host, teardown_env),
         cmocka_unit_test_teardown(test_standby_first_in_hosts, teardown_env),
-        cmocka_unit_test_teardown(test_failover_async_standby_mark, teardown_env),
-        cmocka_unit_test_teardown(test_failover_async_standby_delete, teardown_env),
-        cmocka_unit_test_teardown(test_failover_async_standby_log, teardown_env),
-        cmocka_unit_test_teardown(test_failover_async_standby_restarted, teardown_env),
+        cmocka_unit_test_teardown(test_failover_async_standby_mark, teardown_failover),
+        cmocka_unit_test_teardown(test_failover_async_standby_delete, teardown_failover),
+        cmocka_unit_test_teardown(test_failover_async_standby_log, teardown_failover),
+        cmocka_unit_test_teardown(test_failover_async_standby_restarted, teardown_failover),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
         cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
