@@ -75,8 +75,8 @@ struct obx_pg {
     long schema_version;
     /* The history of the session being set up, of the last one that was
      * ready ("" before the first), and how often it changed. */
-    char system_id[24], ready_system_id[24];
-    long timeline, ready_timeline;
+    char system_id[24], ready_system_id[24], stored_system_id[24];
+    long timeline, ready_timeline, stored_timeline; /* stored: outbox.history's, before */
     uint64_t history_changes;
     bool history_warned; /* said once that the server refuses it */
     PGresult *result;    /* first result of the statement in flight */
@@ -435,11 +435,16 @@ static void try_lock(struct obx_pg *pg)
  * this session is not compared with the last one. */
 static void finish_history(struct obx_pg *pg, const PGresult *res)
 {
-    pg->system_id[0] = '\0';
-    pg->timeline = 0;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 2) {
+    pg->system_id[0] = pg->stored_system_id[0] = '\0';
+    pg->timeline = pg->stored_timeline = 0;
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 4) {
         snprintf(pg->system_id, sizeof(pg->system_id), "%s", obx_store_col(res, 0, "system_id"));
         pg->timeline = strtol(obx_store_col(res, 0, "timeline"), NULL, 10);
+        if (!obx_store_col_null(res, 0, "stored_system_id")) {
+            snprintf(pg->stored_system_id, sizeof(pg->stored_system_id), "%s",
+                     obx_store_col(res, 0, "stored_system_id"));
+            pg->stored_timeline = strtol(obx_store_col(res, 0, "stored_timeline"), NULL, 10);
+        }
     } else if (!pg->history_warned) {
         pg->history_warned = true;
         obx_warn("postgres: cannot read the server's system identifier and timeline (%s): a "
@@ -516,15 +521,18 @@ static void note_history(struct obx_pg *pg)
 {
     if (!pg->system_id[0])
         return; /* unknown: nothing to compare, and the last known one stays */
-    if (pg->ready_system_id[0] &&
-        (strcmp(pg->system_id, pg->ready_system_id) != 0 || pg->timeline != pg->ready_timeline)) {
+    /* What this process saw last, else what the database kept from the
+     * last session of any relay (it came along with the data). */
+    const char *was_id = pg->ready_system_id[0] ? pg->ready_system_id : pg->stored_system_id;
+    long was_tl = pg->ready_system_id[0] ? pg->ready_timeline : pg->stored_timeline;
+    if (was_id[0] && (strcmp(pg->system_id, was_id) != 0 || pg->timeline != was_tl)) {
         pg->history_changes++;
         obx_event(OBX_LOG_WARN, "history_changed",
                   "postgres: %s is on another history than the last session's server (system "
                   "%s timeline %ld, was system %s timeline %ld): a failover to a standby, a "
                   "restore or a cut-over; ids may be handed out again, and nothing of the old "
                   "session is confirmed by id: the recovery pass matches records by content",
-                  pg->target, pg->system_id, pg->timeline, pg->ready_system_id, pg->ready_timeline);
+                  pg->target, pg->system_id, pg->timeline, was_id, was_tl);
     }
     snprintf(pg->ready_system_id, sizeof(pg->ready_system_id), "%s", pg->system_id);
     pg->ready_timeline = pg->timeline;

@@ -24,6 +24,7 @@ static const char *const migrations[] = {
     [8] = "sql/008_shards.sql",
     [9] = "sql/009_log_slots.sql",
     [10] = "sql/010_log_newest.sql",
+    [11] = "sql/011_history.sql",
 };
 /* clang-format on */
 

@@ -194,7 +194,7 @@ struct obx_store_statement {
 int obx_store_statements(int on_sent, struct obx_store_statement *out);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 10
+#define OBX_SCHEMA_VERSION 11
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -234,16 +234,25 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
     "SELECT coalesce(max(version), 0) AS version, pg_is_in_recovery() AS "                         \
     "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache FROM outbox.schema_migrations"
-/* The history a primary is on, read after the setup; a server that refuses
- * it (a managed service may revoke pg_control_system() or lack
+/* The history a primary is on, read after the setup, and kept in
+ * outbox.history (sql/011) when it changed; a server that refuses it (a
+ * managed service may revoke pg_control_system() or lack
  * pg_current_wal_lsn()) only goes without the check. One row: system_id
- * (initdb's identifier: a restored dump or a logical copy has another) and
+ * (initdb's identifier: a restored dump or a logical copy has another),
  * timeline (a promoted standby and a point-in-time restore start a new
  * one; read from the WAL file being written, which changes at promotion,
- * where pg_control_checkpoint() waits for a checkpoint). */
+ * where pg_control_checkpoint() waits for a checkpoint), and what
+ * outbox.history held before (stored_system_id NULL: nothing yet). */
 #define OBX_STORE_SQL_HISTORY                                                                      \
-    "SELECT (SELECT system_identifier FROM pg_control_system())::text AS system_id,"               \
-    " ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int AS timeline"
+    "WITH cur AS (SELECT (SELECT system_identifier FROM pg_control_system())::text AS system_id,"  \
+    "   ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int AS timeline),"  \
+    " stored AS (SELECT system_id, timeline FROM outbox.history),"                                 \
+    " keep AS (INSERT INTO outbox.history AS h (system_id, timeline)"                              \
+    "   SELECT system_id, timeline FROM cur ON CONFLICT (one) DO UPDATE"                           \
+    "   SET system_id = excluded.system_id, timeline = excluded.timeline, seen_at = now()"         \
+    "   WHERE (h.system_id, h.timeline) IS DISTINCT FROM (excluded.system_id, excluded.timeline))" \
+    " SELECT c.system_id, c.timeline, s.system_id AS stored_system_id,"                            \
+    "        s.timeline AS stored_timeline FROM cur c LEFT JOIN stored s ON true"
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
  * commits for ever (sql/006). One row: how many. */
