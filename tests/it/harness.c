@@ -1653,9 +1653,10 @@ size_t h_check_db_matches_kafka(struct h_env *e, const struct h_records *recs,
     size_t k = 0, dups = 0;
     for (int i = 0; i < nrows; i++) {
         const char *idp = PQgetvalue(r, i, 0);
-        int64_t id = 0;
+        uint64_t bits = 0; /* big-endian bigint; ids may be below zero */
         for (int b = 0; b < 8; b++)
-            id = (id << 8) | (unsigned char)idp[b];
+            bits = (bits << 8) | (unsigned char)idp[b];
+        int64_t id = (int64_t)bits;
         while (k < recs->n && byid[k]->outbox_id < id)
             fail_msg("Kafka has a record for id %lld, which is not in outbox.events",
                      (long long)byid[k]->outbox_id);
