@@ -176,6 +176,41 @@ static void read_waiting(PGconn *conn, struct waiting *w, FILE *out, int *proble
     PQclear(res);
 }
 
+/* A pooler between the relay and Postgres must keep each connection on one
+ * server session (obx_pg_pooling). */
+static void check_pooling(const struct obx_config *cfg, PGconn *conn, FILE *out, int *problems)
+{
+    char target[300];
+    PGresult *res = PQexec(conn, "SELECT pg_backend_pid()");
+    int pid = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1
+                  ? (int)strtol(PQgetvalue(res, 0, 0), NULL, 10)
+                  : PQbackendPID(conn);
+    PQclear(res);
+    snprintf(target, sizeof(target), "%s:%s/%s", PQhost(conn), PQport(conn), PQdb(conn));
+    switch (obx_pg_pooling(conn, pid, cfg->pg_conninfo, "outboxd-check", OBX_PG_POOL_PROBE_S)) {
+    case OBX_POOLING_NONE:
+        break;
+    case OBX_POOLING_SHARED: {
+        char line[600];
+        obx_pg_pooling_problem(line, sizeof(line));
+        problem(out, problems, "postgres: %s: %s", target, line);
+        break;
+    }
+    case OBX_POOLING_SESSION:
+        fprintf(out,
+                "outboxd: ok: postgres %s is reached through a connection pooler in session "
+                "pooling\n",
+                target);
+        break;
+    case OBX_POOLING_UNKNOWN:
+        fprintf(out,
+                "outboxd: note: postgres %s is reached through a connection pooler, and a second "
+                "connection got no server session within %d s: it must be in session pooling\n",
+                target, OBX_PG_POOL_PROBE_S);
+        break;
+    }
+}
+
 static void check_postgres(const struct obx_config *cfg, struct waiting *w, FILE *out,
                            int *problems)
 {
@@ -190,6 +225,7 @@ static void check_postgres(const struct obx_config *cfg, struct waiting *w, FILE
         return;
     }
     int before = *problems;
+    check_pooling(cfg, conn, out, problems);
     long version = check_schema(conn, out, problems);
     if (version >= 0) {
         check_privileges(conn, out, problems);

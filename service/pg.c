@@ -79,6 +79,7 @@ struct obx_pg {
     long timeline, ready_timeline, stored_timeline; /* stored: outbox.history's, before */
     uint64_t history_changes;
     bool history_warned; /* said once that the server refuses it */
+    bool pooler_noted;   /* said once that a session pooler is in between */
     PGresult *result;    /* first result of the statement in flight */
     char target[256];    /* "host:port/db as user", for logs; no password */
     struct pg_request req;
@@ -456,6 +457,52 @@ static void finish_history(struct obx_pg *pg, const PGresult *res)
     try_lock(pg);
 }
 
+/* A prepared statement missing (26000) or there already (42P05), on a
+ * connection that prepared each once on its own session: the session
+ * changed under it, which a transaction pooler does. Returns true after
+ * dropping the connection. */
+static bool session_changed(struct obx_pg *pg, const PGresult *res)
+{
+    const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    if (!state || (strcmp(state, "26000") != 0 && strcmp(state, "42P05") != 0))
+        return false;
+    char reason[512];
+    obx_pg_pooling_problem(reason, sizeof(reason));
+    disconnect(pg, reason);
+    return true;
+}
+
+/* Behind a pooler, makes sure this connection keeps its server session
+ * (see obx_pg_pooling). Returns true after dropping the connection. */
+static bool refuse_pooling(struct obx_pg *pg, int backend_pid)
+{
+    char reason[512];
+    switch (obx_pg_pooling(pg->conn, backend_pid, pg->conninfo, "outboxd", OBX_PG_POOL_PROBE_S)) {
+    case OBX_POOLING_NONE:
+        return false;
+    case OBX_POOLING_SHARED:
+        obx_pg_pooling_problem(reason, sizeof(reason));
+        disconnect(pg, reason);
+        return true;
+    case OBX_POOLING_SESSION:
+        if (!pg->pooler_noted)
+            obx_info("postgres: %s is reached through a connection pooler that gave a second "
+                     "connection another server session: session pooling, fine",
+                     pg->target);
+        break;
+    case OBX_POOLING_UNKNOWN:
+        if (!pg->pooler_noted)
+            obx_warn("postgres: %s is reached through a connection pooler, and a second "
+                     "connection got no server session within %d s: taken for session "
+                     "pooling (transaction pooling is refused when a prepared statement "
+                     "vanishes)",
+                     pg->target, OBX_PG_POOL_PROBE_S);
+        break;
+    }
+    pg->pooler_noted = true;
+    return false;
+}
+
 /* The schema check and SETs answered. */
 static void finish_setup(struct obx_pg *pg, const PGresult *res)
 {
@@ -467,6 +514,8 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         return;
     }
     if (PQresultStatus(res) != PGRES_TUPLES_OK && PQresultStatus(res) != PGRES_COMMAND_OK) {
+        if (session_changed(pg, res))
+            return;
         if (state && pg->setup_step == 0 &&
             (strcmp(state, "42P01") == 0 || strcmp(state, "3F000") == 0)) {
             obx_store_schema_problem(-1, NULL, reason, sizeof(reason));
@@ -485,13 +534,16 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
         }
         return;
     }
-    long version = 0, id_cache = 1;
+    long version = 0, id_cache = 1, backend_pid = 0;
     bool in_recovery = false;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 3) {
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 4) {
         version = strtol(obx_store_col(res, 0, "version"), NULL, 10);
         in_recovery = obx_store_col_true(res, 0, "in_recovery");
         id_cache = strtol(obx_store_col(res, 0, "id_cache"), NULL, 10);
+        backend_pid = strtol(obx_store_col(res, 0, "backend_pid"), NULL, 10);
     }
+    if (refuse_pooling(pg, (int)backend_pid))
+        return;
     if (in_recovery) {
         /* Its snapshots do not list the primary's running writers, so late
          * commits would be skipped; and nothing could be marked there. */
@@ -720,6 +772,10 @@ static void request_step(struct obx_pg *pg, PGresult *res)
 {
     struct pg_request *q = &pg->req;
     bool ok = result_ok(res);
+    if (!ok && session_changed(pg, res)) {
+        PQclear(res);
+        return;
+    }
     switch (q->tx) {
     case TX_NONE:
         report(pg, ok ? res : NULL, ok ? NULL : result_error(res));

@@ -233,7 +233,8 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
  * whose snapshots list every running writer), id_cache. */
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
     "SELECT coalesce(max(version), 0) AS version, pg_is_in_recovery() AS "                         \
-    "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache FROM outbox.schema_migrations"
+    "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache, pg_backend_pid() AS backend_pid "        \
+    "FROM outbox.schema_migrations"
 /* The history a primary is on, read after the setup, and kept in
  * outbox.history (sql/011) when it changed; a server that refuses it (a
  * managed service may revoke pg_control_system() or lack

@@ -199,6 +199,47 @@ void h_standby_start(struct h_env *e)
     PQfinish(c);
 }
 
+void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size_t len)
+{
+    int slot = e->pooler_pids[0] > 0 ? 1 : 0;
+    if (e->pooler_pids[slot] > 0)
+        fail_msg("h_pooler_start: two poolers run already");
+    char ini[300], users[300], log[300], text[1024];
+    int port = h_free_port();
+    snprintf(ini, sizeof(ini), "%s/pgbouncer%d.ini", e->dir, slot);
+    snprintf(users, sizeof(users), "%s/pgbouncer.users", e->dir);
+    snprintf(log, sizeof(log), "%s/pgbouncer%d.log", e->dir, slot);
+    write_file(users, "\"postgres\" \"\"\n");
+    /* Logs to stderr; no Unix socket and no pid file of its own. */
+    snprintf(text, sizeof(text),
+             "[databases]\n"
+             "postgres = host=%s port=%d dbname=postgres\n"
+             "[pgbouncer]\n"
+             "listen_addr = 127.0.0.1\n"
+             "listen_port = %d\n"
+             "unix_socket_dir =\n"
+             "auth_type = trust\n"
+             "auth_file = %s\n"
+             "pool_mode = %s\n"
+             "default_pool_size = 20\n"
+             "max_client_conn = 200\n",
+             e->pg_tcp ? "127.0.0.1" : e->dir, e->pg_port ? e->pg_port : 5432, port, users,
+             pool_mode);
+    write_file(ini, text);
+    char *const argv[] = {"/usr/sbin/pgbouncer", ini, NULL};
+    if (access(argv[0], X_OK) != 0)
+        fail_msg("%s is missing: scripts/deps installs Debian's pgbouncer", argv[0]);
+    /* It refuses to run as root; SIGTERM is its immediate shutdown. */
+    e->pooler_pids[slot] = spawn(argv, NULL, server_user(), SIGTERM, log);
+    snprintf(conninfo, len, "host=127.0.0.1 port=%d user=postgres dbname=postgres", port);
+    int64_t deadline = h_now_ms() + 15000;
+    while (PQping(conninfo) != PQPING_OK) {
+        if (h_now_ms() > deadline || waitpid(e->pooler_pids[slot], NULL, WNOHANG) != 0)
+            fail_msg("pgbouncer did not start, see %s", log);
+        h_sleep_ms(50);
+    }
+}
+
 static void h_pg_restart_stop(struct h_env *e, int sig);
 
 /* Copies directory `from` to `to` with owners and modes (cp -a). */
@@ -1010,6 +1051,16 @@ void h_env_stop(struct h_env *e)
     if (e->broker_out)
         fclose(e->broker_out);
     e->broker_in = e->broker_out = NULL;
+    for (int i = 0; i < 2; i++) {
+        if (e->pooler_pids[i] > 0) {
+            kill(e->pooler_pids[i], SIGTERM);
+            if (wait_exit(e->pooler_pids[i], 10000) == -1) {
+                kill(e->pooler_pids[i], SIGKILL);
+                wait_exit(e->pooler_pids[i], 5000);
+            }
+            e->pooler_pids[i] = 0;
+        }
+    }
     if (e->standby_pid > 0) {
         kill(e->standby_pid, SIGINT); /* fast shutdown */
         if (wait_exit(e->standby_pid, 30000) == -1) {

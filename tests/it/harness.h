@@ -54,6 +54,7 @@ struct h_env {
     char relay_name[32];
     pid_t standby_pid; /* a hot standby of the server (h_standby_start), or 0 */
     int standby_port;
+    pid_t pooler_pids[2]; /* PgBouncers in front of the server (h_pooler_start) */
 };
 
 /* h_env_start_with flags. */
@@ -105,6 +106,10 @@ void h_pg_start(struct h_env *e);
  * H_PG_TCP) on a free port, e->standby_port, and waits until it answers in
  * recovery. h_env_stop() stops it. */
 void h_standby_start(struct h_env *e);
+/* Starts a PgBouncer (Debian's) in front of the server with pool_mode
+ * `pool_mode` ("session", "transaction"), 20 server sessions per pool, at
+ * most two per env; writes the conninfo through it to `conninfo`. */
+void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size_t len);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
 /* Applies sql/ and the checker's trigger to the database e->conninfo names
  * (h_env_start has done so for its own). */

@@ -537,6 +537,77 @@ static void test_standby(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
 }
 
+/* A relay of env under `name`, on its own HTTP port, through `conninfo`. */
+static void start_relay_through(struct h_env *r, const char *name, const char *conninfo)
+{
+    *r = env;
+    r->http_port = h_free_port();
+    snprintf(r->relay_name, sizeof(r->relay_name), "%s", name);
+    snprintf(r->conninfo, sizeof(r->conninfo), "%s", conninfo);
+    h_relay_start(r, NULL, NULL);
+}
+
+/* Through a real PgBouncer (issue 37). In transaction pooling a server
+ * session goes back to the pool after each transaction, and with it the
+ * relay lock, the prepared statements and log mode's snapshots: --check
+ * and the relays refuse it, naming it, and publish nothing (before, two
+ * relays published up to 2,151 of 4,000 rows twice). In session pooling
+ * two relays exclude each other on the lock and every row goes out once. */
+static void test_pooler(void **state)
+{
+    (void)state;
+    char pooled[300];
+    struct h_env a, b;
+    h_env_start(&env, (const char *const[]){"it.a:3", "it.b:3", "it.c:3", NULL});
+
+    h_pooler_start(&env, "transaction", pooled, sizeof(pooled));
+    assert_int_equal(check_live(pooled, env.bootstrap), 1);
+    assert_non_null(strstr(body, "goes through a connection pooler in transaction (or "
+                                 "statement) pooling"));
+    assert_int_equal(count_lines(body, "problem:"), 1);
+    struct s_writer ws[3];
+    for (int i = 0; i < 3; i++)
+        ws[i] = (struct s_writer){.env = &env, .w = i, .count = 300, .rows_per_tx = 3};
+    s_run_writers(ws, 3);
+    start_relay_through(&a, "tx-a", pooled);
+    h_wait_log(&a, "transaction (or statement) pooling", 15000);
+    start_relay_through(&b, "tx-b", pooled);
+    h_wait_log(&b, "transaction (or statement) pooling", 15000);
+    h_sleep_ms(2000); /* several attempts each */
+    assert_true(h_relay_log_count(&a, "transaction (or statement) pooling") >= 2);
+    PGconn *c = h_connect(&env);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE sent_at IS NULL"), 900);
+    PQfinish(c);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", "it.b", "it.c", NULL}, &recs);
+    assert_int_equal(recs.n, 0);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&a, SIGTERM, 20000), 0);
+    assert_int_equal(h_relay_stop(&b, SIGTERM, 20000), 0);
+
+    h_pooler_start(&env, "session", pooled, sizeof(pooled));
+    assert_int_equal(check_live(pooled, env.bootstrap), 0);
+    assert_non_null(strstr(body, "reached through a connection pooler in session pooling"));
+    start_relay_through(&a, "session-a", pooled);
+    h_wait_metric(&a, "outboxd_standby", 0, 15000);
+    start_relay_through(&b, "session-b", pooled);
+    h_wait_metric(&b, "outboxd_standby", 1, 15000);
+    assert_true(h_relay_log_contains(&a, "connection pooler that gave a second connection "
+                                         "another server session"));
+    for (int i = 0; i < 3; i++)
+        ws[i] = (struct s_writer){.env = &env, .w = i, .count = 1000, .rows_per_tx = 2};
+    s_run_writers(ws, 3);
+    /* The active one is killed mid-stream: the other takes over. */
+    kill(a.relay_pid, SIGKILL);
+    assert_int_equal(h_relay_wait(&a, 10000), 128 + SIGKILL);
+    h_wait_metric(&b, "outboxd_standby", 0, 15000);
+    for (int i = 0; i < 3; i++)
+        ws[i] = (struct s_writer){.env = &env, .w = i, .count = 100, .rows_per_tx = 2};
+    s_run_writers(ws, 3);
+    wait_drained_exactly_once();
+    assert_int_equal(h_relay_stop(&b, SIGTERM, 20000), 0);
+}
+
 /* Runs `outboxd TOOL ARGS...` against env (its Postgres, broker and the
  * relay's http.listen); stdout and stderr into out. Returns the exit code. */
 static int tool(char *out, size_t outlen, const char *const *args)
@@ -838,6 +909,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_check_live, teardown_env),
         cmocka_unit_test_teardown(test_tls, teardown_env),
         cmocka_unit_test_teardown(test_standby, teardown_env),
+        cmocka_unit_test_teardown(test_pooler, teardown_env),
         cmocka_unit_test_teardown(test_dashboard, teardown_env),
         cmocka_unit_test_teardown(test_status, teardown_env),
         cmocka_unit_test_teardown(test_dead_and_replay, teardown_env),
