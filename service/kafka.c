@@ -32,6 +32,7 @@ struct obx_kafka {
     /* Connectivity probe: a metadata request in the thread pool. */
     uv_work_t probe;
     bool probe_busy;
+    char history[64];           /* record.history's value */
     bool probe_ok;              /* written by the worker, read in after_work */
     bool connected;             /* the last probe's answer */
     int refs;                   /* the poll handle and a running probe hold k */
@@ -589,6 +590,12 @@ static void probe_done(uv_work_t *w, int status)
         k->connected = ok;
     }
     unref(k);
+}
+
+void obx_kafka_set_history(struct obx_kafka *k, const char *history)
+{
+    snprintf(k->history, sizeof(k->history), "%s", history);
+    k->record.history = k->history;
 }
 
 void obx_kafka_probe(struct obx_kafka *k)

@@ -215,6 +215,8 @@ static const struct obx_relay_ops relay_ops = {
 static void pg_ready(void *arg)
 {
     struct app *a = arg;
+    /* Before the relay's first record of the session (none is in flight). */
+    obx_kafka_set_history(a->kafka, obx_pg_history(a->pg));
     obx_relay_on_pg_ready(a->relay, (int64_t)uv_now(&a->loop));
 }
 

@@ -80,6 +80,7 @@ struct obx_pg {
     uint64_t history_changes;
     bool history_warned; /* said once that the server refuses it */
     bool pooler_noted;   /* said once that a session pooler is in between */
+    char history[64];    /* obx_pg_history() of the ready session */
     PGresult *result;    /* first result of the statement in flight */
     char target[256];    /* "host:port/db as user", for logs; no password */
     struct pg_request req;
@@ -571,6 +572,7 @@ static void finish_setup(struct obx_pg *pg, const PGresult *res)
  * this one (relay.c): the recovery pass matches what it finds by content. */
 static void note_history(struct obx_pg *pg)
 {
+    pg->history[0] = '\0';
     if (!pg->system_id[0])
         return; /* unknown: nothing to compare, and the last known one stays */
     /* What this process saw last, else what the database kept from the
@@ -588,6 +590,12 @@ static void note_history(struct obx_pg *pg)
     }
     snprintf(pg->ready_system_id, sizeof(pg->ready_system_id), "%s", pg->system_id);
     pg->ready_timeline = pg->timeline;
+    snprintf(pg->history, sizeof(pg->history), "%s.%ld", pg->system_id, pg->timeline);
+}
+
+const char *obx_pg_history(const struct obx_pg *pg)
+{
+    return pg->history;
 }
 
 /* The lock is held and the rows repaired: the relay may go. */

@@ -428,12 +428,14 @@ int obx_record_headers(const struct obx_row *row, const struct obx_record_opts *
             own_type = own_type || name_is(scratch->v[i].key, scratch->v[i].key_len, "ce_type");
         }
     }
-    rd_kafka_headers_t *hdrs = rd_kafka_headers_new(n + (ce ? 6 : 1));
+    rd_kafka_headers_t *hdrs = rd_kafka_headers_new(n + (ce ? 7 : 2));
     if (!hdrs) {
         snprintf(err, errlen, "row %lld: out of memory for headers", (long long)row->id);
         return -1;
     }
     rd_kafka_header_add(hdrs, "outbox-id", -1, idbuf, (ssize_t)idlen);
+    if (opts && opts->history && opts->history[0])
+        rd_kafka_header_add(hdrs, "outbox-history", -1, opts->history, -1);
     if (ce) {
         rd_kafka_header_add(hdrs, "ce_specversion", -1, "1.0", 3);
         rd_kafka_header_add(hdrs, "ce_id", -1, idbuf, (ssize_t)idlen);

@@ -25,6 +25,7 @@ static const char *const migrations[] = {
     [9] = "sql/009_log_slots.sql",
     [10] = "sql/010_log_newest.sql",
     [11] = "sql/011_history.sql",
+    [12] = "sql/012_history_header.sql",
 };
 /* clang-format on */
 

@@ -93,6 +93,10 @@ enum obx_produce_result obx_kafka_relay_produce(void *kafka, const struct obx_ro
  * sets obx_kafka_connected(). */
 #define OBX_KAFKA_PROBE_TIMEOUT_MS 3000
 void obx_kafka_probe(struct obx_kafka *k);
+
+/* The value of the outbox-history header of the records produced from
+ * here on ("" = none): the Postgres session's (obx_pg_history). */
+void obx_kafka_set_history(struct obx_kafka *k, const char *history);
 /* The relay lost its session (and with it the relay lock): drops what
  * librdkafka has not sent yet, so that nothing of ours lands after another
  * relay's recovery scan; each comes back as a "not delivered" report. */

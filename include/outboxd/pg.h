@@ -98,6 +98,9 @@ const char *obx_pg_state_name(enum obx_pg_state s);
 bool obx_pg_standby(const struct obx_pg *pg);
 /* READY or BUSY: holds the relay lock on a live session (as far as we know). */
 bool obx_pg_usable(const struct obx_pg *pg);
+/* The history of the session's server, "SYSTEM_ID.TIMELINE" (the
+ * outbox-history header), or "" when the server would not tell. */
+const char *obx_pg_history(const struct obx_pg *pg);
 
 /* A growable text buffer holding a Postgres array literal ("{1,2}",
  * "{\"a\",NULL}") for a text-format parameter. */

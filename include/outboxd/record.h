@@ -65,10 +65,13 @@ int obx_headers_parse(const char *json, size_t len, struct obx_headers *h, char 
 struct obx_record_opts {
     int format;            /* enum obx_record_format */
     const char *ce_source; /* OBX_RECORD_CLOUDEVENTS: ce_source unless the row has one */
+    const char *history;   /* "outbox-history": the session's server history; NULL = none */
 };
 
-/* Builds the Kafka headers of `row`: "outbox-id" first, then each member of
- * the row's headers. Under CloudEvents (opts non-NULL), after outbox-id:
+/* Builds the Kafka headers of `row`: "outbox-id" first, then
+ * "outbox-history" when opts has one (which history of the database's ids
+ * the record belongs to: doc/contract.md), then each member of the row's
+ * headers. Under CloudEvents (opts non-NULL), after those:
  * ce_specversion 1.0, ce_id (the outbox id), ce_source and ce_type (the
  * configured source and the topic, unless the row has its own), ce_time
  * (created_at, RFC 3339 UTC); a row header named ce_specversion, ce_id or

@@ -771,11 +771,16 @@ static void test_forged_outbox_id_header(void **state)
     PGresult *r = PQexec(c, "SELECT outbox.enqueue('it.a', 'k', 'v'::bytea,"
                             " '{\"outbox-id\": \"1\"}'::jsonb)");
     assert_int_equal(PQresultStatus(r), PGRES_FATAL_ERROR);
-    assert_non_null(strstr(PQresultErrorMessage(r), "header_outbox_id_is_reserved_for_outboxd"));
+    assert_non_null(strstr(PQresultErrorMessage(r), "header_names_reserved_for_outboxd"));
+    PQclear(r);
+    r = PQexec(c, "SELECT outbox.enqueue('it.a', 'k', 'v'::bytea,"
+                  " '{\"outbox-history\": \"1.1\"}'::jsonb)");
+    assert_int_equal(PQresultStatus(r), PGRES_FATAL_ERROR);
+    assert_non_null(strstr(PQresultErrorMessage(r), "header_names_reserved_for_outboxd"));
     PQclear(r);
 
     /* Rows from before the rule: one forges another row's id. */
-    h_sql(c, "ALTER TABLE outbox.events DROP CONSTRAINT header_outbox_id_is_reserved_for_outboxd");
+    h_sql(c, "ALTER TABLE outbox.events DROP CONSTRAINT header_names_reserved_for_outboxd");
     int64_t victim = h_enqueue(c, "it.a", "v", "victim", 6, NULL);
     for (int i = 0; i < 20; i++)
         h_sql(c,

@@ -67,6 +67,20 @@ static void test_delivery(void **state)
     assert_int_equal(recs.n, WRITERS * PER_WRITER);
     assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
 
+    /* The history every record was published on: this server's. */
+    char history[64];
+    PGconn *hc = h_connect(&env);
+    PGresult *hr = PQexec(hc, "SELECT (SELECT system_identifier FROM pg_control_system())"
+                              " || '.' || pg_walfile_name(pg_current_wal_lsn())::text");
+    assert_int_equal(PQresultStatus(hr), PGRES_TUPLES_OK);
+    /* The WAL file name starts with the timeline, 8 hex digits. */
+    char sysid[32];
+    unsigned timeline;
+    assert_int_equal(sscanf(PQgetvalue(hr, 0, 0), "%31[0-9].%8x", sysid, &timeline), 2);
+    snprintf(history, sizeof(history), "%s.%u", sysid, timeline);
+    PQclear(hr);
+    PQfinish(hc);
+
     /* Regenerate every record from its w/s headers and compare bytes. */
     static unsigned char seen[WRITERS][PER_WRITER];
     memset(seen, 0, sizeof(seen));
@@ -96,10 +110,12 @@ static void test_delivery(void **state)
             if (g.payload_len)
                 assert_memory_equal(r->value, g.payload, g.payload_len);
         }
-        /* outbox-id first, then the five members of headers. */
-        assert_int_equal(r->nheaders, 6);
+        /* outbox-id first, outbox-history, then the five members of headers. */
+        assert_int_equal(r->nheaders, 7);
         assert_string_equal(r->headers[0].name, "outbox-id");
         assert_true(r->outbox_id > 0);
+        assert_string_equal(r->headers[1].name, "outbox-history");
+        assert_string_equal(r->headers[1].value, history);
         assert_string_equal(h_record_header(r, "traceparent")->value, g.traceparent);
         char n[16];
         snprintf(n, sizeof(n), "%d", s);
@@ -1050,7 +1066,7 @@ static void test_schema_missing(void **state)
     deadline = h_now_ms() + 10000;
     while (!h_relay_log_contains(&env, "apply sql/002_recovery.sql") && h_now_ms() < deadline)
         h_sleep_ms(100);
-    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 11: "
+    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 12: "
                                            "apply sql/002_recovery.sql"));
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/002_recovery.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/003_reserved_header.sql");
@@ -1062,6 +1078,7 @@ static void test_schema_missing(void **state)
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/009_log_slots.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/010_log_newest.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/011_history.sql");
+    apply_sql_file(b, OBX_SOURCE_DIR "/sql/012_history_header.sql");
     h_enqueue(b, "it.a", "k", "after-schema", 12, NULL);
     deadline = h_now_ms() + 20000;
     while (h_sql_int(b, "SELECT count(*) FROM outbox.unpublished") > 0 && h_now_ms() < deadline)
@@ -1386,10 +1403,11 @@ static void test_headers_as_postgres_splits_them(void **state)
             " WHERE e.id = $1::bigint ORDER BY j.k COLLATE \"C\"",
             1, NULL, v, NULL, NULL, 0);
         assert_int_equal(PQresultStatus(r), PGRES_TUPLES_OK);
-        assert_int_equal(rec->nheaders, (size_t)PQntuples(r) + 1);
+        assert_int_equal(rec->nheaders, (size_t)PQntuples(r) + 2);
         assert_string_equal(rec->headers[0].name, "outbox-id");
+        assert_string_equal(rec->headers[1].name, "outbox-history");
         for (int k = 0; k < PQntuples(r); k++) {
-            const struct h_header *h = &rec->headers[k + 1];
+            const struct h_header *h = &rec->headers[k + 2];
             if (strcmp(h->name, PQgetvalue(r, k, 0)) != 0 || !h->value ||
                 h->value_len != (size_t)PQgetlength(r, k, 1) ||
                 memcmp(h->value, PQgetvalue(r, k, 1), h->value_len) != 0)

@@ -159,6 +159,27 @@ static void test_headers_cloudevents(void **state)
     header_is(h, 4, "ce_type", "order.created");
     header_is(h, 5, "content-type", "application/json");
     rd_kafka_headers_destroy(h);
+
+    /* The session's history comes second, in either format. */
+    struct obx_record_opts with_history = ce;
+    with_history.history = "7716322586255596421.2";
+    assert_int_equal(obx_record_headers(&row, &with_history, &scratch, &h, err, sizeof(err)), 0);
+    assert_int_equal(rd_kafka_header_cnt(h), 7);
+    header_is(h, 0, "outbox-id", "77");
+    header_is(h, 1, "outbox-history", "7716322586255596421.2");
+    header_is(h, 2, "ce_specversion", "1.0");
+    rd_kafka_headers_destroy(h);
+    with_history.format = OBX_RECORD_PLAIN;
+    assert_int_equal(obx_record_headers(&row, &with_history, &scratch, &h, err, sizeof(err)), 0);
+    assert_int_equal(rd_kafka_header_cnt(h), 5);
+    header_is(h, 1, "outbox-history", "7716322586255596421.2");
+    header_is(h, 2, "ce_id", "forged");
+    rd_kafka_headers_destroy(h);
+    with_history.history = ""; /* unknown: no header */
+    assert_int_equal(obx_record_headers(&row, &with_history, &scratch, &h, err, sizeof(err)), 0);
+    assert_int_equal(rd_kafka_header_cnt(h), 4);
+    header_is(h, 1, "ce_id", "forged");
+    rd_kafka_headers_destroy(h);
     obx_headers_free(&scratch);
 }
 
