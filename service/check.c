@@ -93,6 +93,13 @@ static const struct {
     {"coalesce(has_function_privilege(to_regprocedure('outbox.reclaim_partitions(interval)'), "
      "'EXECUTE'), false)",
      "EXECUTE on outbox.reclaim_partitions(interval)", "to drop published partitions in log mode"},
+    {"coalesce(has_table_privilege(to_regclass('outbox.history'), 'SELECT, INSERT, UPDATE'), "
+     "false)",
+     "SELECT, INSERT, UPDATE on outbox.history", "to notice a change of history (a failover)"},
+    {"coalesce(has_function_privilege(to_regprocedure('outbox.skip_ids_past(bigint)'), "
+     "'EXECUTE'), false)",
+     "EXECUTE on outbox.skip_ids_past(bigint)",
+     "to stop reissuing ids already in Kafka after a failover or a restore"},
 };
 #define N_PRIVILEGES (sizeof(privileges) / sizeof(privileges[0]))
 

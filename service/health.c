@@ -177,6 +177,7 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
         .pg_history_changes = obx_pg_history_changes(p->pg),
         .pg_timeline = obx_pg_timeline(p->pg),
         .rows_recovered = obx_recovery_rows_recovered(p->recovery),
+        .ids_skipped = obx_recovery_ids_skipped(p->recovery),
         .rows_purged = obx_maint_rows_purged(p->maint),
         .librdkafka_version = rd_kafka_version_str(),
         .libpq_version = PQlibVersion(),

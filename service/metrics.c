@@ -202,6 +202,10 @@ static void render_rows(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_rows_recovered_total", "counter",
            "Rows the start-up recovery pass found already in Kafka and marked.",
            (double)g->rows_recovered);
+    simple(out, "outboxd_ids_skipped_total", "counter",
+           "Recovery passes that found an outbox-id in Kafka the database would hand out again "
+           "(another history) and moved its ids past it.",
+           (double)g->ids_skipped);
     simple(out, "outboxd_rows_purged_total", "counter", "Sent rows deleted by retention.",
            (double)g->rows_purged);
     simple(out, "outboxd_rows_in_flight", "gauge",

@@ -34,9 +34,10 @@ enum step {
     STEP_PLAN, /* plan query in flight */
     STEP_SCAN, /* worker reading Kafka (one chunk) */
     STEP_MARK, /* the chunk's recovery transaction in flight */
+    STEP_SKIP, /* the ids moved past the highest found, in flight */
 };
 
-static const char *const step_names[] = {"idle", "plan", "scan", "mark"};
+static const char *const step_names[] = {"idle", "plan", "scan", "mark", "skip"};
 
 /* Which moves are possible: allowed[from] is a bit set of destinations. */
 #define STEP_BIT(s) (1u << (s))
@@ -44,7 +45,8 @@ static const unsigned step_allowed[] = {
     [STEP_IDLE] = STEP_BIT(STEP_PLAN),
     [STEP_PLAN] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_SCAN),
     [STEP_SCAN] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_MARK),
-    [STEP_MARK] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_SCAN),
+    [STEP_MARK] = STEP_BIT(STEP_IDLE) | STEP_BIT(STEP_SCAN) | STEP_BIT(STEP_SKIP),
+    [STEP_SKIP] = STEP_BIT(STEP_IDLE),
 };
 
 /* One partition to read. */
@@ -94,6 +96,7 @@ struct log_read {
 struct obx_recovery {
     uv_loop_t *loop;
     uint64_t rows_recovered; /* over all passes: rows found in Kafka and marked */
+    uint64_t ids_skipped;    /* passes that moved the ids (outboxd_ids_skipped_total) */
     const struct obx_config *cfg;
     struct obx_pg *pg;
     struct obx_recovery_callbacks cb;
@@ -111,7 +114,10 @@ struct obx_recovery {
     size_t n_parts;
     struct found *found;
     size_t n_found, cap_found;
-    int64_t id_lo, id_hi;              /* unsent ids lie in [id_lo, id_hi] */
+    int64_t id_lo, id_hi; /* unsent ids lie in [id_lo, id_hi] */
+    int64_t max_id;       /* the highest outbox-id read, of any row */
+    bool any_id;          /* max_id holds one */
+    char max_id_text[24];
     bool planned;                      /* metadata and watermarks of every partition known */
     atomic_uint_fast64_t records_read; /* this pass; written by the worker */
     size_t parts_left;                 /* as of the last chunk (read on the loop thread) */
@@ -282,6 +288,7 @@ int obx_recovery_start(struct obx_recovery *rec, int shards, const char *owned_s
     }
     snprintf(rec->shards_text, sizeof(rec->shards_text), "%d", shards > 0 ? shards : 1);
     atomic_store(&rec->records_read, 0);
+    rec->any_id = false;
     rec->parts_left = 0;
     rec->aborted = false;
     atomic_store(&rec->cancel, false);
@@ -358,11 +365,15 @@ static bool outbox_id(const rd_kafka_message_t *m, int64_t *id)
 static int add_found(struct obx_recovery *rec, const rd_kafka_message_t *m, int topic)
 {
     int64_t id;
-    /* Not ours, not an unsent id, or not storable as our text key: it
-     * cannot match a row. Keeping only candidates bounds memory when a
-     * partition is read from its start. */
-    if (!outbox_id(m, &id) || id < rec->id_lo || id > rec->id_hi ||
-        (m->key && !obx_valid_text(m->key, m->key_len)))
+    if (!outbox_id(m, &id))
+        return 0;
+    if (!rec->any_id || id > rec->max_id)
+        rec->max_id = id; /* for skip_ids(), sent or not */
+    rec->any_id = true;
+    /* Not an unsent id, or not storable as our text key: it cannot match
+     * a row. Keeping only candidates bounds memory when a partition is
+     * read from its start. */
+    if (id < rec->id_lo || id > rec->id_hi || (m->key && !obx_valid_text(m->key, m->key_len)))
         return 0;
     if (rec->n_found == rec->cap_found) {
         size_t cap = rec->cap_found ? rec->cap_found * 2 : 256;
@@ -918,6 +929,45 @@ static void on_state_result(void *arg, const PGresult *res, const char *error)
         finish(rec, false);
 }
 
+static void on_skip_result(void *arg, const PGresult *res, const char *error)
+{
+    struct obx_recovery *rec = arg;
+    OBX_ASSERT(rec->step == STEP_SKIP, "recovery: skip answered in step %d", (int)rec->step);
+    if (error) {
+        /* The pass itself is done: new rows may reuse ids, as before. */
+        obx_warn("recovery: moving the ids past the highest in Kafka (%s) failed: %s",
+                 rec->max_id_text, error);
+    } else if (PQntuples(res) == 1 && !PQgetisnull(res, 0, 0)) {
+        rec->ids_skipped++;
+        obx_event(OBX_LOG_WARN, "ids_skipped",
+                  "recovery: Kafka holds outbox-id %s, above the ids this database has handed "
+                  "out: it is on another history (a failover to a standby, a restore, a "
+                  "cut-over) and reissued ids; new rows get ids from %s on",
+                  rec->max_id_text, PQgetvalue(res, 0, 0));
+    }
+    finish(rec, true);
+}
+
+/* The pass read every record after the stored offsets: if one carries an
+ * id this database has not handed out yet, the database is on another
+ * history than the one that published it, and would hand that id out
+ * again. outbox.skip_ids_past (sql/012) moves the identity past it, so
+ * from now on ids are unique among the records in Kafka again. */
+static void skip_ids(struct obx_recovery *rec)
+{
+    if (!rec->any_id) {
+        finish(rec, true);
+        return;
+    }
+    snprintf(rec->max_id_text, sizeof(rec->max_id_text), "%lld", (long long)rec->max_id);
+    rec->values[0] = rec->max_id_text;
+    if (obx_pg_send(rec->pg, OBX_STORE_SQL_SKIP_IDS, 1, rec->values, 0, on_skip_result, rec) != 0) {
+        finish(rec, false);
+        return;
+    }
+    set_step(rec, STEP_SKIP, "pass done, ids to check");
+}
+
 /* Log mode: a chunk's records matched; keep those of uncovered rows. */
 static void on_match_result(void *arg, const PGresult *res, const char *error)
 {
@@ -968,7 +1018,7 @@ static void on_match_result(void *arg, const PGresult *res, const char *error)
               "taken as published, not published again (%llu records read in %zu partitions)",
               (unsigned long long)rec->confirmed,
               (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
-    finish(rec, true);
+    skip_ids(rec);
 }
 
 static void on_mark_result(void *arg, const PGresult *res, const char *error)
@@ -1007,7 +1057,7 @@ static void on_mark_result(void *arg, const PGresult *res, const char *error)
               "now marked, not published again (%llu records read in %zu partitions)",
               (unsigned long long)rec->confirmed,
               (unsigned long long)atomic_load(&rec->records_read), rec->n_parts);
-    finish(rec, true);
+    skip_ids(rec);
 }
 
 uint64_t obx_recovery_records_read(const struct obx_recovery *rec)
@@ -1046,6 +1096,11 @@ void obx_recovery_close(struct obx_recovery *rec)
         return;
     }
     free_recovery(rec);
+}
+
+uint64_t obx_recovery_ids_skipped(const struct obx_recovery *rec)
+{
+    return rec->ids_skipped;
 }
 
 uint64_t obx_recovery_rows_recovered(const struct obx_recovery *rec)

@@ -1,4 +1,5 @@
--- outboxd schema, version 12: the header name outbox-history is reserved.
+-- outboxd schema, version 12: the header name outbox-history is reserved,
+-- and ids move past those another history published.
 --
 -- Apply with: psql -v ON_ERROR_STOP=1 -f sql/012_history_header.sql (after
 -- 011). Idempotent. Brief lock on outbox.events; no row is read or written.
@@ -30,6 +31,36 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Moves the id identity past p_id, the highest outbox-id the relay's
+-- recovery pass read in Kafka, when the database would hand that id out
+-- again: it is on another history than the one that published it (a
+-- failover to an asynchronous standby, a restore). Returns the next id
+-- then, NULL when nothing moved (the usual case; it draws one id to look).
+-- Ids drawn by writers between its two steps stay below the new start: it
+-- leaves a margin of 10,000 above the id it drew. SECURITY DEFINER: the
+-- relay role gets this and not UPDATE on the sequence.
+CREATE OR REPLACE FUNCTION outbox.skip_ids_past(p_id bigint) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+DECLARE
+    v_seq text := pg_get_serial_sequence('outbox.events', 'id');
+    v_drawn bigint;
+    v_next bigint;
+BEGIN
+    IF p_id IS NULL OR p_id > 9223372036854775807 - 1000000 THEN
+        RETURN NULL;  -- an id set by hand near the end of bigint: not followed
+    END IF;
+    v_drawn := nextval(v_seq);
+    IF v_drawn > p_id THEN
+        RETURN NULL;
+    END IF;
+    v_next := greatest(p_id, v_drawn + 10000) + 1;
+    PERFORM setval(v_seq, v_next, false);
+    RETURN v_next;
+END
+$$;
+REVOKE ALL ON FUNCTION outbox.skip_ids_past(bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.skip_ids_past(bigint) TO outboxd_relay;
 
 INSERT INTO outbox.schema_migrations (version, name)
 VALUES (12, '012_history_header') ON CONFLICT (version) DO NOTHING;

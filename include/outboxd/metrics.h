@@ -63,6 +63,7 @@ struct obx_metrics_gauges {
     uint64_t pg_history_changes;               /* obx_pg_history_changes */
     long pg_timeline;                          /* obx_pg_timeline */
     uint64_t rows_recovered;                   /* rows the recovery pass found in Kafka */
+    uint64_t ids_skipped;                      /* passes that moved the ids past Kafka's */
     uint64_t rows_purged;                      /* rows deleted by retention */
     const char *librdkafka_version, *libuv_version;
     int libpq_version;

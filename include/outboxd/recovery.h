@@ -87,5 +87,8 @@ bool obx_valid_text(const char *s, size_t len);
 
 /* For /metrics: rows found in Kafka and marked, over all passes. */
 uint64_t obx_recovery_rows_recovered(const struct obx_recovery *rec);
+/* Passes that found an id in Kafka the database would hand out again, and
+ * moved its ids past it. */
+uint64_t obx_recovery_ids_skipped(const struct obx_recovery *rec);
 
 #endif

@@ -254,6 +254,10 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
     "   WHERE (h.system_id, h.timeline) IS DISTINCT FROM (excluded.system_id, excluded.timeline))" \
     " SELECT c.system_id, c.timeline, s.system_id AS stored_system_id,"                            \
     "        s.timeline AS stored_timeline FROM cur c LEFT JOIN stored s ON true"
+/* After a recovery pass: moves the id identity past $1, the highest
+ * outbox-id it read in Kafka, if the database would hand that id out
+ * again (sql/012). One row: the next id, NULL if nothing moved. */
+#define OBX_STORE_SQL_SKIP_IDS "SELECT outbox.skip_ids_past($1::bigint)"
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
  * commits for ever (sql/006). One row: how many. */

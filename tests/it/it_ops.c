@@ -350,8 +350,10 @@ static void test_check_live(void **state)
         strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.kafka_slot_offsets"));
     assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.claim_slots()"));
     assert_non_null(strstr(body, "GRANT outboxd_relay TO weak"));
+    assert_non_null(strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.history"));
+    assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.skip_ids_past(bigint)"));
     /* and the list of waiting rows it cannot read */
-    assert_int_equal(count_lines(body, "problem:"), 13);
+    assert_int_equal(count_lines(body, "problem:"), 15);
     /* Exactly the grants of sql/ are enough. */
     h_sql(c, "GRANT outboxd_relay TO weak");
     assert_int_equal(check_live(conninfo, env.bootstrap), 0);
