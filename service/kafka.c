@@ -26,6 +26,12 @@ struct obx_kafka {
      * We purge what it holds, wait for every report, and start a new one
      * from this copy of the configuration. */
     rd_kafka_conf_t *conf_copy;
+    /* Rows tried alone go through a second producer, made on first use,
+     * without the gapless guarantee: one record at a time needs none, and
+     * a refusal there stops no producer (the first one would be purged and
+     * restarted each time a refused row is tried again). */
+    rd_kafka_t *alone_rk;
+    rd_kafka_queue_t *alone_q;
     bool resetting;
     bool purged; /* of the reset under way */
     int resets;
@@ -54,6 +60,14 @@ static bool error_refuses_batch(rd_kafka_resp_err_t err)
            err == RD_KAFKA_RESP_ERR_INVALID_RECORD;
 }
 
+/* Errors that refuse every record of the topic, whichever. */
+static bool error_refuses_topic(rd_kafka_resp_err_t err)
+{
+    return err == RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART ||
+           err == RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC || err == RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION ||
+           err == RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED;
+}
+
 bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
 {
     switch (err) {
@@ -74,6 +88,11 @@ bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
     }
 }
 
+static int serve(struct obx_kafka *k);
+static enum obx_produce_result produce_with(struct obx_kafka *k, rd_kafka_t *rk,
+                                            const struct obx_row *row, void *opaque,
+                                            const char **reason);
+
 static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaque)
 {
     struct obx_kafka *k = opaque;
@@ -88,6 +107,8 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
             outcome = OBX_DELIVERY_UNKNOWN;
         else if (error_refuses_batch(m->err))
             outcome = OBX_DELIVERY_BATCH_REFUSED;
+        else if (error_refuses_topic(m->err))
+            outcome = OBX_DELIVERY_TOPIC_REFUSED;
         else
             outcome =
                 obx_kafka_error_is_permanent(m->err) ? OBX_DELIVERY_REFUSED : OBX_DELIVERY_RETRY;
@@ -377,6 +398,8 @@ static int serve(struct obx_kafka *k)
     int total = 0, n;
     while (!k->closing && k->rk && (n = rd_kafka_poll(k->rk, 0)) > 0)
         total += n;
+    while (!k->closing && k->alone_rk && (n = rd_kafka_poll(k->alone_rk, 0)) > 0)
+        total += n;
     if (k->resetting && !k->closing && k->rk) {
         if (!k->purged) {
             /* Queued records were never sent; those in flight may have
@@ -499,14 +522,61 @@ fail:
     return -1;
 }
 
+/* Makes the producer for rows tried alone (see struct obx_kafka): the
+ * configuration of the first, without the gapless guarantee. 0, or -1
+ * after saying why. */
+static int alone_start(struct obx_kafka *k)
+{
+    char why[512];
+    rd_kafka_conf_t *conf = rd_kafka_conf_dup(k->conf_copy);
+    if (!conf || rd_kafka_conf_set(conf, "enable.gapless.guarantee", "false", why, sizeof(why)) !=
+                     RD_KAFKA_CONF_OK) {
+        if (conf)
+            rd_kafka_conf_destroy(conf);
+        obx_warn("kafka: cannot configure a producer for rows tried alone; they go through "
+                 "the first one");
+        return -1;
+    }
+    k->alone_rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, why, sizeof(why));
+    if (!k->alone_rk) {
+        rd_kafka_conf_destroy(conf);
+        obx_warn("kafka: cannot create a producer for rows tried alone (%s); they go through "
+                 "the first one",
+                 why);
+        return -1;
+    }
+    k->alone_q = rd_kafka_queue_get_main(k->alone_rk);
+    rd_kafka_set_log_queue(k->alone_rk, k->alone_q);
+    rd_kafka_queue_io_event_enable(k->alone_q, k->pipe_wr, "1", 1);
+    obx_info("kafka: a second producer tries refused rows alone, so that a refusal stops no "
+             "other record");
+    serve(k); /* what it queued before the wake-up was routed */
+    return 0;
+}
+
 enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_row *row,
                                           void *opaque, const char **reason)
+{
+    return produce_with(k, k->rk, row, opaque, reason);
+}
+
+enum obx_produce_result obx_kafka_produce_alone(struct obx_kafka *k, const struct obx_row *row,
+                                                void *opaque, const char **reason)
+{
+    if (!k->alone_rk && !k->closing && alone_start(k) != 0)
+        return obx_kafka_produce(k, row, opaque, reason);
+    return produce_with(k, k->alone_rk, row, opaque, reason);
+}
+
+static enum obx_produce_result produce_with(struct obx_kafka *k, rd_kafka_t *rk,
+                                            const struct obx_row *row, void *opaque,
+                                            const char **reason)
 {
     rd_kafka_headers_t *hdrs;
     char err[256];
     rd_kafka_resp_err_t e;
 
-    if (k->resetting || !k->rk)
+    if ((rk == k->rk && k->resetting) || !rk || k->closing)
         return OBX_PRODUCE_BUSY; /* a new producer is on its way */
     if (row->oversize) {
         /* Refused from its stored size, without fetching it (DESIGN G6). */
@@ -524,7 +594,7 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
         return OBX_PRODUCE_REFUSED;
     }
     e = rd_kafka_producev(
-        k->rk, RD_KAFKA_V_TOPIC(row->topic), RD_KAFKA_V_KEY(row->key, row->key ? row->key_len : 0),
+        rk, RD_KAFKA_V_TOPIC(row->topic), RD_KAFKA_V_KEY(row->key, row->key ? row->key_len : 0),
         RD_KAFKA_V_VALUE((void *)row->payload, row->payload_len), RD_KAFKA_V_HEADERS(hdrs),
         RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_OPAQUE(opaque), RD_KAFKA_V_END);
     if (e == RD_KAFKA_RESP_ERR_NO_ERROR)
@@ -546,12 +616,20 @@ enum obx_produce_result obx_kafka_relay_produce(void *kafka, const struct obx_ro
     return obx_kafka_produce(kafka, row, opaque, reason);
 }
 
+enum obx_produce_result obx_kafka_relay_produce_alone(void *kafka, const struct obx_row *row,
+                                                      void *opaque, const char **reason)
+{
+    return obx_kafka_produce_alone(kafka, row, opaque, reason);
+}
+
 static void unref(struct obx_kafka *k)
 {
     if (--k->refs > 0)
         return;
     if (k->rk)
         rd_kafka_destroy(k->rk);
+    if (k->alone_rk)
+        rd_kafka_destroy(k->alone_rk);
     rd_kafka_conf_destroy(k->conf_copy);
     obx_labelled_free(&k->published);
     obx_labelled_free(&k->publish_errors);
@@ -619,6 +697,8 @@ void obx_kafka_drop_queued(struct obx_kafka *k)
      * sent are left to finish: purging those could not unsend them. */
     rd_kafka_resp_err_t e =
         rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_NON_BLOCKING);
+    if (k->alone_rk)
+        rd_kafka_purge(k->alone_rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_NON_BLOCKING);
     if (e != RD_KAFKA_RESP_ERR_NO_ERROR)
         obx_warn("kafka: purging the queue failed: %s", rd_kafka_err2str(e));
     else if (queued > 0)
@@ -654,6 +734,13 @@ void obx_kafka_close(struct obx_kafka *k)
     if (k->mainq) {
         rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
         rd_kafka_queue_destroy(k->mainq);
+    }
+    if (k->alone_rk) {
+        if (rd_kafka_outq_len(k->alone_rk) > 0)
+            obx_warn("kafka: discarding a row tried alone without a delivery report");
+        rd_kafka_purge(k->alone_rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT);
+        rd_kafka_queue_io_event_enable(k->alone_q, -1, NULL, 0);
+        rd_kafka_queue_destroy(k->alone_q);
     }
     /* rd_kafka_destroy waits for the last reference: a running probe. */
     uv_close((uv_handle_t *)&k->poll, on_poll_closed);

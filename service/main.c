@@ -201,6 +201,7 @@ static const struct obx_relay_ops relay_ops = {
     .mark_fetch = op_mark_fetch,
     .mark = op_mark,
     .produce = obx_kafka_relay_produce, /* rows: relay -> kafka (its producer) */
+    .produce_alone = obx_kafka_relay_produce_alone,
     .recover = op_recover,
     .claim = op_claim,
     .stopped = op_stopped,

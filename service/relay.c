@@ -366,9 +366,11 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         const struct held_back *b = &r->held_back[i];
         if (b->retry_at > now && !keyset)
             r->ids[f->n_exclude++] = b->id; /* not due yet (a keyset fetch is above it) */
-        if (b->key) {
+        if (b->key || b->whole_topic) {     /* a topic's: key NULL, every later row */
             r->keys[f->n_held_back] =
-                (struct obx_held_back_key){r->topics[b->topic], b->key, b->key_len};
+                b->whole_topic
+                    ? (struct obx_held_back_key){r->topics[b->topic], NULL, 0}
+                    : (struct obx_held_back_key){r->topics[b->topic], b->key, b->key_len};
             r->key_ids[f->n_held_back++] = b->id;
         }
     }
@@ -397,6 +399,11 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     }
     const struct held_back *alone =
         r->n_held_back > 0 && !f->keyset ? relay_due_alone(r, now) : NULL;
+    /* One taken from the answer before (its slot is in the exclusions)
+     * is on its way: this fetch's answer without it says nothing. */
+    for (size_t i = 0; alone && i < f->n_exclude; i++)
+        if (f->exclude[i] == alone->id)
+            alone = NULL;
     r->fetch_alone = alone ? alone->id : NO_ID;
     r->fetch_due = FETCH_NOT_DUE;
     r->log.fetch_send_no = ++r->log.sends;
@@ -967,7 +974,9 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         return false;
     }
     const char *reason = NULL;
-    enum obx_produce_result pr = r->ops->produce(r->producer, row, s, &reason);
+    enum obx_produce_result pr = alone && r->ops->produce_alone
+                                     ? r->ops->produce_alone(r->producer, row, s, &reason)
+                                     : r->ops->produce(r->producer, row, s, &reason);
     if (pr == OBX_PRODUCE_BUSY) {
         /* Keep id order: the rest of the batch waits for the next fetch,
          * and a fetch already sent must not run ahead of it. */
@@ -1189,7 +1198,9 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
                           const char *key, size_t key_len, const char *reason, int64_t now)
 {
     struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, s->id) : NULL;
-    if (!b && (key || r->set.log_mode)) { /* log mode: a held row, key or none */
+    /* A later row of a topic held as a whole waits with the topic's rows:
+     * no entry of its own. Log mode: a held row, key or none. */
+    if (!b && (key || r->set.log_mode) && !relay_behind_topic(r, s)) {
         relay_hold_back(r, s->id, s->topic, key, key_len, now);
         b = relay_find_held_back(r, s->id);
     } else if (b)
@@ -1287,6 +1298,12 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         break;
     case OBX_DELIVERY_BATCH_REFUSED:
         relay_batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        break;
+    case OBX_DELIVERY_TOPIC_REFUSED:
+        if (r->set.on_reject == OBX_ON_REJECT_RETRY && !r->set.log_mode)
+            relay_topic_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        else
+            relay_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     }
     /* The key's next row goes once this one is delivered; after any other

@@ -18,18 +18,28 @@ struct held_back *relay_find_held_back(struct obx_relay *r, int64_t id)
     return NULL;
 }
 
-/* True if `row` must wait behind an earlier refused row of its key. */
+/* True if `row` must wait behind an earlier refused row of its key, or of
+ * its topic when the topic refused it. */
 bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic)
 {
-    if (!row->key)
-        return false;
     for (size_t i = 0; i < r->n_held_back; i++) {
         const struct held_back *b = &r->held_back[i];
-        if (b->key && b->topic == topic && row->id > b->id && b->key_len == row->key_len &&
-            memcmp(b->key, row->key, row->key_len) == 0)
+        if (b->topic != topic || row->id <= b->id)
+            continue;
+        if (b->whole_topic || (row->key && b->key && b->key_len == row->key_len &&
+                               memcmp(b->key, row->key, row->key_len) == 0))
             return true;
     }
     return false;
+}
+
+/* The entry that holds back the rows of topic `topic`, or NULL. */
+static struct held_back *topic_held(struct obx_relay *r, uint32_t topic)
+{
+    for (size_t i = 0; i < r->n_held_back; i++)
+        if (r->held_back[i].whole_topic && r->held_back[i].topic == topic)
+            return &r->held_back[i];
+    return NULL;
 }
 
 void relay_release_held_back(struct obx_relay *r, int64_t id)
@@ -60,13 +70,16 @@ void relay_drop_held_back(struct obx_relay *r, int64_t id)
     *b = r->held_back[--r->n_held_back];
 }
 
-/* True if an earlier held row of its key holds `b` back too. */
+/* True if an earlier held row of its key, or of its topic refused as a
+ * whole, holds `b` back too. */
 bool relay_behind_another(const struct obx_relay *r, const struct held_back *b)
 {
-    for (size_t j = 0; j < r->n_held_back && b->key; j++) {
+    for (size_t j = 0; j < r->n_held_back; j++) {
         const struct held_back *o = &r->held_back[j];
-        if (o->key && o->id < b->id && o->topic == b->topic && o->key_len == b->key_len &&
-            memcmp(o->key, b->key, b->key_len) == 0)
+        if (o->id >= b->id || o->topic != b->topic)
+            continue;
+        if (o->whole_topic || (b->key && o->key && o->key_len == b->key_len &&
+                               memcmp(o->key, b->key, b->key_len) == 0))
             return true;
     }
     return false;
@@ -138,6 +151,18 @@ int relay_grow_held_back(struct obx_relay *r)
     return 0;
 }
 
+/* The next try of `b`: the back-off doubles with each failed one. */
+static void schedule_retry(const struct obx_relay *r, struct held_back *b, int64_t now)
+{
+    int64_t delay = r->set.retry_backoff_ms;
+    for (int i = 0; i < b->attempts && delay < MAX_REFUSED_BACKOFF_MS; i++)
+        delay *= 2;
+    if (delay > MAX_REFUSED_BACKOFF_MS)
+        delay = MAX_REFUSED_BACKOFF_MS;
+    b->attempts++;
+    b->retry_at = now + delay;
+}
+
 /* Row `id` was refused: retry it later, holding back its key meanwhile. */
 void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
                      size_t key_len, int64_t now)
@@ -163,13 +188,7 @@ void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char
         if (r->set.log_mode)
             relay_hold(r, id, topic, key, key_len);
     }
-    int64_t delay = r->set.retry_backoff_ms;
-    for (int i = 0; i < b->attempts && delay < MAX_REFUSED_BACKOFF_MS; i++)
-        delay *= 2;
-    if (delay > MAX_REFUSED_BACKOFF_MS)
-        delay = MAX_REFUSED_BACKOFF_MS;
-    b->attempts++;
-    b->retry_at = now + delay;
+    schedule_retry(r, b, now);
 }
 
 /* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
@@ -198,9 +217,72 @@ void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t 
     relay_hold_back(r, s->id, s->topic, key, key_len, now);
     struct held_back *b = relay_find_held_back(r, s->id);
     if (b)
-        b->alone = false; /* refused alone: a retry with back-off from here */
+        b->alone = true; /* retried alone, with back-off: a refusal in a batch would
+                          * take the batch's other rows with it */
     relay_slot_release(r, s);
     relay_want_fetch(r, "row refused");
+}
+
+bool relay_behind_topic(struct obx_relay *r, const struct slot *s)
+{
+    const struct held_back *t = r->n_held_back > 0 ? topic_held(r, s->topic) : NULL;
+    return t && t->id < s->id;
+}
+
+/* Row `s`'s topic refused it (it does not exist, the relay may not write
+ * it, its name is invalid), relay.on_reject = retry, mark or delete mode:
+ * the topic's rows wait behind its first refused row, held as one entry
+ * (thousands of keys would make thousands), which is retried alone with
+ * back-off; the other topics go on. Log mode holds by key (its stored
+ * cursor has no rule for a whole topic). */
+void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                         const char *reason, int64_t now)
+{
+    struct held_back *t = topic_held(r, s->topic);
+    if (t && t->id < s->id) { /* behind it: fetched again once the topic goes on */
+        obx_debug("relay: row %lld (topic %s) refused: %s; it waits behind row %lld",
+                  (long long)s->id, r->topics[s->topic], reason, (long long)t->id);
+        relay_slot_release(r, s);
+        relay_cursor_clear(r, "row refused"); /* below hwm, fetched again by a full fetch */
+        return;
+    }
+    if (!t)
+        obx_error("relay: topic %s refused row %lld: %s; the topic's rows wait behind its first "
+                  "one, which is retried alone with back-off, and other topics go on "
+                  "(relay.on_reject = retry)",
+                  r->topics[s->topic], (long long)s->id, reason);
+    /* The topic's entry is its lowest row with one, or this row: reports
+     * of rows of the topic may have come first (a refusal in a batch purges
+     * the producer, and each purged row came back for a retry). Every
+     * other entry of the topic goes; its row waits behind that one. */
+    int64_t low = s->id;
+    int attempts = 0;
+    for (size_t i = 0; i < r->n_held_back; i++) {
+        const struct held_back *o = &r->held_back[i];
+        if (o->topic != s->topic)
+            continue;
+        if (o->id < low)
+            low = o->id;
+        if (o->attempts > attempts)
+            attempts = o->attempts;
+    }
+    for (size_t i = 0; i < r->n_held_back;) {
+        if (r->held_back[i].topic == s->topic && r->held_back[i].id != low)
+            relay_drop_held_back(r, r->held_back[i].id); /* moves the last entry here */
+        else
+            i++;
+    }
+    if (low == s->id)
+        relay_hold_back(r, s->id, s->topic, key, key_len, now);
+    struct held_back *b = relay_find_held_back(r, low);
+    if (b) {
+        b->attempts = attempts; /* the topic's back-off goes on from where it was */
+        schedule_retry(r, b, now);
+        b->whole_topic = true;
+        b->alone = true;
+    }
+    relay_slot_release(r, s);
+    relay_want_fetch(r, "topic refused");
 }
 
 /* The batch row `s` went in was refused for good, perhaps for another

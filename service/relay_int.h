@@ -211,7 +211,8 @@ struct held_back {
     int64_t retry_at;
     uint32_t topic;
     int attempts;
-    bool alone;           /* its batch was refused: tried alone at once, before on_reject */
+    bool alone;           /* tried alone (nothing else out): its batch was refused, or it was */
+    bool whole_topic;     /* its topic refused it: every later row of the topic waits */
     bool behind_at_fetch; /* an earlier one of its key held it back in the fetch in flight */
     char *key;            /* owned; NULL = no key (only the row itself waits) */
     size_t key_len;
@@ -433,6 +434,10 @@ void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char
                      size_t key_len, int64_t now);
 void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
                    const char *reason, int64_t now);
+/* Whether `s` is a later row of a topic held as a whole. */
+bool relay_behind_topic(struct obx_relay *r, const struct slot *s);
+void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                         const char *reason, int64_t now);
 void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
                          const char *reason, int64_t now);
 void relay_release_parked_of(struct obx_relay *r, uint64_t h);

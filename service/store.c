@@ -129,14 +129,16 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     "        THEN octet_length(" t ".payload) END,"                                                \
     "   NULL::text, " slot
 #define FETCH_COLUMNS(t, max_bytes) FETCH_COLUMNS_SLOT(t, max_bytes, "NULL::int")
-/* Rows of a key held back behind a refused row (relay.on_reject = retry):
- * parameters `topics`, `keys`, `ids`. With no key held back the OR stops at
- * its first test. */
+/* Rows of a key held back behind a refused row (relay.on_reject = retry),
+ * or of a topic when the key is NULL (the topic refused its row):
+ * parameters `topics`, `keys`, `ids`. With nothing held back the OR stops
+ * at its first test. */
 #define FETCH_HELD_BACK(t, topics, keys, ids)                                                      \
-    " AND (cardinality(" topics "::text[]) = 0 OR " t ".key IS NULL OR NOT EXISTS ("               \
+    " AND (cardinality(" topics "::text[]) = 0 OR NOT EXISTS ("                                    \
     "      SELECT FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"            \
     "        AS h(topic, key, id)"                                                                 \
-    "      WHERE h.topic = " t ".topic AND h.key = " t ".key AND " t ".id > h.id))"
+    "      WHERE h.topic = " t ".topic AND " t ".id > h.id"                                        \
+    "        AND (h.key IS NULL OR h.key = " t ".key)))"
 
 /* Only rows of the relay's slots (relay.shards, sql/008): parameters
  * `shards` and `owned`; with owned NULL (one relay) the OR stops at its

@@ -1,5 +1,6 @@
 -- outboxd schema, version 12: the header name outbox-history is reserved,
--- and ids move past those another history published.
+-- ids move past those another history published, and log mode's reclaim
+-- of partitions locks what it tests and keeps keyless held rows.
 --
 -- Apply with: psql -v ON_ERROR_STOP=1 -f sql/012_history_header.sql (after
 -- 011). Idempotent. Brief lock on outbox.events; no row is read or written.
@@ -61,6 +62,40 @@ END
 $$;
 REVOKE ALL ON FUNCTION outbox.skip_ids_past(bigint) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.skip_ids_past(bigint) TO outboxd_relay;
+
+-- Log mode's reclaim (sql/007, as 009 left it), two changes:
+-- - it locks a partition before it tests it: a replay (outboxd replay,
+--   dead retry) committed between the test and the DROP was dropped with
+--   the partition; now the test waits for it, or the partition waits for a
+--   later round (the function's lock_timeout, 50 ms);
+-- - a held rule with no key holds its one row, as everywhere else (a
+--   keyless row Kafka kept refusing was dropped with its partition).
+-- Rewritten from its own definition, as 009 did.
+DO $$
+DECLARE
+    v_def text := pg_get_functiondef('outbox.reclaim_partitions(interval)'::regprocedure);
+    v_test text := E'        EXECUTE format(\n'
+                   || $t$            'SELECT EXISTS (SELECT FROM %1$s e WHERE e.sent_at IS NULL'$t$;
+    v_key text := $t$h.topic = e.topic AND h.key = e.key'$t$;
+BEGIN
+    IF position('IN ACCESS EXCLUSIVE MODE' IN v_def) > 0 THEN
+        RETURN;
+    END IF;
+    IF position(v_test IN v_def) = 0 OR position(v_key IN v_def) = 0 THEN
+        RAISE EXCEPTION 'outbox.reclaim_partitions is not the one of sql/007 and 009';
+    END IF;
+    v_def := replace(v_def, v_test,
+        E'        BEGIN\n'
+        || $t$            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', p.rel);$t$
+        || E'\n        EXCEPTION WHEN lock_not_available THEN\n'
+        || E'            CONTINUE;\n'
+        || E'        END;\n' || v_test);
+    v_def := replace(v_def, v_key,
+        $t$h.topic = e.topic'$t$ || E'\n'
+        || $t$            '            AND (h.key = e.key OR (h.key IS NULL AND e.id = h.from_id))'$t$);
+    EXECUTE v_def;
+END
+$$;
 
 INSERT INTO outbox.schema_migrations (version, name)
 VALUES (12, '012_history_header') ON CONFLICT (version) DO NOTHING;

@@ -86,6 +86,13 @@ enum obx_produce_result obx_kafka_produce(struct obx_kafka *k, const struct obx_
                                           void *opaque, const char **reason);
 /* The same in the shape of the relay's ops->produce (`kafka` is the struct
  * obx_kafka): the relay hands rows straight to the producer. */
+/* As obx_kafka_produce, for a row tried alone (relay.h): through a second
+ * producer without the gapless guarantee, made on first use, so that its
+ * refusal stops no producer and purges no other record. */
+enum obx_produce_result obx_kafka_produce_alone(struct obx_kafka *k, const struct obx_row *row,
+                                                void *opaque, const char **reason);
+enum obx_produce_result obx_kafka_relay_produce_alone(void *kafka, const struct obx_row *row,
+                                                      void *opaque, const char **reason);
 enum obx_produce_result obx_kafka_relay_produce(void *kafka, const struct obx_row *row,
                                                 void *opaque, const char **reason);
 

@@ -59,6 +59,9 @@ enum obx_delivery {
     OBX_DELIVERY_BATCH_REFUSED, /* its whole batch was refused for good (too large, corrupt):
                                  * perhaps for another record's sake, so the row is tried
                                  * again alone before relay.on_reject applies */
+    OBX_DELIVERY_TOPIC_REFUSED, /* its topic refuses every record (does not exist, may not be
+                                 * written, invalid name): with relay.on_reject = retry in
+                                 * mark and delete mode, the topic's rows wait as one */
 };
 
 /* A key whose later rows are held back behind a refused row. */
@@ -188,6 +191,10 @@ struct obx_relay_ops {
      * next call). */
     enum obx_produce_result (*produce)(void *producer, const struct obx_row *row, void *opaque,
                                        const char **reason);
+    /* As produce, for a row tried alone (nothing else is out): a producer
+     * whose refusal stops nothing else. May be NULL (then produce). */
+    enum obx_produce_result (*produce_alone)(void *producer, const struct obx_row *row,
+                                             void *opaque, const char **reason);
     /* Starts the recovery pass over the rows of `owned_slots` (array text
      * of slots of relay.shards = `shards`; NULL: every row); its end comes
      * through obx_relay_on_recovered. Returns 0, or -1 if it could not

@@ -12,6 +12,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -627,6 +628,78 @@ static void test_reject_dead_letter(void **state)
     PQfinish(c);
 }
 
+/* Issue 37 (items 7, 8): a topic Kafka refuses as a whole (its Metadata
+ * says it does not exist), 3,000 rows over 1,000 keys waiting for it,
+ * writers on the other topics, relay.on_reject = retry. The topic is held
+ * as one entry, tried alone with back-off; the other topics' rows go out
+ * as they come (their lag sampled for 12 s); once the topic exists, its
+ * rows go out in key order, each once. Mark and delete mode (log mode
+ * holds by key). */
+static void refused_topic_held(const char *mode)
+{
+    char on_sent[40];
+    snprintf(on_sent, sizeof(on_sent), "relay.on_sent=%s", mode);
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    h_sql(c, "INSERT INTO outbox.events (topic, key, payload)"
+             " SELECT 'it.gone', 'g' || (g %% 1000), convert_to('gone ' || g, 'UTF8')"
+             "   FROM generate_series(1, 3000) g");
+    assert_true(h_broker_cmd(&env, "topic-error it.gone UNKNOWN_TOPIC_OR_PART"));
+    h_relay_start(&env, NULL,
+                  (const char *const[]){on_sent, "relay.on_reject=retry",
+                                        "relay.retry_backoff=200ms",
+                                        "kafka.topic.metadata.propagation.max.ms=500", NULL});
+    h_wait_log(&env, "topic it.gone refused row", 20000);
+    atomic_int stop = 0;
+    struct s_writer w = {.env = &env, .w = 0, .rows_per_tx = 2, .pace_ms = 5, .stop = &stop};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, s_writer_main, &w), 0);
+    int64_t worst = 0, end = h_now_ms() + 12000;
+    while (h_now_ms() < end) {
+        int64_t lag = h_sql_int(c, "SELECT coalesce(max(extract(epoch FROM clock_timestamp()"
+                                   " - created_at) * 1000), 0)::bigint FROM outbox.events"
+                                   " WHERE sent_at IS NULL AND topic <> 'it.gone'");
+        if (lag > worst)
+            worst = lag;
+        h_sleep_ms(250);
+    }
+    atomic_store(&stop, 1);
+    pthread_join(t, NULL);
+    print_message("%s mode: %d rows written to other topics meanwhile; the oldest unsent of "
+                  "them was at most %lld ms old\n",
+                  mode, w.written, (long long)worst);
+    assert_true(w.written > 500);
+    assert_true(worst < 5000);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE topic = 'it.gone'"
+                                  " AND sent_at IS NULL"),
+                     3000);
+    h_wait_metric(&env, "outboxd_keys_held_back", 1, 5000); /* one entry, not 1,000 */
+    assert_true(h_relay_log_count(&env, "topic it.gone refused row") == 1);
+
+    /* The topic is there now: its rows go, in key order, each once. */
+    assert_true(h_broker_cmd(&env, "topic-error it.gone 0"));
+    s_wait_drained(&env, 90000);
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, (const char *const[]){"it.a", "it.b", "it.c", "it.gone", NULL}, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    assert_int_equal(recs.n, (size_t)w.written + 3000);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    PQfinish(c);
+}
+
+static void test_refused_topic_held_mark(void **state)
+{
+    (void)state;
+    refused_topic_held("mark");
+}
+
+static void test_refused_topic_held_delete(void **state)
+{
+    (void)state;
+    refused_topic_held("delete");
+}
+
 /* Issue 10.5: with a finite kafka.message.timeout.ms (which --check warns
  * about), records whose acknowledgement is late enough fail with
  * _MSG_TIMED_OUT while they may well be stored. They are not published again
@@ -926,6 +999,8 @@ int main(int argc, char **argv)
         T(test_producer_fatal),
         T(test_reject_retry),
         T(test_reject_dead_letter),
+        T(test_refused_topic_held_mark),
+        T(test_refused_topic_held_delete),
         T(test_batch_refused_spares_the_others),
         T(test_message_timeout_possibly_persisted),
         T(test_recovery_resumes),

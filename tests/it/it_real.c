@@ -416,6 +416,60 @@ static void test_refusals_retry(void **state)
     refusals(false);
 }
 
+/* Issue 37 (items 7, 8): a topic the relay may describe but not write (a
+ * DENY ACL: the broker refuses each produce request), 3,000 rows over
+ * 1,000 keys waiting for it, writers on the other topics for 20 s. The
+ * topic is held as one entry and tried alone with back-off, so a refusal
+ * never takes another topic's records with it; their oldest unsent row
+ * stays young. Once the ACL allows, the topic's rows go out, each once. */
+static void test_refused_topic_held(void **state)
+{
+    (void)state;
+    const struct h_kafka k = {.sasl = true};
+    h_env_start_real(&env, (const char *const[]){"it.a:2", "it.b:2", "it.c:1", "it.denied:3", NULL},
+                     0, &k);
+    assert_true(h_broker_cmd(&env, "acl allow User:relay it.denied describe"));
+    assert_true(h_broker_cmd(&env, "acl allow User:relay it.denied read"));
+    assert_true(h_broker_cmd(&env, "acl deny User:relay it.denied write"));
+    PGconn *c = h_connect(&env);
+    h_sql(c, "INSERT INTO outbox.events (topic, key, payload)"
+             " SELECT 'it.denied', 'd' || (g %% 1000), convert_to('denied ' || g, 'UTF8')"
+             "   FROM generate_series(1, 3000) g");
+    h_relay_start(
+        &env, NULL,
+        (const char *const[]){"relay.on_reject=retry", "relay.retry_backoff=300ms", NULL});
+    h_wait_log(&env, "topic it.denied refused row", 60000);
+    struct writers ws;
+    writers_start(&ws, 5);
+    int64_t worst = 0, end = h_now_ms() + 20000;
+    while (h_now_ms() < end) {
+        int64_t lag = h_sql_int(c, "SELECT coalesce(max(extract(epoch FROM clock_timestamp()"
+                                   " - created_at) * 1000), 0)::bigint FROM outbox.events"
+                                   " WHERE sent_at IS NULL AND topic <> 'it.denied'");
+        if (lag > worst)
+            worst = lag;
+        h_sleep_ms(250);
+    }
+    int written = writers_stop(&ws);
+    long resets = h_relay_events(&env, "producer_replaced", NULL);
+    print_message("%d rows to other topics in 20 s while it.denied refused 3,000 rows over 1,000 "
+                  "keys: the oldest unsent of them at most %lld ms old; %ld producers replaced, "
+                  "%.0f entries held\n",
+                  written, (long long)worst, resets, relay_metric("outboxd_keys_held_back"));
+    assert_true(written > 500);
+    assert_true(worst < 5000);
+    assert_true(relay_metric("outboxd_keys_held_back") == 1);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE topic = 'it.denied'"
+                                  " AND sent_at IS NULL"),
+                     3000);
+    assert_true(h_broker_cmd(&env, "acl remove User:relay it.denied write"));
+    assert_true(h_broker_cmd(&env, "acl allow User:relay it.denied write"));
+    assert_int_equal(
+        drain_exactly_once((const char *const[]){"it.a", "it.b", "it.c", "it.denied", NULL}),
+        (size_t)written + 3000);
+    PQfinish(c);
+}
+
 /* The broker forgets an idle producer's state after
  * producer.id.expiration.ms; the relay, idle that long, writes again and
  * must neither stop on a fatal error nor publish a row twice. */
@@ -518,6 +572,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_connections_cut, teardown_env),
         cmocka_unit_test_teardown(test_refusals_dead_letter, teardown_env),
         cmocka_unit_test_teardown(test_refusals_retry, teardown_env),
+        cmocka_unit_test_teardown(test_refused_topic_held, teardown_env),
         cmocka_unit_test_teardown(test_producer_state_expires, teardown_env),
         cmocka_unit_test_teardown(test_compression_gzip, teardown_env),
         cmocka_unit_test_teardown(test_compression_lz4, teardown_env),

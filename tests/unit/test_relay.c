@@ -54,6 +54,7 @@ struct fake {
     void *opaques[MAX_CALLS];
     int busy_at;        /* produce call index that returns BUSY; -1 = none */
     int64_t refused_id; /* row id that produce rejects; 0 = none */
+    int produced_alone; /* of `produced`, through produce_alone */
 
     int recovers;
     int recover_rc;
@@ -103,8 +104,12 @@ static int fake_fetch(void *io, const struct obx_fetch *f)
     fk->fetch_n_held = f->n_held;
     fk->n_held_back = f->n_held_back;
     if (f->n_held_back > 0) {
-        snprintf(fk->held_back_key, sizeof(fk->held_back_key), "%s/%.*s", f->held_back[0].topic,
-                 (int)f->held_back[0].key_len, f->held_back[0].key);
+        if (f->held_back[0].key)
+            snprintf(fk->held_back_key, sizeof(fk->held_back_key), "%s/%.*s", f->held_back[0].topic,
+                     (int)f->held_back[0].key_len, f->held_back[0].key);
+        else
+            snprintf(fk->held_back_key, sizeof(fk->held_back_key), "%s/(whole topic)",
+                     f->held_back[0].topic);
         fk->held_back_id = f->held_back_ids[0];
     }
     return 0;
@@ -169,6 +174,16 @@ static enum obx_produce_result fake_produce(void *io, const struct obx_row *row,
     return OBX_PRODUCE_OK;
 }
 
+static enum obx_produce_result fake_produce_alone(void *io, const struct obx_row *row, void *opaque,
+                                                  const char **reason)
+{
+    struct fake *f = io;
+    enum obx_produce_result pr = fake_produce(io, row, opaque, reason);
+    if (pr == OBX_PRODUCE_OK)
+        f->produced_alone++;
+    return pr;
+}
+
 static int fake_recover(void *io, int shards, const char *owned_slots)
 {
     struct fake *f = io;
@@ -215,6 +230,7 @@ static const struct obx_relay_ops ops = {
     .mark = fake_mark,
     .mark_fetch = fake_mark_fetch,
     .produce = fake_produce,
+    .produce_alone = fake_produce_alone,
     .recover = fake_recover,
     .claim = fake_claim,
     .stopped = fake_stopped,
@@ -771,14 +787,58 @@ static void test_reject_retry_holds_key(void **state)
     assert_true(excluded(c, 3));
     fetched(c, 8, 0, 2);
 
-    /* Due after retry_backoff: fetched again, and this time delivered. */
+    /* Due after retry_backoff, and tried alone: while rows of other keys
+     * are out, no fetch goes (a refusal in a batch would take them with
+     * it). Once they are in, it is fetched again, and this time delivered. */
     c->f.refused_id = 0;
+    int fetches = c->f.fetches;
     obx_relay_tick(c->r, 600);
+    assert_int_equal(c->f.fetches, fetches);
+    ack_range_marked(c, 0, 4, 600);
     assert_false(excluded(c, 3));
-    fetched(c, 3, 1, 600);
+    fetched(c, 3, 1, 603);
     assert_int_equal(c->f.produced_ids[4], 3);
-    obx_relay_on_delivery(c->r, c->f.opaques[4], OBX_DELIVERED, 0, 9, "k0", 2, NULL, 601);
+    assert_int_equal(c->f.produced_alone, 1); /* a refusal there would stop nothing else */
+    obx_relay_on_delivery(c->r, c->f.opaques[4], OBX_DELIVERED, 0, 9, "k0", 2, NULL, 604);
     assert_int_equal(obx_relay_held_back_keys(c->r), 0);
+}
+
+/* Issue 37: a topic refused as a whole is one entry, however many keys:
+ * its later rows, of any key or none, wait behind its first refused row
+ * (reports of rows refused or purged with it add nothing), the fetch asks
+ * for the topic with no key, and the row is retried alone. */
+static void test_topic_refused_held_as_one(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    fetched(c, 1, 4, 0); /* 1 (k1), 2 (k2), 3 (k0), 4 (k1), all topic t */
+    assert_int_equal(c->f.produced, 4);
+    ack(c, 0, true, 1);
+    ack_as(c, 2, OBX_DELIVERY_TOPIC_REFUSED, 2); /* row 3: the topic's first refusal */
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
+    ack_as(c, 1, OBX_DELIVERY_TOPIC_REFUSED, 3); /* row 2, lower: the entry moves to it */
+    ack_as(c, 3, OBX_DELIVERY_UNKNOWN, 3);       /* row 4, purged with it: no entry */
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
+    /* The fetch sent before the reports answers; the mark, and the pass
+     * the possibly persisted row asks for, go; then a fetch. */
+    int fetches = c->f.fetches;
+    for (int step = 0; step < 8 && c->f.fetches == fetches; step++) {
+        if (obx_relay_state(c->r) == OBX_RELAY_FETCHING)
+            fetched(c, 7, 0, 4);
+        else if (obx_relay_state(c->r) == OBX_RELAY_MARKING)
+            obx_relay_on_marked(c->r, 4);
+        else if (obx_relay_state(c->r) == OBX_RELAY_RECOVERING)
+            obx_relay_on_recovered(c->r, true, 5);
+        else
+            obx_relay_tick(c->r, 600);
+        if (step == 0)
+            fetches = c->f.fetches; /* the answer's own follow-up does not count */
+    }
+    assert_true(c->f.fetches > fetches);
+    assert_int_equal(c->f.n_held_back, 1);
+    assert_string_equal(c->f.held_back_key, "t/(whole topic)");
+    assert_int_equal(c->f.held_back_id, 2);
+    assert_true(excluded(c, 2)); /* not due yet */
 }
 
 /* Issue 10.4: a refused row being retried that then fails for a passing
@@ -798,7 +858,9 @@ static void test_reject_then_transient_failure(void **state)
     assert_int_equal(c->f.produced_ids[k], 3);
     assert_true(excluded(c, 3)); /* in flight: the fetch sent meanwhile leaves it out */
     ack(c, k, false, 700);       /* a transient failure this time */
-    fetched(c, 8, 0, 701);       /* the fetch in flight answers */
+    /* The fetch in flight answers without it: that says nothing (it was
+     * due, to be tried alone, when that fetch went, but in flight too). */
+    fetched(c, 8, 0, 701);
     int fetches = c->f.fetches;
     obx_relay_tick(c->r, 1300);
     assert_int_equal(c->f.fetches, fetches + 1);
@@ -2106,6 +2168,7 @@ static void test_shards_lost_session_claims_again(void **state)
     X(test_fetch_after_unknown_set_aside)                                                          \
     X(test_reject_retry_holds_key)                                                                 \
     X(test_reject_dead_letter)                                                                     \
+    X(test_topic_refused_held_as_one)                                                              \
     X(test_reject_then_transient_failure)                                                          \
     X(test_possibly_persisted_reruns_recovery)                                                     \
     X(test_failpoint_through_ops)                                                                  \
