@@ -240,6 +240,53 @@ void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size
     }
 }
 
+void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
+{
+    char dump[300], data[300], log[300], port[16];
+    snprintf(dump, sizeof(dump), "%s/dump.custom", e->dir);
+    snprintf(data, sizeof(data), "%s/copy", e->dir);
+    snprintf(log, sizeof(log), "%s/copy.log", e->dir);
+    char *const pg_dump[] = {PG_BINDIR "/pg_dump", "-Fc", "-f", dump, "-d", e->conninfo, NULL};
+    if (wait_exit(spawn(pg_dump, NULL, NULL, SIGKILL, log), 120000) != 0)
+        fail_msg("pg_dump failed, see %s", log);
+    char *const initdb[] = {PG_BINDIR "/initdb", "-D",        data, "-A",   "trust",      "-U",
+                            "postgres",          "--no-sync", "-E", "UTF8", "--locale=C", NULL};
+    if (run_as_server(initdb, log) != 0)
+        fail_msg("initdb of the copy failed, see %s", log);
+    int port_n = h_free_port();
+    snprintf(port, sizeof(port), "%d", port_n);
+    char *const argv[] = {PG_BINDIR "/postgres",
+                          "-D",
+                          data,
+                          "-k",
+                          e->dir,
+                          "-p",
+                          port,
+                          "-c",
+                          "listen_addresses=127.0.0.1",
+                          "-c",
+                          "fsync=off",
+                          "-c",
+                          "max_connections=60",
+                          NULL};
+    e->copy_pid = spawn(argv, NULL, server_user(), SIGINT, log);
+    snprintf(conninfo, len, "host=127.0.0.1 port=%d user=postgres dbname=postgres", port_n);
+    int64_t deadline = h_now_ms() + 30000;
+    while (PQping(conninfo) != PQPING_OK) {
+        if (h_now_ms() > deadline)
+            fail_msg("the copy's server did not start, see %s", log);
+        h_sleep_ms(50);
+    }
+    PGconn *c = PQconnectdb(conninfo);
+    assert_int_equal(PQstatus(c), CONNECTION_OK);
+    h_sql(c, "CREATE ROLE outboxd_relay LOGIN; CREATE ROLE outboxd_writer NOLOGIN");
+    PQfinish(c);
+    char *const pg_restore[] = {
+        PG_BINDIR "/pg_restore", "--exit-on-error", "-d", conninfo, dump, NULL};
+    if (wait_exit(spawn(pg_restore, NULL, NULL, SIGKILL, log), 120000) != 0)
+        fail_msg("pg_restore failed, see %s", log);
+}
+
 static void h_pg_restart_stop(struct h_env *e, int sig);
 
 /* Copies directory `from` to `to` with owners and modes (cp -a). */
@@ -1051,6 +1098,14 @@ void h_env_stop(struct h_env *e)
     if (e->broker_out)
         fclose(e->broker_out);
     e->broker_in = e->broker_out = NULL;
+    if (e->copy_pid > 0) {
+        kill(e->copy_pid, SIGINT); /* fast shutdown */
+        if (wait_exit(e->copy_pid, 30000) == -1) {
+            kill(e->copy_pid, SIGKILL);
+            wait_exit(e->copy_pid, 5000);
+        }
+        e->copy_pid = 0;
+    }
     for (int i = 0; i < 2; i++) {
         if (e->pooler_pids[i] > 0) {
             kill(e->pooler_pids[i], SIGTERM);

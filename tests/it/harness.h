@@ -55,6 +55,7 @@ struct h_env {
     pid_t standby_pid; /* a hot standby of the server (h_standby_start), or 0 */
     int standby_port;
     pid_t pooler_pids[2]; /* PgBouncers in front of the server (h_pooler_start) */
+    pid_t copy_pid;       /* the server of a restored copy (h_restore_copy), or 0 */
 };
 
 /* h_env_start_with flags. */
@@ -110,6 +111,11 @@ void h_standby_start(struct h_env *e);
  * `pool_mode` ("session", "transaction"), 20 server sessions per pool, at
  * most two per env; writes the conninfo through it to `conninfo`. */
 void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size_t len);
+/* The database as pg_dump sees it now, restored by pg_restore into a new
+ * cluster (initdb: another system identifier) on a free TCP port, with
+ * the roles of sql/ created first: a restore, or a cut-over to a copy.
+ * Writes the conninfo to it; one per env, stopped with it. */
+void h_restore_copy(struct h_env *e, char *conninfo, size_t len);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
 /* Applies sql/ and the checker's trigger to the database e->conninfo names
  * (h_env_start has done so for its own). */

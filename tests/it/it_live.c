@@ -513,6 +513,84 @@ static void test_failover_async_standby_restarted(void **state)
     failover_async_standby("mark", true);
 }
 
+/* Issue 37: a restore, or a cut-over to a copy. The relay publishes from
+ * the database while a writer goes on; a dump is taken with a transaction
+ * open (its row is not in the dump; it commits after, and is published);
+ * the relay publishes what follows, and is killed; the application moves to
+ * the copy restored from the dump (another cluster: another system
+ * identifier; offsets, sequence and rows as of the dump) and writes there
+ * at once, reusing ids; the relay is started on the copy. Every row of the
+ * copy goes out once with its own content, records of reused ids carry
+ * another outbox-history, and rows written after the relay's pass get ids
+ * no record in Kafka has. */
+static void restore_of_dump(const char *mode)
+{
+    char on_sent[64], copy[300], ci[400];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    snprintf(on_sent, sizeof(on_sent), "relay.on_sent=%s", mode);
+    s_prefill(&env, "it.a", 500);
+    h_relay_start(&env, NULL, (const char *const[]){on_sent, NULL});
+    expect_caught_up("start", 15000);
+    struct writer *wr = &failover_writer;
+    atomic_store(&wr->stop, 0);
+    wr->w =
+        (struct s_writer){.env = &env, .w = 0, .rows_per_tx = 10, .stop = &wr->stop, .pace_ms = 2};
+    assert_int_equal(pthread_create(&wr->t, NULL, s_writer_main, &wr->w), 0);
+    failover_writing = true;
+    h_sleep_ms(500);
+    PGconn *late = h_connect(&env);
+    h_sql(late, "BEGIN");
+    h_sql(late, "SELECT outbox.enqueue('it.b', 'late', 'late row'::bytea)");
+    h_restore_copy(&env, copy, sizeof(copy));
+    h_sql(late, "COMMIT");
+    PQfinish(late);
+    h_sleep_ms(1000); /* more rows, published from the original alone */
+    atomic_store(&wr->stop, 1);
+    pthread_join(wr->t, NULL);
+    failover_writing = false;
+    expect_caught_up("the writer stopped", 30000);
+    kill(env.relay_pid, SIGKILL);
+    assert_int_equal(h_relay_wait(&env, 10000), 128 + SIGKILL);
+
+    /* The application writes to the copy; the relay follows it there. */
+    PGconn *cp = PQconnectdb(copy);
+    assert_int_equal(PQstatus(cp), CONNECTION_OK);
+    assert_int_equal(h_sql_int(cp, "SELECT count(*) FROM outbox.events WHERE key = 'late'"), 0);
+    h_sql(cp, "INSERT INTO outbox.events (topic, key, payload)"
+              " SELECT 'it.c', 'c' || (g %% 5), convert_to('copy ' || g, 'UTF8')"
+              "   FROM generate_series(1, 300) g");
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s", copy);
+    snprintf(env.conninfo, sizeof(env.conninfo), "%s", copy);
+    h_relay_start(&env, NULL, (const char *const[]){ci, on_sent, NULL});
+    expect_caught_up("the move to the copy", 30000);
+    h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
+    h_wait_metric(&env, "outboxd_ids_skipped_total", 1, 5000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_int_equal(h_relay_events(&env, "history_changed", "was system"), 1);
+    int64_t max_in_kafka = check_new_history(cp, mode);
+    assert_true(h_sql_int(cp, "INSERT INTO outbox.events (topic, key, payload)"
+                              " VALUES ('it.a', 'k', 'after'::bytea) RETURNING id") > max_in_kafka);
+    PQfinish(cp);
+}
+
+static void test_restore_of_dump_mark(void **state)
+{
+    (void)state;
+    restore_of_dump("mark");
+}
+
+static void test_restore_of_dump_delete(void **state)
+{
+    (void)state;
+    restore_of_dump("delete");
+}
+
+static void test_restore_of_dump_log(void **state)
+{
+    (void)state;
+    restore_of_dump("log");
+}
+
 /* Issue 21.5: after a failover the old primary, now a hot standby, is
  * often still first in host=a,b. The relay goes on to the primary at once
  * (target_session_attrs=read-write is its default), and one told to accept
@@ -1057,6 +1135,9 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_failover_async_standby_delete, teardown_failover),
         cmocka_unit_test_teardown(test_failover_async_standby_log, teardown_failover),
         cmocka_unit_test_teardown(test_failover_async_standby_restarted, teardown_failover),
+        cmocka_unit_test_teardown(test_restore_of_dump_mark, teardown_failover),
+        cmocka_unit_test_teardown(test_restore_of_dump_delete, teardown_failover),
+        cmocka_unit_test_teardown(test_restore_of_dump_log, teardown_failover),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
         cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
