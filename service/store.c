@@ -408,7 +408,7 @@ const char *obx_store_sql_log_write(void)
            "   SELECT e.id, e.topic, e.key, e.payload, e.headers, e.created_at, d.reason"
            "   FROM unnest($12::bigint[], $13::text[]) AS d(id, reason)"
            "   JOIN outbox.events e ON e.id = d.id"
-           "   ON CONFLICT (id) DO NOTHING RETURNING 1)"
+           "   ON CONFLICT (id, created_at) DO NOTHING RETURNING 1)"
            " SELECT (SELECT n FROM c), (SELECT count(*) FROM dead)";
 }
 
@@ -602,7 +602,7 @@ const char *obx_store_sql_mark(int on_sent, char *buf, size_t len)
            " buried AS ("
            "   INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at,"
            "                                    reason)"
-           "   SELECT * FROM dead ON CONFLICT (id) DO NOTHING RETURNING 1)"
+           "   SELECT * FROM dead ON CONFLICT (id, created_at) DO NOTHING RETURNING 1)"
            " SELECT (SELECT count(*) FROM confirmed) AS confirmed,"
            "        (SELECT count(*) FROM offsets) AS offsets,"
            "        (SELECT count(*) FROM buried) AS buried");
@@ -956,13 +956,15 @@ const char *obx_store_sql_dead_retry(void)
 {
     /* Mark and delete mode moved the row out of outbox.events: it goes
      * back. Log mode left it in place: it is written again (the xid of this
-     * transaction), which the cursor does not cover, so it is published. */
+     * transaction), which the cursor does not cover, so it is published.
+     * The same row, by id and created_at: a row of another history with
+     * that id is not it (the INSERT then fails on the id: nothing moves). */
     return "WITH moved AS ("
            "   DELETE FROM outbox.dead_letters WHERE id = ANY ($1::bigint[])"
            "   RETURNING id, topic, key, payload, headers, created_at),"
            " again AS ("
            "   UPDATE outbox.events e SET xid = pg_current_xact_id(), sent_at = NULL"
-           "   FROM moved m WHERE e.id = m.id RETURNING e.id),"
+           "   FROM moved m WHERE e.id = m.id AND e.created_at = m.created_at RETURNING e.id),"
            " back AS ("
            "   INSERT INTO outbox.events (id, topic, key, payload, headers, created_at)"
            "   OVERRIDING SYSTEM VALUE"

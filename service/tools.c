@@ -622,12 +622,22 @@ static int dead_act(PGconn *c, const struct obx_tool_args *t, bool retry)
     if (!r)
         goto rollback;
     for (int i = 1; i < t->n_words; i++) {
-        bool found = false;
-        for (int k = 0; k < PQntuples(r) && !found; k++)
-            found = strcmp(obx_store_col(r, k, "id"), t->words[i]) == 0;
+        int found = 0;
+        for (int k = 0; k < PQntuples(r); k++)
+            found += strcmp(obx_store_col(r, k, "id"), t->words[i]) == 0;
         if (!found) {
             fprintf(stderr, "outboxd dead: no dead letter has id %s; nothing changed\n",
                     t->words[i]);
+            goto rollback;
+        }
+        if (found > 1 && retry) {
+            /* Rows of two histories of the database (a failover, a
+             * restore): one id cannot go back into outbox.events twice. */
+            fprintf(stderr,
+                    "outboxd dead: %d dead letters have id %s (rows of two histories of the "
+                    "database, told apart by created_at); put one back by hand (SQL) or drop "
+                    "them; nothing changed\n",
+                    found, t->words[i]);
             goto rollback;
         }
     }

@@ -1,6 +1,7 @@
 -- outboxd schema, version 12: the header name outbox-history is reserved,
--- ids move past those another history published, and log mode's reclaim
--- of partitions locks what it tests and keeps keyless held rows.
+-- ids move past those another history published, log mode's reclaim of
+-- partitions locks what it tests and keeps keyless held rows, and a dead
+-- letter is a row by id and created_at.
 --
 -- Apply with: psql -v ON_ERROR_STOP=1 -f sql/012_history_header.sql (after
 -- 011). Idempotent. Brief lock on outbox.events; no row is read or written.
@@ -94,6 +95,24 @@ BEGIN
         $t$h.topic = e.topic'$t$ || E'\n'
         || $t$            '            AND (h.key = e.key OR (h.key IS NULL AND e.id = h.from_id))'$t$);
     EXECUTE v_def;
+END
+$$;
+
+-- A dead letter is a row by its id and created_at: after a failover or a
+-- restore a new row may carry the id of an old dead letter, and was
+-- dropped (deleted from outbox.events, its letter refused by the id's
+-- primary key, ON CONFLICT DO NOTHING). Re-inserting the same letter (a
+-- mark repeated after a lost COMMIT) still does nothing.
+DO $$
+BEGIN
+    IF (SELECT array_agg(a.attname ORDER BY a.attnum)
+          FROM pg_constraint k
+          JOIN pg_attribute a ON a.attrelid = k.conrelid AND a.attnum = ANY (k.conkey)
+         WHERE k.conrelid = 'outbox.dead_letters'::regclass AND k.contype = 'p')
+       = ARRAY['id']::name[] THEN
+        ALTER TABLE outbox.dead_letters DROP CONSTRAINT dead_letters_pkey,
+            ADD CONSTRAINT dead_letters_pkey PRIMARY KEY (id, created_at);
+    END IF;
 END
 $$;
 

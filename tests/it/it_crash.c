@@ -628,6 +628,64 @@ static void test_reject_dead_letter(void **state)
     PQfinish(c);
 }
 
+/* Issue 37 (item 15): a row refused under dead_letter whose id an old dead
+ * letter has (a row of another history: a failover, a restore). Before
+ * sql/012 the row was deleted from outbox.events (mark mode) or covered
+ * (log mode) and its letter refused by the id's primary key (ON CONFLICT
+ * DO NOTHING): gone without a word. Both letters stay now, told apart by
+ * created_at, and `dead retry` of that id refuses, naming it. */
+static void test_dead_letter_of_another_history(void **state)
+{
+    (void)state;
+    h_env_start(&env, TOPICS_SPEC);
+    PGconn *c = h_connect(&env);
+    int64_t next =
+        h_sql_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id')) + 1");
+    h_sql(c,
+          "INSERT INTO outbox.dead_letters (id, topic, key, payload, headers, created_at, reason)"
+          " VALUES (%lld, 'it.a', 'old', 'old history'::bytea, '{}', now() - interval '1 day',"
+          "         'refused before the failover')",
+          (long long)next);
+    int64_t big = h_sql_int(c, big_payload_sql);
+    assert_int_equal(big, next);
+    h_enqueue(c, "it.b", "k", "fine", 4, NULL);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_reject=dead_letter",
+                                        "kafka.message.max.bytes=10000", "kafka.batch.size=8000",
+                                        NULL});
+    s_wait_drained(&env, 30000);
+    assert_int_equal(
+        h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters WHERE id = %lld", (long long)big),
+        2);
+    assert_int_equal(h_sql_int(c,
+                               "SELECT count(*) FROM outbox.dead_letters WHERE id = %lld"
+                               " AND octet_length(payload) = 20000",
+                               (long long)big),
+                     1);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    char ci[700], id[24], out[4096];
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s", env.conninfo);
+    snprintf(id, sizeof(id), "%lld", (long long)big);
+    char *const argv[] = {OBX_BINARY_DIR "/outboxd",
+                          "dead",
+                          "retry",
+                          id,
+                          "-X",
+                          ci,
+                          "-X",
+                          "kafka.bootstrap.servers=127.0.0.1:1",
+                          NULL};
+    char *const envp[] = {"PATH=/usr/bin:/bin", NULL};
+    assert_int_not_equal(h_run_outboxd(argv, envp, out, sizeof(out)), 0);
+    if (!strstr(out, "2 dead letters have id"))
+        fail_msg("expected the refusal in:\n%s", out);
+    assert_int_equal(
+        h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters WHERE id = %lld", (long long)big),
+        2);
+    PQfinish(c);
+}
+
 /* Issue 37 (items 7, 8): a topic Kafka refuses as a whole (its Metadata
  * says it does not exist), 3,000 rows over 1,000 keys waiting for it,
  * writers on the other topics, relay.on_reject = retry. The topic is held
@@ -999,6 +1057,7 @@ int main(int argc, char **argv)
         T(test_producer_fatal),
         T(test_reject_retry),
         T(test_reject_dead_letter),
+        T(test_dead_letter_of_another_history),
         T(test_refused_topic_held_mark),
         T(test_refused_topic_held_delete),
         T(test_batch_refused_spares_the_others),
