@@ -141,9 +141,44 @@ static void write_file(const char *path, const char *text)
     fclose(f);
 }
 
+/* Starts another server on data directory `data`, TCP port `port` (its
+ * socket in e->dir too), with `setting` besides ours; returns its pid once
+ * it answers, and its conninfo. */
+static pid_t start_other_server(struct h_env *e, const char *data, int port, const char *setting,
+                                const char *log, char *conninfo, size_t len)
+{
+    char port_s[16];
+    snprintf(port_s, sizeof(port_s), "%d", port);
+    char *const argv[] = {PG_BINDIR "/postgres",
+                          "-D",
+                          (char *)data,
+                          "-k",
+                          e->dir,
+                          "-p",
+                          port_s,
+                          "-c",
+                          "listen_addresses=127.0.0.1",
+                          "-c",
+                          (char *)setting,
+                          "-c",
+                          "max_connections=60",
+                          "-c",
+                          "max_prepared_transactions=4",
+                          NULL};
+    pid_t pid = spawn(argv, NULL, server_user(), SIGINT, log);
+    snprintf(conninfo, len, "host=127.0.0.1 port=%d user=postgres dbname=postgres", port);
+    int64_t deadline = h_now_ms() + 30000;
+    while (PQping(conninfo) != PQPING_OK) {
+        if (h_now_ms() > deadline || waitpid(pid, NULL, WNOHANG) == pid)
+            fail_msg("the server in %s did not start, see %s", data, log);
+        h_sleep_ms(50);
+    }
+    return pid;
+}
+
 void h_standby_start(struct h_env *e)
 {
-    char data[300], log[300], port[16], primary_port[16];
+    char data[300], log[300], primary_port[16];
     if (!e->pg_tcp)
         fail_msg("h_standby_start needs the server on TCP (H_PG_TCP)");
     snprintf(data, sizeof(data), "%s/standby", e->dir);
@@ -165,34 +200,11 @@ void h_standby_start(struct h_env *e)
                             NULL};
     if (run_as_server(backup, log) != 0)
         fail_msg("pg_basebackup failed, see %s", log);
-    e->standby_port = h_free_port();
-    snprintf(port, sizeof(port), "%d", e->standby_port);
-    char *const argv[] = {PG_BINDIR "/postgres",
-                          "-D",
-                          data,
-                          "-k",
-                          e->dir,
-                          "-p",
-                          port,
-                          "-c",
-                          "listen_addresses=127.0.0.1",
-                          "-c",
-                          "hot_standby=on",
-                          "-c", /* at least the primary's (command-line) settings */
-                          "max_connections=60",
-                          "-c",
-                          "max_prepared_transactions=4",
-                          NULL};
-    e->standby_pid = spawn(argv, NULL, server_user(), SIGINT, log);
     char conninfo[300];
-    snprintf(conninfo, sizeof(conninfo), "host=127.0.0.1 port=%d user=postgres dbname=postgres",
-             e->standby_port);
-    int64_t deadline = h_now_ms() + 30000;
-    while (PQping(conninfo) != PQPING_OK) {
-        if (h_now_ms() > deadline)
-            fail_msg("the standby did not start, see %s", log);
-        h_sleep_ms(50);
-    }
+    e->standby_port = h_free_port();
+    /* At least the primary's (command-line) settings. */
+    e->standby_pid = start_other_server(e, data, e->standby_port, "hot_standby=on", log, conninfo,
+                                        sizeof(conninfo));
     PGconn *c = PQconnectdb(conninfo);
     assert_int_equal(PQstatus(c), CONNECTION_OK);
     assert_int_equal(h_sql_int(c, "SELECT pg_is_in_recovery()::int"), 1);
@@ -242,7 +254,7 @@ void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size
 
 void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
 {
-    char dump[300], data[300], log[300], port[16];
+    char dump[300], data[300], log[300];
     snprintf(dump, sizeof(dump), "%s/dump.custom", e->dir);
     snprintf(data, sizeof(data), "%s/copy", e->dir);
     snprintf(log, sizeof(log), "%s/copy.log", e->dir);
@@ -253,30 +265,7 @@ void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
                             "postgres",          "--no-sync", "-E", "UTF8", "--locale=C", NULL};
     if (run_as_server(initdb, log) != 0)
         fail_msg("initdb of the copy failed, see %s", log);
-    int port_n = h_free_port();
-    snprintf(port, sizeof(port), "%d", port_n);
-    char *const argv[] = {PG_BINDIR "/postgres",
-                          "-D",
-                          data,
-                          "-k",
-                          e->dir,
-                          "-p",
-                          port,
-                          "-c",
-                          "listen_addresses=127.0.0.1",
-                          "-c",
-                          "fsync=off",
-                          "-c",
-                          "max_connections=60",
-                          NULL};
-    e->copy_pid = spawn(argv, NULL, server_user(), SIGINT, log);
-    snprintf(conninfo, len, "host=127.0.0.1 port=%d user=postgres dbname=postgres", port_n);
-    int64_t deadline = h_now_ms() + 30000;
-    while (PQping(conninfo) != PQPING_OK) {
-        if (h_now_ms() > deadline)
-            fail_msg("the copy's server did not start, see %s", log);
-        h_sleep_ms(50);
-    }
+    e->copy_pid = start_other_server(e, data, h_free_port(), "fsync=off", log, conninfo, len);
     PGconn *c = PQconnectdb(conninfo);
     assert_int_equal(PQstatus(c), CONNECTION_OK);
     h_sql(c, "CREATE ROLE outboxd_relay LOGIN; CREATE ROLE outboxd_writer NOLOGIN");
