@@ -116,6 +116,12 @@ enum fault_kind {
                     * to other replicas), started again after dur */
     F_CUT,         /* the relays' connections to a node (or all) reset and refused for dur */
     F_BLACKHOLE,   /* a node (or all) forwards nothing to the relays for dur */
+    /* The mock's again (after the real cluster's, so that the kind numbers
+     * of earlier runs' plots keep their meaning). */
+    F_TOPIC_REFUSED, /* the next two Produce requests are refused as a topic the relay may
+                      * not write (TOPIC_AUTHORIZATION_FAILED): under dead_letter the
+                      * rows go there; under retry the topic waits and is tried
+                      * alone until it is taken */
     F_COUNT
 };
 
@@ -142,13 +148,14 @@ static const char *const fault_names[F_COUNT] = {"kill9",
                                                  "node-pause",
                                                  "leader-move",
                                                  "cut",
-                                                 "blackhole"};
+                                                 "blackhole",
+                                                 "topic-refused"};
 
 /* What only the mock broker can do (its control commands), and what only a
  * real cluster can; the rest (relays, Postgres) runs on either. */
 #define MOCK_FAULTS                                                                                \
     (1u << F_BROKERS_DOWN | 1u << F_BROKER_DOWN | 1u << F_PRODUCE_ERRORS | 1u << F_REJECT_ERRORS | \
-     1u << F_RTT | 1u << F_SLOW_ACKS)
+     1u << F_RTT | 1u << F_SLOW_ACKS | 1u << F_TOPIC_REFUSED)
 #define REAL_FAULTS                                                                                \
     (1u << F_NODE_KILL9 | 1u << F_NODES_KILL9 | 1u << F_NODE_PAUSE | 1u << F_LEADER_MOVE |         \
      1u << F_CUT | 1u << F_BLACKHOLE)
@@ -172,6 +179,7 @@ struct fault {
 struct schedule {
     uint64_t seed;
     int n_relays;     /* started with the schedule; relay[n_relays..] are guests */
+    bool retry;       /* relay.on_reject = retry (else dead_letter); no row above the limit */
     int n_guests;     /* relays that join later, one for each join fault */
     const char *mode; /* relay.on_sent: mark, delete or log */
     int shards;       /* relay.shards: above 1, every relay publishes its slots */
@@ -191,7 +199,7 @@ static const int fault_weight[F_COUNT] = {
     [F_BROKER_DOWN] = 1, [F_PRODUCE_ERRORS] = 1, [F_REJECT_ERRORS] = 1, [F_RTT] = 1,
     [F_SIGTERM] = 1,     [F_SIGHUP] = 1,         [F_TAKEOVER] = 2,      [F_SLOW_ACKS] = 1,
     [F_NODE_KILL9] = 3,  [F_NODES_KILL9] = 1,    [F_NODE_PAUSE] = 2,    [F_LEADER_MOVE] = 2,
-    [F_CUT] = 3,         [F_BLACKHOLE] = 2,
+    [F_CUT] = 3,         [F_BLACKHOLE] = 2,      [F_TOPIC_REFUSED] = 1,
 };
 
 static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
@@ -239,6 +247,11 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
     s->shards = 1;
     if ((s->n_relays > 1 || s->n_guests > 0) && rnd_in(&sr, 0, 1))
         s->shards = rnd_in(&sr, 2, 6);
+    /* relay.on_reject = retry in a third of the schedules: refused rows
+     * and topics wait and are tried alone (through the second producer)
+     * until taken. Drawn apart, as above. */
+    struct rng rr = {seed ^ 0x7e7e5eedULL};
+    s->retry = rnd_in(&rr, 0, 2) == 0;
 }
 
 /* Every relay of the schedule, the guests included. */
@@ -250,11 +263,11 @@ static int relays_of(const struct schedule *s)
 static void print_schedule(FILE *out, const struct schedule *s)
 {
     fprintf(out,
-            "schedule seed %llu%s: %d relay%s (%d joining), %s mode, relay.shards = %d, %d ms, %d "
-            "faults:\n",
+            "schedule seed %llu%s: %d relay%s (%d joining), %s mode, relay.shards = %d, "
+            "relay.on_reject = %s, %d ms, %d faults:\n",
             (unsigned long long)s->seed, opt_real ? " (real Kafka)" : "", s->n_relays,
-            s->n_relays > 1 ? "s" : "", s->n_guests, s->mode, s->shards, s->duration_ms,
-            s->n_faults);
+            s->n_relays > 1 ? "s" : "", s->n_guests, s->mode, s->shards,
+            s->retry ? "retry" : "dead_letter", s->duration_ms, s->n_faults);
     for (int i = 0; i < s->n_faults; i++)
         fprintf(out, "  at %5d ms  %-20s relay %d  for %d ms\n", s->f[i].at_ms,
                 fault_names[s->f[i].kind], s->f[i].relay, s->f[i].dur_ms);
@@ -311,6 +324,7 @@ struct writer {
     const char *conninfo;
     struct rng r;
     atomic_int *stop;
+    bool no_big; /* relay.on_reject = retry: a row above the limit would wait for ever */
     struct rows committed, uncertain, rolled_back;
     int transactions;
     unsigned char payload[MAX_MESSAGE_BYTES + 60000];
@@ -332,7 +346,7 @@ static bool enqueue(struct writer *wr, PGconn *c, const char *key, struct row *o
     int kind = rnd_in(&wr->r, 0, 299);
     size_t len = (size_t)rnd_in(&wr->r, 0, 300);
     bool null_payload = kind < 15;
-    out->big = kind == 299;
+    out->big = kind == 299 && !wr->no_big;
     if (kind == 298)
         len = MAX_MESSAGE_BYTES - 10000; /* near the limit, still allowed */
     if (out->big)
@@ -554,7 +568,9 @@ static void relay_start(struct run *x, int i)
     char mode[32], shards[32];
     snprintf(mode, sizeof(mode), "relay.on_sent=%s", x->s.mode);
     snprintf(shards, sizeof(shards), "relay.shards=%d", x->s.shards);
-    const char *xargs[16] = {rl->conninfo, "relay.on_reject=dead_letter", mode, shutdown, shards};
+    const char *xargs[16] = {rl->conninfo,
+                             x->s.retry ? "relay.on_reject=retry" : "relay.on_reject=dead_letter",
+                             mode, shutdown, shards};
     int n = 5;
     if (opt_real) {
         /* The brokers refuse the rows above the topics' max.message.bytes
@@ -876,6 +892,10 @@ static void apply(struct run *x, const struct fault *f, int phase)
     case F_REJECT_ERRORS:
         if (phase == 0)
             h_broker_cmd(e, "push-errors 0 MSG_SIZE_TOO_LARGE");
+        break;
+    case F_TOPIC_REFUSED:
+        if (phase == 0)
+            h_broker_cmd(e, "push-errors 0 TOPIC_AUTHORIZATION_FAILED TOPIC_AUTHORIZATION_FAILED");
         break;
     case F_RTT:
         x->rtt_ms = phase == 0 ? f->dur_ms / 4 : 0;
@@ -1346,11 +1366,16 @@ static void check(struct run *x)
         qsort(byid, recs.n, sizeof(*byid), cmp_rec);
 
     size_t lost = 0, phantom = 0, corrupt = 0, order = 0, dups = 0, collateral = 0;
+    size_t dead_under_retry = 0;
     int64_t ex_lost = -1, ex_phantom = -1, ex_dup = -1;
     char ex_corrupt[200] = "", ex_collateral[120] = "";
     int rejects = 0;
     for (int i = 0; i < x->s.n_faults; i++)
         rejects += x->s.f[i].kind == F_REJECT_ERRORS;
+    /* A topic refused under dead_letter sends its batch's rows there. */
+    bool topic_refused = false;
+    for (int i = 0; i < x->s.n_faults; i++)
+        topic_refused = topic_refused || x->s.f[i].kind == F_TOPIC_REFUSED;
     size_t k = 0;
     for (size_t i = 0; i < all.n; i++) {
         const struct row *w = &all.v[i];
@@ -1377,7 +1402,10 @@ static void check(struct run *x)
                         topics[w->topic], w->key ? w->key : "(null)", w->payload_len);
             lost++;
             ex_lost = w->id;
-        } else if (copies == 0 && !w->big && rejects < 2 && collateral++ == 0) {
+        } else if (copies == 0 && x->s.retry && dead_under_retry++ == 0) {
+            snprintf(ex_collateral, sizeof(ex_collateral),
+                     "id %lld: dead-lettered under relay.on_reject = retry", (long long)w->id);
+        } else if (copies == 0 && !w->big && rejects < 2 && !topic_refused && collateral++ == 0) {
             /* A refused batch costs only the rows refused alone too; one
              * injected refusal cannot refuse a row twice. */
             snprintf(ex_collateral, sizeof(ex_collateral),
@@ -1444,6 +1472,9 @@ static void check(struct run *x)
     if (collateral)
         finding(x, "%zu rows dead-lettered for another row's refusal (e.g. %s)", collateral,
                 ex_collateral);
+    if (dead_under_retry)
+        finding(x, "%zu rows dead-lettered although refused rows are retried (e.g. %s)",
+                dead_under_retry, ex_collateral);
     if (dups && !x->zombie_window)
         finding(x, "%zu duplicates outside any named window (e.g. id %lld)", dups,
                 (long long)ex_dup);
@@ -1510,6 +1541,7 @@ static void run_schedule(struct run *x)
         w->conninfo = x->env.conninfo;
         w->r.s = x->s.seed * 31 + (uint64_t)i;
         w->stop = &x->stop_writers;
+        w->no_big = x->s.retry;
         if (pthread_create(&w->t, NULL, writer_main, w) != 0)
             fail_msg("pthread_create failed");
     }
