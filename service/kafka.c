@@ -550,7 +550,10 @@ static int alone_start(struct obx_kafka *k)
     rd_kafka_queue_io_event_enable(k->alone_q, k->pipe_wr, "1", 1);
     obx_info("kafka: a second producer tries refused rows alone, so that a refusal stops no "
              "other record");
-    serve(k); /* what it queued before the wake-up was routed */
+    /* What it queued before the wake-up was routed; its own queue only:
+     * the relay is in the middle of handing rows out. */
+    while (rd_kafka_poll(k->alone_rk, 0) > 0) {
+    }
     return 0;
 }
 
@@ -607,7 +610,7 @@ static enum obx_produce_result produce_with(struct obx_kafka *k, rd_kafka_t *rk,
         return OBX_PRODUCE_BUSY;
     obx_labelled_inc(&k->publish_errors, rd_kafka_err2name(e));
     *reason = rd_kafka_err2str(e);
-    return OBX_PRODUCE_REFUSED;
+    return error_refuses_topic(e) ? OBX_PRODUCE_TOPIC_REFUSED : OBX_PRODUCE_REFUSED;
 }
 
 enum obx_produce_result obx_kafka_relay_produce(void *kafka, const struct obx_row *row,

@@ -3,6 +3,7 @@
  */
 #include "outboxd/pgconn.h"
 
+#include <errno.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,7 +60,19 @@ static long long now_ms(void)
 static long probe_backend_pid(const char *conninfo, const char *application_name, int timeout_s)
 {
     long pid = -1;
-    PGconn *c = obx_pg_connect(conninfo, application_name, timeout_s);
+    /* Our timeout after the user's conninfo, so that it wins: the probe
+     * blocks the relay's loop (connect_timeout=0 would wait for ever). */
+    struct obx_pg_params p;
+    obx_pg_params(&p, conninfo, application_name, 0);
+    char timeout[16];
+    snprintf(timeout, sizeof(timeout), "%d", timeout_s);
+    int n = 0;
+    while (p.keys[n])
+        n++;
+    p.keys[n] = "connect_timeout";
+    p.values[n] = timeout;
+    p.keys[n + 1] = p.values[n + 1] = NULL;
+    PGconn *c = PQconnectdbParams(p.keys, p.values, 1);
     if (!c || PQstatus(c) != CONNECTION_OK || PQsetnonblocking(c, 1) != 0 ||
         !PQsendQuery(c, "SELECT pg_backend_pid()")) {
         PQfinish(c);
@@ -72,7 +85,10 @@ static long probe_backend_pid(const char *conninfo, const char *application_name
             break;
         long long left = deadline - now_ms();
         struct pollfd pfd = {.fd = PQsocket(c), .events = unsent ? POLLIN | POLLOUT : POLLIN};
-        if (left <= 0 || poll(&pfd, 1, (int)left) < 0 || !PQconsumeInput(c))
+        int ready = left > 0 ? poll(&pfd, 1, (int)left) : 0;
+        if (ready < 0 && errno == EINTR)
+            continue;
+        if (ready <= 0 || !PQconsumeInput(c))
             break;
     }
     if (!PQisBusy(c)) {

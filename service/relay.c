@@ -987,7 +987,8 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         return false;
     }
     if (pr != OBX_PRODUCE_OK) {
-        relay_refused(r, s, row->key, row->key_len, reason, now);
+        relay_refused_as(r, s, pr == OBX_PRODUCE_TOPIC_REFUSED, row->key, row->key_len, reason,
+                         now);
         return true;
     }
     if (s->key_hash && obx_keycount_add(&r->busy_keys, s->key_hash) != 0)
@@ -1300,10 +1301,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         relay_batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     case OBX_DELIVERY_TOPIC_REFUSED:
-        if (r->set.on_reject == OBX_ON_REJECT_RETRY && !r->set.log_mode)
-            relay_topic_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
-        else
-            relay_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        relay_refused_as(r, s, true, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     }
     /* The key's next row goes once this one is delivered; after any other

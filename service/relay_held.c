@@ -216,9 +216,14 @@ void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t 
     }
     relay_hold_back(r, s->id, s->topic, key, key_len, now);
     struct held_back *b = relay_find_held_back(r, s->id);
-    if (b)
-        b->alone = true; /* retried alone, with back-off: a refusal in a batch would
-                          * take the batch's other rows with it */
+    if (b) {
+        b->alone = true;      /* retried alone, with back-off: a refusal in a batch would
+                               * take the batch's other rows with it */
+        if (b->whole_topic) { /* refused for itself now: the topic takes rows again */
+            b->whole_topic = false;
+            relay_cursor_clear(r, "topic no longer held");
+        }
+    }
     relay_slot_release(r, s);
     relay_want_fetch(r, "row refused");
 }
@@ -283,6 +288,15 @@ void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, s
     }
     relay_slot_release(r, s);
     relay_want_fetch(r, "topic refused");
+}
+
+void relay_refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
+                      size_t key_len, const char *reason, int64_t now)
+{
+    if (topic && r->set.on_reject == OBX_ON_REJECT_RETRY && !r->set.log_mode)
+        relay_topic_refused(r, s, key, key_len, reason, now);
+    else
+        relay_refused(r, s, key, key_len, reason, now);
 }
 
 /* The batch row `s` went in was refused for good, perhaps for another
@@ -399,7 +413,8 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
         relay_slot_release(r, p);
         r->not_before = now + 100;
     } else {
-        relay_refused(r, p, p->parked->key, p->parked->key_len, reason, now);
+        relay_refused_as(r, p, pr == OBX_PRODUCE_TOPIC_REFUSED, p->parked->key, p->parked->key_len,
+                         reason, now);
         obx_free(p->parked);
         p->parked = NULL;
     }

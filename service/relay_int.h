@@ -436,6 +436,11 @@ void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t 
                    const char *reason, int64_t now);
 /* Whether `s` is a later row of a topic held as a whole. */
 bool relay_behind_topic(struct obx_relay *r, const struct slot *s);
+/* relay_topic_refused when `topic` (its topic refuses every row) and the
+ * relay holds topics (relay.on_reject = retry, not log mode), else
+ * relay_refused. */
+void relay_refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
+                      size_t key_len, const char *reason, int64_t now);
 void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
                          const char *reason, int64_t now);
 void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,

@@ -52,6 +52,9 @@ BEGIN
     IF p_id IS NULL OR p_id > 9223372036854775807 - 1000000 THEN
         RETURN NULL;  -- an id set by hand near the end of bigint: not followed
     END IF;
+    -- One at a time (relays sharing slots each send their own highest id):
+    -- the second draws above what the first set, and moves nothing back.
+    PERFORM pg_advisory_xact_lock(1868724324, 12);
     v_drawn := nextval(v_seq);
     IF v_drawn > p_id THEN
         RETURN NULL;

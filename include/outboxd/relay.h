@@ -45,8 +45,9 @@ enum obx_relay_state {
 /* Result of ops->produce. */
 enum obx_produce_result {
     OBX_PRODUCE_OK = 0,
-    OBX_PRODUCE_BUSY = -1,    /* local queue full: try again later, stop this batch */
-    OBX_PRODUCE_REFUSED = -2, /* this row can never be produced as it is (e.g. too large) */
+    OBX_PRODUCE_BUSY = -1,          /* local queue full: try again later, stop this batch */
+    OBX_PRODUCE_REFUSED = -2,       /* this row can never be produced as it is (e.g. too large) */
+    OBX_PRODUCE_TOPIC_REFUSED = -3, /* nor any row of its topic (unknown, not authorized) */
 };
 
 /* Outcome of one delivery report. */

@@ -839,6 +839,29 @@ static void test_topic_refused_held_as_one(void **state)
     assert_string_equal(c->f.held_back_key, "t/(whole topic)");
     assert_int_equal(c->f.held_back_id, 2);
     assert_true(excluded(c, 2)); /* not due yet */
+
+    /* Tried again, row 2 is refused for itself (too large): the topic takes
+     * rows again, and only its key waits. */
+    for (int64_t t = 7; t < 5000 && excluded(c, 2); t += 100) {
+        if (obx_relay_state(c->r) == OBX_RELAY_FETCHING)
+            fetched(c, 7, 0, t);
+        else
+            obx_relay_tick(c->r, t);
+    }
+    assert_false(excluded(c, 2));
+    int before = c->f.produced;
+    fetched(c, 2, 1, 5000);
+    assert_int_equal(c->f.produced, before + 1);
+    ack_as(c, before, OBX_DELIVERY_REFUSED, 5001);
+    fetches = c->f.fetches;
+    for (int step = 0; step < 8 && c->f.fetches == fetches; step++) {
+        if (obx_relay_state(c->r) == OBX_RELAY_FETCHING)
+            fetched(c, 7, 0, 5002);
+        else
+            obx_relay_tick(c->r, 5100 + step * 100);
+    }
+    assert_int_equal(c->f.n_held_back, 1);
+    assert_string_equal(c->f.held_back_key, "t/k0"); /* the key its report named (ack_as) */
 }
 
 /* Issue 10.4: a refused row being retried that then fails for a passing
