@@ -18,18 +18,24 @@ struct held_back *relay_find_held_back(struct obx_relay *r, int64_t id)
     return NULL;
 }
 
+/* Whether entry `b` holds back the row `id` of `topic` and `key`: a later
+ * row of its key, or of its topic when the topic refused it. */
+static bool holds(const struct held_back *b, uint32_t topic, int64_t id, const char *key,
+                  size_t key_len)
+{
+    if (b->topic != topic || id <= b->id)
+        return false;
+    return b->whole_topic ||
+           (key && b->key && b->key_len == key_len && memcmp(b->key, key, key_len) == 0);
+}
+
 /* True if `row` must wait behind an earlier refused row of its key, or of
  * its topic when the topic refused it. */
 bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic)
 {
-    for (size_t i = 0; i < r->n_held_back; i++) {
-        const struct held_back *b = &r->held_back[i];
-        if (b->topic != topic || row->id <= b->id)
-            continue;
-        if (b->whole_topic || (row->key && b->key && b->key_len == row->key_len &&
-                               memcmp(b->key, row->key, row->key_len) == 0))
+    for (size_t i = 0; i < r->n_held_back; i++)
+        if (holds(&r->held_back[i], topic, row->id, row->key, row->key_len))
             return true;
-    }
     return false;
 }
 
@@ -74,14 +80,9 @@ void relay_drop_held_back(struct obx_relay *r, int64_t id)
  * whole, holds `b` back too. */
 bool relay_behind_another(const struct obx_relay *r, const struct held_back *b)
 {
-    for (size_t j = 0; j < r->n_held_back; j++) {
-        const struct held_back *o = &r->held_back[j];
-        if (o->id >= b->id || o->topic != b->topic)
-            continue;
-        if (o->whole_topic || (b->key && o->key && o->key_len == b->key_len &&
-                               memcmp(o->key, b->key, b->key_len) == 0))
+    for (size_t j = 0; j < r->n_held_back; j++)
+        if (holds(&r->held_back[j], b->topic, b->id, b->key, b->key_len))
             return true;
-    }
     return false;
 }
 
