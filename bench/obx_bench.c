@@ -75,6 +75,7 @@
  *    times): from the signal, and from the restart, until the slots are
  *    spread again and no relay is still recovering them.
  */
+#include "bench.h"
 #include "outboxd/buf.h"
 #include "outboxd/config.h"
 #include "outboxd/maint.h"
@@ -101,17 +102,7 @@
 #include <libpq-fe.h>
 #include <librdkafka/rdkafka.h>
 
-#define BATCH      1000
-#define PARTITIONS 12
-#define KEYS       300
-
-struct opts {
-    const char *conninfo, *bootstrap, *outboxd, *malloc_lib;
-    int rows;
-    int latency_seconds;
-};
-
-static double now_s(void)
+double now_s(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -120,9 +111,9 @@ static double now_s(void)
 
 /* The outboxd we started and have not stopped: an error or a signal here
  * stops it too, or it would live on holding its port. */
-static volatile sig_atomic_t live_relay;
+volatile sig_atomic_t live_relay;
 
-static _Noreturn void die(const char *what, const char *detail)
+_Noreturn void die(const char *what, const char *detail)
 {
     fprintf(stderr, "obx-bench: %s: %s\n", what, detail ? detail : "");
     if (live_relay > 0)
@@ -138,7 +129,7 @@ static void on_fatal_signal(int sig)
     raise(sig);
 }
 
-static PGconn *connect_db(const struct opts *o)
+PGconn *connect_db(const struct opts *o)
 {
     PGconn *c = PQconnectdb(o->conninfo);
     if (PQstatus(c) != CONNECTION_OK)
@@ -151,10 +142,12 @@ static PGconn *connect_db(const struct opts *o)
     if (PQresultStatus(r) != PGRES_COMMAND_OK)
         die("connect", PQresultErrorMessage(r));
     PQclear(r);
+    /* Told apart from the relays' sessions (peer.c counts theirs). */
+    exec_ok(c, "SET application_name = 'obx-bench'");
     return c;
 }
 
-static void exec_ok(PGconn *c, const char *sql)
+void exec_ok(PGconn *c, const char *sql)
 {
     PGresult *r = PQexec(c, sql);
     if (PQresultStatus(r) != PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_TUPLES_OK)
@@ -162,7 +155,7 @@ static void exec_ok(PGconn *c, const char *sql)
     PQclear(r);
 }
 
-static long long query_int(PGconn *c, const char *sql)
+long long query_int(PGconn *c, const char *sql)
 {
     PGresult *r = PQexec(c, sql);
     if (PQresultStatus(r) != PGRES_TUPLES_OK)
@@ -189,7 +182,7 @@ static void prefill(PGconn *c, int rows, int payload)
 
 /* Each measurement starts from a clean table and no vacuum or checkpoint
  * debt left by the one before. */
-static void settle(PGconn *c)
+void settle(PGconn *c)
 {
     exec_ok(c, "TRUNCATE outbox.events, outbox.kafka_offsets, outbox.log_cursor");
     exec_ok(c, "VACUUM ANALYZE outbox.events");
@@ -206,7 +199,7 @@ struct pg_cost {
 
 /* The whole machine's busy CPU time so far, in seconds (/proc/stat: every
  * process on every core, Postgres, the mock broker and us included). */
-static double machine_cpu_s(void)
+double machine_cpu_s(void)
 {
     FILE *f = fopen("/proc/stat", "r");
     unsigned long long v[8] = {0};
@@ -222,14 +215,14 @@ static double machine_cpu_s(void)
 }
 
 /* The mode's name. */
-static const char *mode_name(int on_sent)
+const char *mode_name(int on_sent)
 {
     return on_sent == OBX_ON_SENT_DELETE ? "delete" : on_sent == OBX_ON_SENT_LOG ? "log" : "mark";
 }
 
-static double backend_cpu_s(int pid);
+double backend_cpu_s(int pid);
 
-static char *wal_lsn(PGconn *c, char *buf, size_t len)
+char *wal_lsn(PGconn *c, char *buf, size_t len)
 {
     /* The insert position, not pg_current_wal_lsn() (what is written out):
      * a big INSERT's last few MB can still wait in the WAL buffers, and a
@@ -243,7 +236,7 @@ static char *wal_lsn(PGconn *c, char *buf, size_t len)
     return buf;
 }
 
-static double wal_since(PGconn *c, const char *lsn)
+double wal_since(PGconn *c, const char *lsn)
 {
     char sql[160];
     snprintf(sql, sizeof(sql), "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '%s')::bigint",
@@ -622,15 +615,10 @@ static double kafka_limit(const struct opts *o, size_t payload_len, double *mach
 
 /* ---- the outboxd process ---- */
 
-struct proc_stats {
-    double cpu_s; /* user + system */
-    long peak_kb; /* VmHWM */
-};
-
 /* The port of the relay's /metrics: one of our own, not http.listen's
  * default, so that another benchmark on this machine neither takes it nor
  * answers for our relay. */
-static int http_port;
+int http_port;
 
 static int free_port(void)
 {
@@ -647,8 +635,8 @@ static int free_port(void)
 
 /* An outboxd in mode on_sent serving /metrics on `port`, with one more
  * setting `more` (or none); counting its allocations into count_file. */
-static pid_t spawn_relay(const struct opts *o, int on_sent, const char *count_file, int port,
-                         const char *more)
+pid_t spawn_relay(const struct opts *o, int on_sent, const char *count_file, int port,
+                  const char *more)
 {
     char conninfo[1024], bootstrap[600], listen[64];
     snprintf(listen, sizeof(listen), "http.listen=127.0.0.1:%d", port);
@@ -705,13 +693,13 @@ static pid_t spawn_relay(const struct opts *o, int on_sent, const char *count_fi
     return pid;
 }
 
-static pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
+pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
 {
     live_relay = spawn_relay(o, on_sent, count_file, http_port, NULL);
     return live_relay;
 }
 
-static void proc_stats(pid_t pid, struct proc_stats *st)
+void proc_stats(pid_t pid, struct proc_stats *st)
 {
     char path[64], buf[4096];
     snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
@@ -736,14 +724,14 @@ static void proc_stats(pid_t pid, struct proc_stats *st)
         fclose(f);
 }
 
-static double backend_cpu_s(int pid)
+double backend_cpu_s(int pid)
 {
     struct proc_stats st = {0};
     proc_stats((pid_t)pid, &st);
     return st.cpu_s;
 }
 
-static void stop_outboxd(pid_t pid)
+void stop_outboxd(pid_t pid)
 {
     int status;
     kill(pid, SIGTERM);
@@ -778,7 +766,7 @@ static long read_count(const char *path)
 /* Waits until `sql` (an EXISTS probe) says nothing is left. The probe is
  * cheap and rare enough not to compete with the relay for Postgres: a
  * count(*) every few ms slowed the drain in proportion to the backlog. */
-static void wait_drained(PGconn *c, const char *sql, pid_t relay)
+void wait_drained(PGconn *c, const char *sql, pid_t relay)
 {
     while (query_int(c, sql) > 0) {
         int status;
@@ -792,7 +780,7 @@ static void wait_drained(PGconn *c, const char *sql, pid_t relay)
 
 /* A sample of the relay's /metrics (at http_port), e.g.
  * "outboxd_rows_marked_total", or -1 if it cannot be read. */
-static long long relay_metric(const char *sample)
+long long relay_metric(const char *sample)
 {
     static char buf[1 << 16];
     char needle[128];
@@ -865,7 +853,7 @@ static void wait_marked(PGconn *c, const char *sql, long long target, pid_t rela
 }
 
 /* The probe for "is anything left to relay" in each mode. */
-static const char *left_sql_for(int on_sent)
+const char *left_sql_for(int on_sent)
 {
     return on_sent == OBX_ON_SENT_DELETE ? "SELECT EXISTS (SELECT FROM outbox.events)::int"
            : on_sent == OBX_ON_SENT_LOG  ? "SELECT EXISTS (SELECT FROM outbox.unpublished)::int"
@@ -1228,7 +1216,6 @@ static void shard_table(const struct opts *o, int rounds)
 
 /* ---- 4. latency ---- */
 
-#define MAX_IDS (1 << 22)
 /* The limit and the drain, measured back to back PAIRS times. This machine's
  * speed drifts by +-15 % between runs; a ratio taken within one pair drifts
  * much less, so the table reports the median of the pairs' ratios. */
@@ -1293,8 +1280,13 @@ static void paired(const struct opts *o, int on_sent, int payload, bool idle, st
     }
 }
 
-static double *commit_at; /* by outbox id - id_base: when the writer sent the commit */
-static long long id_base; /* ids keep growing over the runs (TRUNCATE keeps the identity) */
+double *commit_at; /* by outbox id - id_base: when the writer sent the commit */
+void (*lat_tick)(double elapsed);
+long lat_duplicates, lat_missing;
+const char *lat_topic_name;
+int lat_threads;
+double lat_quiet_s = 10.0;
+long long id_base; /* ids keep growing over the runs (TRUNCATE keeps the identity) */
 static atomic_int writers_done;
 static atomic_long written; /* rows the writers of the current run committed */
 
@@ -1317,7 +1309,7 @@ static int lat_series;
 static void lat_topic(char *buf, size_t len, int windows, int w)
 {
     if (windows == 0)
-        snprintf(buf, len, "lat");
+        snprintf(buf, len, "%s", lat_topic_name ? lat_topic_name : "lat");
     else if (lat_series > 0)
         snprintf(buf, len, "lat%d-%d", lat_series, (w < windows ? w : windows - 1) + 1);
     else
@@ -1388,23 +1380,11 @@ static void *lat_writer_main(void *arg)
     return NULL;
 }
 
-static int cmp_double(const void *a, const void *b)
+int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
-
-/* One record read back: its row, when the row's commit was sent (seconds
- * after the writers started) and how long it took to reach the consumer. */
-struct lat_sample {
-    long long id;
-    double at, lat;
-};
-
-struct lat_result {
-    double achieved, p50, p99, p999, max; /* ms, but achieved: records/s */
-    long n;
-};
 
 /* The horizon run's windows of wall time: the relay backend's CPU at each
  * window's start (and at the end of the run), and the records that arrived
@@ -1422,11 +1402,11 @@ struct lat_probe {
  * merely falls behind still delivers in that time) and matches each by its
  * outbox-id to the commit, on one clock. Returns the samples (*n of them,
  * in arrival order; the caller frees them). */
-static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
-                                  struct lat_probe *probe, size_t *n_out)
+struct lat_sample *lat_run(const struct opts *o, int rate, int seconds, struct lat_probe *probe,
+                           size_t *n_out)
 {
     char err[512];
-    int threads = rate >= 1000 ? 4 : 1;
+    int threads = rate < 1000 ? 1 : lat_threads > 0 ? lat_threads : 4;
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
     rd_kafka_conf_set(conf, "bootstrap.servers", o->bootstrap, err, sizeof(err));
     rd_kafka_conf_set(conf, "group.id", "obx-bench", err, sizeof(err));
@@ -1458,10 +1438,14 @@ static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
     struct lat_sample *samples = malloc(cap * sizeof(*samples));
     if (!samples)
         die("latency samples", "out of memory");
-    pthread_t t[8];
+    pthread_t t[MAX_LAT_THREADS];
     atomic_store(&writers_done, 0);
     atomic_store(&written, 0);
-    long arrived = 0; /* records of this run's ids, sampled or not */
+    long arrived = 0; /* this run's ids read back, sampled or not, each once */
+    unsigned char *seen = calloc((size_t)MAX_IDS / 8, 1);
+    if (!seen)
+        die("latency run", "out of memory");
+    lat_duplicates = 0;
     int window = 0;
     double start = now_s();
     struct lat_writer w = {o, (double)rate / threads, seconds, start, windows};
@@ -1476,6 +1460,8 @@ static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
     for (;;) {
         rd_kafka_message_t *m = rd_kafka_consumer_poll(rk, 10);
         double now = now_s();
+        if (lat_tick)
+            lat_tick(now - start);
         while (probe && window < probe->windows - 1 && now - start >= (window + 1) * WINDOW_S)
             probe->cpu[++window] = backend_cpu_s(probe->backend_pid);
         if (m) {
@@ -1488,7 +1474,11 @@ static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
                 memcpy(buf, val, len);
                 buf[len] = '\0';
                 long long id = strtoll(buf, NULL, 10);
-                if (id > id_base && id - id_base < MAX_IDS) {
+                long long at = id - id_base;
+                if (at > 0 && at < MAX_IDS && (seen[at / 8] & (1u << (at % 8)))) {
+                    lat_duplicates++;
+                } else if (at > 0 && at < MAX_IDS) {
+                    seen[at / 8] |= (unsigned char)(1u << (at % 8));
                     arrived++;
                     if (probe)
                         probe->arrived[window]++;
@@ -1505,10 +1495,12 @@ static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
                 break;
             if (quiet_since == 0)
                 quiet_since = now;
-            else if (now - quiet_since > 10.0)
+            else if (now - quiet_since > lat_quiet_s)
                 break;
         }
     }
+    free(seen);
+    lat_missing = atomic_load(&written) - arrived;
     if (probe)
         probe->cpu[probe->windows] = backend_cpu_s(probe->backend_pid);
     if (lat_cost_backend)
@@ -1528,8 +1520,8 @@ static struct lat_sample *lat_run(const struct opts *o, int rate, int seconds,
 }
 
 /* Percentiles of the samples whose commit came in [from, to) seconds. */
-static void lat_summary(const struct lat_sample *s, size_t n, double from, double to,
-                        struct lat_result *res)
+void lat_summary(const struct lat_sample *s, size_t n, double from, double to,
+                 struct lat_result *res)
 {
     double *lat = malloc((n ? n : 1) * sizeof(double));
     if (!lat)
@@ -1598,7 +1590,7 @@ static void kafka_floor(const struct opts *o, int rate, struct lat_result *res)
 /* ---- against a real cluster (OBX_BENCH_REAL) ---- */
 
 /* The brokers' CPU so far (OBX_BENCH_BROKER_PIDS, comma-separated), s. */
-static double brokers_cpu_s(void)
+double brokers_cpu_s(void)
 {
     const char *pids = getenv("OBX_BENCH_BROKER_PIDS");
     double total = 0;
@@ -2147,6 +2139,17 @@ int main(int argc, char **argv)
             shard_on_sent = mode_of("OBX_BENCH_SHARDS_MODE", mode);
         long rounds = strtol(getenv("OBX_BENCH_SHARDS"), NULL, 10);
         shard_table(&o, rounds < 1 ? 3 : (int)rounds);
+        return 0;
+    }
+    if (getenv("OBX_BENCH_PEER")) {
+        long rounds = strtol(getenv("OBX_BENCH_PEER"), NULL, 10);
+        printf("outboxd and Debezium, %s: %s, %ld cores; PostgreSQL %s (wal_level=logical, "
+               "fsync and synchronous_commit on), one Apache Kafka broker (KRaft, replication "
+               "factor 1, acks=all); Debezium 3.6.1.Final on the embedded engine with the "
+               "Outbox Event Router (bench/debezium); outboxd defaults; 200-byte payloads, 3 "
+               "headers, %d keys, %d partitions.\n",
+               date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, KEYS, PARTITIONS);
+        peer_table(&o, rounds < 1 ? 3 : (int)rounds);
         return 0;
     }
     if (getenv("OBX_BENCH_REAL")) {

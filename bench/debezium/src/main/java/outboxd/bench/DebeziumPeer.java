@@ -15,8 +15,10 @@
  * --dir holds the offsets file; --tuned sets the latency settings of
  * doc/performance.md (poll.interval.ms 10, larger batches, offsets flushed
  * each second) instead of Debezium's defaults; --count N stops after N
- * records were acknowledged. It prints "ready" once streaming, "first" at
- * the first record, and at the end the records it produced.
+ * records were acknowledged; --note N prints "acked N" once N records were
+ * acknowledged and streams on (the benchmark reads its CPU then). It prints
+ * "ready" once streaming, "first" at the first record, and at the end the
+ * records it produced; each with the seconds since the program started.
  */
 package outboxd.bench;
 
@@ -81,6 +83,7 @@ public final class DebeziumPeer {
     public static void main(String[] argv) throws Exception {
         Map<String, String> a = options(argv);
         long count = Long.parseLong(a.getOrDefault("count", "0"));
+        long note = Long.parseLong(a.getOrDefault("note", "0"));
         boolean tuned = a.containsKey("tuned");
 
         Properties p = new Properties();
@@ -164,6 +167,11 @@ public final class DebeziumPeer {
                                 committer.markProcessed(records.get(i));
                             }
                             committer.markBatchFinished();
+                            long before = produced.get() - sent.stream().filter(f -> f != null).count();
+                            if (note > 0 && before < note && produced.get() >= note) {
+                                System.out.printf("acked %d %.3f s%n", note, (System.nanoTime() - started) / 1e9);
+                                System.out.flush();
+                            }
                             if (count > 0 && produced.get() >= count)
                                 done.countDown();
                         })
@@ -175,13 +183,25 @@ public final class DebeziumPeer {
                         .build();
         ExecutorService runner = Executors.newSingleThreadExecutor();
         runner.execute(engine);
-        Runtime.getRuntime().addShutdownHook(new Thread(() -> done.countDown()));
+        /* On SIGTERM the JVM ends once its shutdown hooks return: this one
+         * waits for the close below, which commits the offsets. */
+        CountDownLatch closed = new CountDownLatch(1);
+        Runtime.getRuntime().addShutdownHook(new Thread(() -> {
+            done.countDown();
+            try {
+                closed.await(60, TimeUnit.SECONDS);
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+            }
+        }));
         done.await();
         engine.close(); /* commits the offsets of what was acknowledged */
         runner.shutdown();
         runner.awaitTermination(30, TimeUnit.SECONDS);
         producer.close();
         System.out.printf("produced %d%n", produced.get());
+        System.out.flush();
+        closed.countDown();
     }
 
     /* The record outboxd makes of the row (doc/contract.md), or null for an
