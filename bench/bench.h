@@ -48,10 +48,11 @@ double machine_cpu_s(void);
 double brokers_cpu_s(void);
 
 const char *mode_name(int on_sent);
-/* An outboxd in mode on_sent, /metrics on http_port, with one more setting
- * `more` (or NULL). */
+/* The port of the /metrics of the outboxd spawn_outboxd starts. */
 extern int http_port;
 pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file);
+/* An outboxd in mode on_sent, /metrics on `port`, with one more setting
+ * `more` (or NULL). */
 pid_t spawn_relay(const struct opts *o, int on_sent, const char *count_file, int port,
                   const char *more);
 void stop_outboxd(pid_t pid);

@@ -131,7 +131,10 @@ static void on_fatal_signal(int sig)
 
 PGconn *connect_db(const struct opts *o)
 {
-    PGconn *c = PQconnectdb(o->conninfo);
+    /* Named from the start, so that peer.c tells it from the relays' sessions. */
+    const char *keys[] = {"dbname", "application_name", NULL};
+    const char *values[] = {o->conninfo, "obx-bench", NULL};
+    PGconn *c = PQconnectdbParams(keys, values, 1);
     if (PQstatus(c) != CONNECTION_OK)
         die("connect", PQerrorMessage(c));
     /* The benchmark's looks at the outbox (is it drained?) read by index, as
@@ -142,8 +145,6 @@ PGconn *connect_db(const struct opts *o)
     if (PQresultStatus(r) != PGRES_COMMAND_OK)
         die("connect", PQresultErrorMessage(r));
     PQclear(r);
-    /* Told apart from the relays' sessions (peer.c counts theirs). */
-    exec_ok(c, "SET application_name = 'obx-bench'");
     return c;
 }
 
@@ -1322,6 +1323,8 @@ struct lat_writer {
     double seconds;
     double start; /* the run's clock, for the windows */
     int windows;  /* 0: one topic */
+    int threads;
+    atomic_int started; /* each thread's place among them */
 };
 
 /* The Kafka-side floor of the latency: records produced straight to 'lat'
@@ -1336,7 +1339,9 @@ static void *lat_writer_main(void *arg)
     struct lat_writer *w = arg;
     PGconn *c = connect_db(w->o);
     double period = 1.0 / w->rate, start = now_s(), next = start;
-    int k = 0;
+    /* The threads' keys spread over KEYS: started together on the same key
+     * they would wait for each other's commit (enqueue's per-key lock). */
+    int k = atomic_fetch_add(&w->started, 1) * KEYS / w->threads;
     while (now_s() - start < w->seconds) {
         double wait = next - now_s();
         if (wait > 0)
@@ -1448,7 +1453,7 @@ struct lat_sample *lat_run(const struct opts *o, int rate, int seconds, struct l
     lat_duplicates = 0;
     int window = 0;
     double start = now_s();
-    struct lat_writer w = {o, (double)rate / threads, seconds, start, windows};
+    struct lat_writer w = {o, (double)rate / threads, seconds, start, windows, threads, 0};
     if (probe)
         probe->cpu[0] = backend_cpu_s(probe->backend_pid);
     if (lat_cost_backend)

@@ -79,7 +79,7 @@ struct relay {
 
 /* The peer's settings, from the environment and the conninfo. */
 static const char *peer_classpath, *peer_dir, *peer_heap = "512m";
-static char pg_host[256], pg_port[16], pg_user[64], pg_dbname[64];
+static char pg_host[256], pg_port[16], pg_user[64], pg_dbname[64], pg_password[128];
 static const char *bootstrap;
 
 static void peer_settings(const struct opts *o)
@@ -106,6 +106,8 @@ static void peer_settings(const struct opts *o)
             snprintf(pg_user, sizeof(pg_user), "%s", v);
         else if (strcmp(p->keyword, "dbname") == 0)
             snprintf(pg_dbname, sizeof(pg_dbname), "%s", v);
+        else if (strcmp(p->keyword, "password") == 0)
+            snprintf(pg_password, sizeof(pg_password), "%s", v);
     }
     PQconninfoFree(opts);
     /* The JDBC driver speaks TCP only. */
@@ -118,17 +120,15 @@ static void peer_settings(const struct opts *o)
 static void peer_spawn(struct relay *r, long note)
 {
     snprintf(r->out, sizeof(r->out), "%s/peer.out", peer_dir);
-    char err_path[600], heap_max[64], heap_min[64], note_s[32];
+    char err_path[600], heap_max[64], note_s[32];
     snprintf(err_path, sizeof(err_path), "%s/peer.err", peer_dir);
     snprintf(heap_max, sizeof(heap_max), "-Xmx%s", peer_heap);
-    snprintf(heap_min, sizeof(heap_min), "-Xms%s", peer_heap);
     snprintf(note_s, sizeof(note_s), "%ld", note);
-    int out = open(r->out, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    int errfd = open(err_path, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    int out = open(r->out, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    int errfd = open(err_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (out < 0 || errfd < 0)
         die(r->out, strerror(errno));
     char *argv[] = {"java",
-                    heap_min,
                     heap_max,
                     "-cp",
                     (char *)peer_classpath,
@@ -147,6 +147,8 @@ static void peer_spawn(struct relay *r, long note)
                     (char *)peer_dir,
                     "--note",
                     note_s,
+                    "--password",
+                    pg_password,
                     r->def->tuned ? "--tuned" : NULL,
                     NULL};
     pid_t pid = fork();
@@ -218,6 +220,11 @@ static void relay_stop(struct relay *r, int sig)
 static void peer_forget(PGconn *c)
 {
     char path[600];
+    /* The JVM has exited; its walsender may not have let go of the slot yet. */
+    for (int i = 0; i < 300 && query_int(c, "SELECT count(*) FROM pg_replication_slots"
+                                            " WHERE slot_name = '" SLOT "' AND active") > 0;
+         i++)
+        usleep(100000);
     exec_ok(c, "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
                " WHERE slot_name = '" SLOT "'");
     snprintf(path, sizeof(path), "%s/offsets.dat", peer_dir);
@@ -244,7 +251,7 @@ static double stat_cpu_s(int pid, bool children, int *ppid)
     char path[64], buf[1024];
     snprintf(path, sizeof(path), "/proc/%d/stat", pid);
     FILE *f = fopen(path, "r");
-    double cpu = 0;
+    double cpu = -1; /* gone */
     if (f && fgets(buf, sizeof(buf), f)) {
         const char *p = strrchr(buf, ')');
         int pp = 0;
@@ -270,6 +277,8 @@ static int postmaster_pid;
 static double server_cpu_s(void)
 {
     double total = stat_cpu_s(postmaster_pid, true, NULL);
+    if (total < 0)
+        die("the postmaster", "its /proc/PID/stat cannot be read");
     DIR *d = opendir("/proc");
     struct dirent *e;
     while (d && (e = readdir(d)) != NULL) {
@@ -277,7 +286,7 @@ static double server_cpu_s(void)
         if (pid <= 0)
             continue;
         double cpu = stat_cpu_s(pid, false, &ppid);
-        if (ppid == postmaster_pid)
+        if (ppid == postmaster_pid && cpu > 0)
             total += cpu;
     }
     if (d)
@@ -301,10 +310,13 @@ static void sessions_now(PGconn *c, struct sessions *s)
     if (PQresultStatus(r) != PGRES_TUPLES_OK)
         die("pg_stat_activity", PQresultErrorMessage(r));
     s->n = 0;
-    for (int i = 0; i < PQntuples(r) && s->n < MAX_SESSIONS; i++) {
+    if (PQntuples(r) > MAX_SESSIONS)
+        die("the relay's sessions", "more than MAX_SESSIONS");
+    for (int i = 0; i < PQntuples(r); i++) {
         s->pid[s->n] = atoi(PQgetvalue(r, i, 0));
         s->cpu[s->n] = stat_cpu_s(s->pid[s->n], false, NULL);
-        s->n++;
+        if (s->cpu[s->n] >= 0) /* else it ended meanwhile */
+            s->n++;
     }
     PQclear(r);
 }
@@ -379,28 +391,48 @@ static void backlog(PGconn *c, int rows, const char *topic)
 }
 
 struct drain_figures {
-    double rate, to_first, to_ready, to_last;
+    double to_ready, to_first, to_last; /* s from the relay's start */
     struct costs cost;
     double peak_mb, wal_per_row;
 };
 
-/* Seconds since `t0` until the relay has acknowledged `rows` rows (outboxd:
- * its /metrics; the peer: its "acked" line), polled every 10 ms; the first
- * acknowledgement's in *first. */
-static double wait_acked(struct relay *r, long rows, double t0, double *first)
+/* Follows a draining relay from its start at `t0` (polled every 10 ms, on
+ * this clock): when it was ready to relay (the peer's "ready" line:
+ * connector task started; outboxd's readiness: recovery passed), when Kafka
+ * acknowledged its first record and its `rows`-th (outboxd's /metrics,
+ * counted at each delivery report; the peer's "first" and "acked" lines,
+ * the same). */
+static void follow_drain(struct relay *r, long rows, const char *topic, double t0,
+                         struct drain_figures *f)
 {
-    *first = -1;
+    char published[128];
+    snprintf(published, sizeof(published), "outboxd_records_published_total{topic=\"%s\"}", topic);
+    f->to_ready = f->to_first = -1;
     for (;;) {
         double t = now_s() - t0;
         long long done;
-        if (r->def->debezium)
+        bool ready;
+        if (r->def->debezium) {
             done = peer_line(r, "acked") >= 0 ? rows : peer_line(r, "first") >= 0 ? 1 : 0;
-        else
-            done = relay_metric("outboxd_rows_marked_total");
-        if (done >= 1 && *first < 0)
-            *first = t;
-        if (done >= rows)
-            return t;
+            ready = peer_line(r, "ready") >= 0;
+        } else {
+            int status;
+            if (waitpid(r->pid, &status, WNOHANG) == r->pid) {
+                r->pid = 0;
+                live_relay = 0;
+                die(r->def->name, "exited during the drain (its stderr goes to /dev/null)");
+            }
+            done = relay_metric(published);
+            ready = relay_metric("outboxd_ready") == 1;
+        }
+        if (ready && f->to_ready < 0)
+            f->to_ready = t;
+        if (done >= 1 && f->to_first < 0)
+            f->to_first = t;
+        if (done >= rows) {
+            f->to_last = t;
+            return;
+        }
         if (t > 1800)
             die(r->def->name, "did not relay the backlog in 30 minutes");
         usleep(10000);
@@ -421,7 +453,9 @@ static void drain_one(const struct opts *o, PGconn *c, const struct relay_def *d
         relay_stop(&r, SIGTERM);
     }
     backlog(c, o->rows, topic);
-    exec_ok(c, "CHECKPOINT");
+    /* As obx_bench's drains: no checkpoint between the rows and the drain
+     * (the relay's first change to each page would log the whole page). */
+    exec_ok(c, "VACUUM ANALYZE outbox.events");
     char lsn[64];
     wal_lsn(c, lsn, sizeof(lsn));
     struct meter m;
@@ -432,9 +466,7 @@ static void drain_one(const struct opts *o, PGconn *c, const struct relay_def *d
     else
         r.pid = spawn_outboxd(o, def->on_sent, NULL);
     m.relay = 0; /* the process's whole life */
-    f->to_last = wait_acked(&r, o->rows, t0, &f->to_first);
-    f->to_ready = def->debezium ? peer_line(&r, "ready") : 0;
-    f->rate = (double)o->rows / (f->to_last - f->to_first);
+    follow_drain(&r, o->rows, topic, t0, f);
     f->cost = meter_stop(c, &r, &m, o->rows);
     struct proc_stats st = {0};
     proc_stats(r.pid, &st);
@@ -559,9 +591,9 @@ static void outage_one(const struct opts *o, PGconn *c, const struct relay_def *
         peer_forget(c);
     relay_start(&r, o, 0);
     sleep(2);
+    /* No warm-up run: every row the peer streams since its slot was made
+     * is one of this run's, so a replay after the restart counts whole. */
     size_t n;
-    next_ids(o);
-    free(lat_run(o, 1000, 10, NULL, &n)); /* warm */
     next_ids(o);
     outage.o = o;
     outage.r = &r;
@@ -609,6 +641,8 @@ struct writer_arg {
     enum write_kind kind;
     double until;
     atomic_long *done;
+    int writers;
+    atomic_int started; /* each writer's place among them: its first key */
 };
 
 static void *writer_main(void *arg)
@@ -618,7 +652,7 @@ static void *writer_main(void *arg)
     char sql[1024], payload[201];
     memset(payload, 'x', 200);
     payload[200] = '\0';
-    long k = 0;
+    long k = atomic_fetch_add(&w->started, 1) * KEYS / w->writers;
     while (now_s() < w->until) {
         /* One round trip a transaction whatever the pattern. */
         char values[600];
@@ -640,7 +674,7 @@ static void *writer_main(void *arg)
             snprintf(sql, sizeof(sql),
                      "BEGIN; INSERT INTO bench_peer.outbox (topic, key, payload, headers)"
                      " VALUES (%s); DELETE FROM bench_peer.outbox WHERE id = "
-                     "currval(pg_get_serial_sequence('bench_peer.outbox', 'id')); COMMIT",
+                     "currval('bench_peer.outbox_id_seq'); COMMIT",
                      values);
         }
         PGresult *r = PQexec(c, sql);
@@ -670,7 +704,7 @@ static void writers_one(const struct opts *o, PGconn *c, enum write_kind kind, i
     wal_lsn(c, lsn, sizeof(lsn));
     atomic_long done = 0;
     pthread_t t[32];
-    struct writer_arg w = {o, kind, now_s() + seconds, &done};
+    struct writer_arg w = {o, kind, now_s() + seconds, &done, writers, 0};
     double cpu0 = server_cpu_s(), t0 = now_s();
     for (int i = 0; i < writers; i++)
         if (pthread_create(&t[i], NULL, writer_main, &w) != 0)
@@ -725,23 +759,27 @@ void peer_table(const struct opts *o, int rounds)
     exec_ok(c, "CREATE SCHEMA IF NOT EXISTS bench_peer");
     exec_ok(c, "CREATE TABLE IF NOT EXISTS bench_peer.outbox (id bigserial PRIMARY KEY,"
                " topic text NOT NULL, key text, payload bytea, headers jsonb)");
-    int seconds = env_seconds("OBX_BENCH_PEER_SECONDS", 120, 3600);
+    /* commit_at holds MAX_IDS ids: at 5,000 rows/s, 838 s */
+    int seconds = env_seconds("OBX_BENCH_PEER_SECONDS", 120, 600);
     lat_threads = MAX_LAT_THREADS; /* 4 cannot commit 5,000 rows/s durably here */
     int write_seconds = env_seconds("OBX_BENCH_PEER_WRITER_SECONDS", 20, 3600);
     outage_down = env_seconds("OBX_BENCH_PEER_DOWN", 60, 3600);
 
     if (wanted("drain")) {
         printf("\n1. Drain of %d rows written while the relay was stopped, %d rounds in a "
-               "rotating order. From the relay's start: to its first acknowledged record (for "
-               "Debezium also to \"streaming\": JVM and connector start), to the last; rate "
-               "between the two. CPU per row (us): the relay process over its whole life, its "
-               "Postgres sessions (Debezium: the walsender), the whole server, the broker. WAL: "
-               "what the relay made the server write.\n\n",
-               o->rows, rounds);
-        printf("| round | relay | rows/s | to first s | to streaming s | to last s | relay us/row "
-               "| its sessions us/row | server us/row | broker us/row | peak RSS MB | relay WAL "
-               "B/row |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-               "|\n");
+               "rotating order. Rows/s: over the whole drain, from the relay's start (its JVM's "
+               "too) to the last record Kafka acknowledged; and from the first acknowledged "
+               "record to the last. Seconds from the start: ready (Debezium: its connector "
+               "task started; outboxd: /readyz, its recovery pass done), first and last "
+               "acknowledged record. CPU per row (us): the relay process over its whole life, "
+               "its Postgres sessions (Debezium: the walsender), the whole server, the broker. "
+               "Peak RSS (the peer's heap: -Xmx%s). WAL: what the relay made the server "
+               "write.\n\n",
+               o->rows, rounds, peer_heap);
+        printf("| round | relay | rows/s | rows/s first to last | ready s | first s | last s | "
+               "relay us/row | its sessions us/row | server us/row | broker us/row | peak RSS "
+               "MB | relay WAL B/row |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+               "--- | --- | --- | --- |\n");
         fflush(stdout);
         for (int round = 0; round < rounds; round++)
             for (int i = 0; i < N_RELAYS; i++) {
@@ -752,11 +790,12 @@ void peer_table(const struct opts *o, int rounds)
                 char topic[32];
                 snprintf(topic, sizeof(topic), "drain%d-%d", round + 1, (int)(def - relay_defs));
                 drain_one(o, c, def, topic, &f);
-                char ready[32] = "-";
-                if (def->debezium)
-                    snprintf(ready, sizeof(ready), "%.2f", f.to_ready);
-                printf("| %d | %s | %.0f | %.2f | %s | %.2f | ", round + 1, def->name, f.rate,
-                       f.to_first, ready, f.to_last);
+                char between[32] = "-";
+                if (f.to_last > f.to_first)
+                    snprintf(between, sizeof(between), "%.0f",
+                             (double)o->rows / (f.to_last - f.to_first));
+                printf("| %d | %s | %.0f | %s | %.2f | %.2f | %.2f | ", round + 1, def->name,
+                       (double)o->rows / f.to_last, between, f.to_ready, f.to_first, f.to_last);
                 print_costs(&f.cost);
                 printf(" | %.0f | %.1f |\n", f.peak_mb, f.wal_per_row);
                 fflush(stdout);
@@ -766,7 +805,8 @@ void peer_table(const struct opts *o, int rounds)
         printf("\n2. Latency, commit -> record read by a consumer, one row a transaction "
                "(outbox.enqueue; %d writers at 1,000 rows/s and more: durable commits), %d s a "
                "rate after 20 s at 1,000 rows/s. CPU per row (us) as in 1: at 100 rows/s mostly "
-               "what each costs idle.\n\n",
+               "what each costs idle; the server's includes the writers' sessions, the broker's "
+               "this benchmark's consumer, the same for every relay.\n\n",
                lat_threads, seconds);
         printf("| relay | rate | achieved/s | p50 ms | p99 ms | p99.9 ms | max ms | relay us/row "
                "| its sessions us/row | server us/row | broker us/row |\n| --- | --- | --- | --- "
@@ -812,12 +852,16 @@ void peer_table(const struct opts *o, int rounds)
                 lat_topic_name = topic;
                 outage_one(o, c, &relay_defs[i], sigs[k], &f);
                 lat_topic_name = NULL;
-                char waiting[32] = "-";
+                char waiting[32] = "-", first[32] = "-", caught_up[32] = "never";
                 if (f.waiting >= 0)
                     snprintf(waiting, sizeof(waiting), "%lld", f.waiting);
-                printf("| %s | %s | %ld | %ld | %lld | %s | %.2f | %.2f |\n", relay_defs[i].name,
+                if (f.to_first >= 0)
+                    snprintf(first, sizeof(first), "%.2f", f.to_first);
+                if (f.lost == 0)
+                    snprintf(caught_up, sizeof(caught_up), "%.2f", f.to_caught_up);
+                printf("| %s | %s | %ld | %ld | %lld | %s | %s | %s |\n", relay_defs[i].name,
                        sigs[k] == SIGKILL ? "SIGKILL" : "SIGTERM", f.duplicates, f.lost, f.retained,
-                       waiting, f.to_first, f.to_caught_up);
+                       waiting, first, caught_up);
                 fflush(stdout);
             }
     }
