@@ -10,7 +10,8 @@
  * Kafka acknowledged a batch.
  *
  *   java -cp CLASSPATH outboxd.bench.DebeziumPeer --host H --port P --user U
- *        --dbname D --bootstrap SERVERS --dir DIR [--tuned] [--count N]
+ *        --dbname D --bootstrap SERVERS --dir DIR [--password P] [--tuned]
+ *        [--count N] [--note N]
  *
  * --dir holds the offsets file; --tuned sets the latency settings of
  * doc/performance.md (poll.interval.ms 10, larger batches, offsets flushed
