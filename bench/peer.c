@@ -243,6 +243,24 @@ static void relay_start(struct relay *r, const struct opts *o, long note)
     r->pid = spawn_outboxd(o, r->def->on_sent, NULL);
 }
 
+/* An empty outbox and the relay started on it (the peer with a new slot). */
+static void relay_fresh(const struct opts *o, PGconn *c, struct relay *r)
+{
+    settle(c);
+    if (r->def->debezium)
+        peer_forget(c);
+    relay_start(r, o, 0);
+    sleep(2);
+}
+
+/* The relay stopped, and the peer's slot dropped: it would keep WAL. */
+static void relay_done(PGconn *c, struct relay *r)
+{
+    relay_stop(r, SIGTERM);
+    if (r->def->debezium)
+        peer_forget(c);
+}
+
 /* ---- CPU of the server and of the relay's sessions ---- */
 
 /* utime + stime (and with `children`, cutime + cstime) of a process, s. */
@@ -472,9 +490,7 @@ static void drain_one(const struct opts *o, PGconn *c, const struct relay_def *d
     proc_stats(r.pid, &st);
     f->peak_mb = (double)st.peak_kb / 1024.0;
     f->wal_per_row = wal_since(c, lsn) / o->rows;
-    relay_stop(&r, SIGTERM);
-    if (def->debezium)
-        peer_forget(c);
+    relay_done(c, &r);
 }
 
 /* ---- 2. latency ---- */
@@ -509,11 +525,7 @@ static void latency_one(const struct opts *o, PGconn *c, const struct relay_def 
                         struct lat_figures *f)
 {
     struct relay r = {.def = def};
-    settle(c);
-    if (def->debezium)
-        peer_forget(c);
-    relay_start(&r, o, 0);
-    sleep(2);
+    relay_fresh(o, c, &r);
     /* 20 s at 1,000 rows/s first: the JIT's warm-up (and the topic's metadata). */
     size_t n;
     next_ids(o);
@@ -528,9 +540,7 @@ static void latency_one(const struct opts *o, PGconn *c, const struct relay_def 
         f->lat[i].achieved = (double)n / seconds;
         free(s);
     }
-    relay_stop(&r, SIGTERM);
-    if (def->debezium)
-        peer_forget(c);
+    relay_done(c, &r);
 }
 
 /* ---- 3. outage ---- */
@@ -586,11 +596,7 @@ static void outage_one(const struct opts *o, PGconn *c, const struct relay_def *
                        struct outage_figures *f)
 {
     struct relay r = {.def = def};
-    settle(c);
-    if (def->debezium)
-        peer_forget(c);
-    relay_start(&r, o, 0);
-    sleep(2);
+    relay_fresh(o, c, &r);
     /* No warm-up run: every row the peer streams since its slot was made
      * is one of this run's, so a replay after the restart counts whole. */
     size_t n;
@@ -622,9 +628,7 @@ static void outage_one(const struct opts *o, PGconn *c, const struct relay_def *
     f->to_first = first < 0 ? -1 : first - outage.restarted_at;
     f->to_caught_up = caught_up - outage.restarted_at;
     free(s);
-    relay_stop(&r, SIGTERM);
-    if (def->debezium)
-        peer_forget(c);
+    relay_done(c, &r);
 }
 
 /* ---- 4. the writer's cost ---- */
