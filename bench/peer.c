@@ -290,6 +290,19 @@ static double stat_cpu_s(int pid, bool children, int *ppid)
 
 static int postmaster_pid;
 
+/* Waits until the benchmark's other sessions (writers that just
+ * disconnected) have ended and been reaped: an ending backend's CPU is in
+ * neither the /proc walk nor the postmaster's children's times until then. */
+static void sessions_settle(PGconn *c)
+{
+    for (int i = 0; i < 100 && query_int(c, "SELECT count(*) FROM pg_stat_activity"
+                                            " WHERE application_name = 'obx-bench'"
+                                            " AND pid <> pg_backend_pid()") > 0;
+         i++)
+        usleep(20000);
+    usleep(50000);
+}
+
 /* The whole server's CPU so far, s: the postmaster, every process it runs,
  * and (through the postmaster's children's times) every one that ended. */
 static double server_cpu_s(void)
@@ -379,6 +392,7 @@ struct costs {
 static struct costs meter_stop(PGconn *c, const struct relay *r, const struct meter *m, long rows)
 {
     double k = rows > 0 ? 1e6 / (double)rows : 0;
+    sessions_settle(c);
     struct costs out = {
         .relay = ((r->pid > 0 ? stat_cpu_s(r->pid, false, NULL) : 0) - m->relay) * k,
         .sessions = sessions_cpu_since(c, &m->sessions) * k,
@@ -716,6 +730,7 @@ static void writers_one(const struct opts *o, PGconn *c, enum write_kind kind, i
     for (int i = 0; i < writers; i++)
         pthread_join(t[i], NULL);
     double elapsed = now_s() - t0;
+    sessions_settle(c);
     long tx = atomic_load(&done);
     f->tx_per_s = (double)tx / elapsed;
     f->wal_per_tx = wal_since(c, lsn) / (double)tx;
