@@ -252,6 +252,18 @@ void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size
     }
 }
 
+void h_pooler_stop(struct h_env *e, int slot)
+{
+    if (e->pooler_pids[slot] <= 0)
+        return;
+    kill(e->pooler_pids[slot], SIGTERM);
+    if (wait_exit(e->pooler_pids[slot], 10000) == -1) {
+        kill(e->pooler_pids[slot], SIGKILL);
+        wait_exit(e->pooler_pids[slot], 5000);
+    }
+    e->pooler_pids[slot] = 0;
+}
+
 void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
 {
     char dump[300], data[300], log[300];
@@ -1095,16 +1107,8 @@ void h_env_stop(struct h_env *e)
         }
         e->copy_pid = 0;
     }
-    for (int i = 0; i < 2; i++) {
-        if (e->pooler_pids[i] > 0) {
-            kill(e->pooler_pids[i], SIGTERM);
-            if (wait_exit(e->pooler_pids[i], 10000) == -1) {
-                kill(e->pooler_pids[i], SIGKILL);
-                wait_exit(e->pooler_pids[i], 5000);
-            }
-            e->pooler_pids[i] = 0;
-        }
-    }
+    for (int i = 0; i < 2; i++)
+        h_pooler_stop(e, i);
     if (e->standby_pid > 0) {
         kill(e->standby_pid, SIGINT); /* fast shutdown */
         if (wait_exit(e->standby_pid, 30000) == -1) {

@@ -111,6 +111,9 @@ void h_standby_start(struct h_env *e);
  * `pool_mode` ("session", "transaction"), 20 server sessions per pool, at
  * most two per env; writes the conninfo through it to `conninfo`. */
 void h_pooler_start(struct h_env *e, const char *pool_mode, char *conninfo, size_t len);
+/* Stops the pooler h_pooler_start started in `slot` (0 first), closing its
+ * server sessions. */
+void h_pooler_stop(struct h_env *e, int slot);
 /* The database as pg_dump sees it now, restored by pg_restore into a new
  * cluster (initdb: another system identifier) on a free TCP port, with
  * the roles of sql/ created first: a restore, or a cut-over to a copy.
