@@ -990,9 +990,6 @@ static void test_log_mode_reclaims_partitions(void **state)
                                         "retention.period=2s", "retention.interval=1s", NULL});
     s_prefill(&env, "it.a", 3500);
     assert_true(h_wait_drained(&env, 60000));
-    const char *partitions = "SELECT count(*) FROM pg_inherits"
-                             " WHERE inhparent = 'outbox.events'::regclass";
-    int64_t before = h_sql_int(c, "%s", partitions);
     /* [1000001, 1001001) .. [1002001, 1003001) are published and past
      * retention soon; the partition of the newest rows is not covered
      * whole, so it stays, as do those ahead and the default. */
@@ -1002,9 +999,10 @@ static void test_log_mode_reclaims_partitions(void **state)
         h_sleep_ms(200);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events WHERE id <= 1003000"), 0);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.events"), 500);
-    assert_true(h_sql_int(c, "%s", partitions) < before);
-    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM pg_class"
-                                  " WHERE relname = 'events_1002001'"),
+    /* By name, not by count: upkeep creates partitions ahead meanwhile
+     * (a count taken after the drain was no lower under ASan in CI). */
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM pg_class WHERE relname IN"
+                                  " ('events_1000001', 'events_1001001', 'events_1002001')"),
                      0);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM pg_class"
                                   " WHERE relname IN ('events_1003001', 'events_default')"),
