@@ -233,10 +233,10 @@ static void peer_forget(PGconn *c)
 
 /* A relay started: outboxd, or the peer once it streams (its slot made
  * now if there was none). */
-static void relay_start(struct relay *r, const struct opts *o, long note)
+static void relay_start(struct relay *r, const struct opts *o)
 {
     if (r->def->debezium) {
-        peer_spawn(r, note);
+        peer_spawn(r, 0);
         peer_wait(r, "ready");
         return;
     }
@@ -249,7 +249,7 @@ static void relay_fresh(const struct opts *o, PGconn *c, struct relay *r)
     settle(c);
     if (r->def->debezium)
         peer_forget(c);
-    relay_start(r, o, 0);
+    relay_start(r, o);
     sleep(2);
 }
 
@@ -481,7 +481,7 @@ static void drain_one(const struct opts *o, PGconn *c, const struct relay_def *d
     settle(c);
     if (def->debezium) { /* its slot first: rows written before it are never streamed */
         peer_forget(c);
-        relay_start(&r, o, 0);
+        relay_start(&r, o);
         relay_stop(&r, SIGTERM);
     }
     backlog(c, o->rows, topic);
@@ -595,7 +595,7 @@ static void outage_tick(double elapsed)
                                                        : "SELECT count(*) FROM outbox.events"
                                                          " WHERE sent_at IS NULL");
         outage.restarted_at = elapsed; /* the JVM's start counts: the peer is up at "ready" */
-        relay_start(outage.r, outage.o, 0);
+        relay_start(outage.r, outage.o);
         outage.step = 2;
     }
 }
