@@ -1,9 +1,12 @@
 /*
  * relay: see include/outboxd/relay.h. This file is the cycle: fetch,
- * produce, delivery reports, mark; the other rooms of the relay are
- * relay_log.c (log mode's cursor rows), relay_held.c (refused rows, the keys
- * they hold back, rows parked behind their key's record) and relay_drain.c
- * (drain, shutdown, stalls). Their shared state: relay_int.h.
+ * produce, delivery reports, mark, and every entry point (shutdown, fatal
+ * errors, progress and stalls too); the other rooms of the relay are
+ * relay_rows.c (the rows in flight and their states), relay_log.c (log
+ * mode's cursor rows), relay_held.c (refused rows, the keys they hold back,
+ * rows parked behind their key's record), relay_shards.c (the slots of
+ * relay.shards owned) and relay_drain.c (predicates: when a drain may stop,
+ * what a stall waits for). Their shared state: relay_int.h.
  */
 #include "relay_int.h"
 #include "outboxd/alloc.h"
@@ -79,7 +82,6 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->io = io;
     r->producer = producer;
     r->state = OBX_RELAY_WAIT_PG;
-    r->slots = obx_calloc(n, sizeof(*r->slots));
     r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_held_back: see relay_grow_held_back() */
     r->dead_ids = obx_calloc(n, sizeof(*r->dead_ids));
     r->dead_reasons = obx_calloc(n, sizeof(*r->dead_reasons));
@@ -87,16 +89,13 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->off_partitions = obx_calloc(n, sizeof(*r->off_partitions));
     r->off_offsets = obx_calloc(n, sizeof(*r->off_offsets));
     r->batch = obx_calloc((size_t)s->batch_size, sizeof(*r->batch));
-    if (!r->slots || !r->ids || !r->dead_ids || !r->dead_reasons || !r->off_topics ||
-        !r->off_partitions || !r->off_offsets || !r->batch ||
+    if (rows_init(&r->rows, s->max_in_flight) != 0 || !r->ids || !r->dead_ids || !r->dead_reasons ||
+        !r->off_topics || !r->off_partitions || !r->off_offsets || !r->batch ||
         (s->one_per_key && obx_keycount_init(&r->busy_keys, n) != 0)) {
         obx_relay_free(r);
         return -1;
     }
     r->cap_off = n;
-    for (int32_t i = 0; i < s->max_in_flight; i++)
-        r->slots[i].next_free = i + 1 < s->max_in_flight ? i + 1 : -1;
-    r->free_head = 0;
     relay_want_fetch(r, "start");
     r->poll_delay = POLL_MIN_MS;
     r->bytes_limit = s->batch_size;
@@ -113,16 +112,13 @@ void obx_relay_free(struct obx_relay *r)
 {
     if (!r)
         return;
-    if (r->slots)
-        for (int i = 0; i < r->set.max_in_flight; i++)
-            obx_free(r->slots[i].reason);
     for (size_t i = 0; i < r->n_held_back; i++)
         obx_free(r->held_back[i].key);
     for (size_t i = 0; i < r->n_topics; i++)
         obx_free(r->topics[i]);
     obx_free(r->topics);
     obx_free(r->snap);
-    obx_free(r->slots);
+    rows_free(&r->rows);
     obx_free(r->ids);
     obx_free(r->held_back);
     obx_free(r->keys);
@@ -175,43 +171,11 @@ int64_t relay_topic_index(struct obx_relay *r, const char *name)
     return r->last_topic = (uint32_t)r->n_topics++;
 }
 
-static struct slot *slot_alloc(struct obx_relay *r, int64_t id, uint32_t topic)
-{
-    struct slot *s;
-    if (r->free_head < 0)
-        return NULL;
-    s = &r->slots[r->free_head];
-    r->free_head = s->next_free;
-    s->id = id;
-    s->topic = topic;
-    s->partition = -1;
-    s->offset = -1;
-    s->key_hash = 0;
-    s->log_hash = 0;
-    s->seq = 0;
-    s->orphan = false;
-    s->has_key_slot = false;
-    s->state = SLOT_PRODUCED;
-    r->in_use++;
-    return s;
-}
-
 void relay_slot_release(struct obx_relay *r, struct slot *s)
 {
-    if (s->orphan)
-        r->n_orphans--;
-    if (s->state == SLOT_ACKED || s->state == SLOT_DEAD)
-        r->to_mark--;
     if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
         relay_log_settle(r, s, false); /* back unsent, or held */
-    obx_free(s->reason);
-    s->reason = NULL;
-    obx_free(s->parked);
-    s->parked = NULL;
-    s->state = SLOT_FREE;
-    s->next_free = r->free_head;
-    r->free_head = (int32_t)(s - r->slots);
-    r->in_use--;
+    rows_release(&r->rows, s);
 }
 
 /* Something broke the cursor's promise (a row back unsent below hwm, a
@@ -315,7 +279,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
                             .held_back_ids = r->key_ids,
                             .shards = r->set.shards,
                             .owned_slots = relay_fetch_slots(r)};
-    int free_slots = r->set.max_in_flight - (int)r->in_use;
+    int free_slots = r->set.max_in_flight - (int)rows_in_use(&r->rows);
     f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
     if (f->limit > r->bytes_limit)
         f->limit = r->bytes_limit;
@@ -358,9 +322,9 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     if (relay_fetch_every_slot(r) && !(f->log && f->by_slot))
         f->owned_slots = NULL;
     if (!keyset) {
-        for (int i = 0; i < r->set.max_in_flight; i++)
-            if (r->slots[i].state != SLOT_FREE)
-                r->ids[f->n_exclude++] = r->slots[i].id;
+        for (int i = 0; i < r->rows.cap; i++)
+            if (r->rows.slot[i].state != SLOT_FREE)
+                r->ids[f->n_exclude++] = r->rows.slot[i].id;
     }
     for (size_t i = 0; i < r->n_held_back; i++) {
         const struct held_back *b = &r->held_back[i];
@@ -466,8 +430,8 @@ static bool start_mark(struct obx_relay *r, int64_t now)
                          .owned_slots = relay_mark_slots(r),
                          .dead_ids = r->dead_ids,
                          .dead_reasons = r->dead_reasons};
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct slot *s = &r->rows.slot[i];
         if (s->state == SLOT_ACKED) {
             r->ids[m.n_ids++] = s->id;
             note_offset(r, s);
@@ -508,14 +472,8 @@ static bool start_mark(struct obx_relay *r, int64_t now)
     } else if (r->ops->mark(r->io, &m) != 0) {
         return false;
     }
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        struct slot *s = &r->slots[i];
-        if (s->state == SLOT_ACKED)
-            s->state = SLOT_MARKING;
-        else if (s->state == SLOT_DEAD)
-            s->state = SLOT_DEAD_MARKING;
-    }
-    r->to_mark = 0;
+    rows_move_all(&r->rows, SLOT_ACKED, SLOT_MARKING);
+    rows_move_all(&r->rows, SLOT_DEAD, SLOT_DEAD_MARKING);
     relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to mark");
     return true;
 }
@@ -523,13 +481,8 @@ static bool start_mark(struct obx_relay *r, int64_t now)
 /* Puts slots of a mark that did not (surely) commit back to be marked again. */
 static void unmark(struct obx_relay *r)
 {
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        struct slot *s = &r->slots[i];
-        if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
-            s->state = s->state == SLOT_MARKING ? SLOT_ACKED : SLOT_DEAD;
-            r->to_mark++;
-        }
-    }
+    rows_move_all(&r->rows, SLOT_MARKING, SLOT_ACKED);
+    rows_move_all(&r->rows, SLOT_DEAD_MARKING, SLOT_DEAD);
 }
 
 static bool start_fetch(struct obx_relay *r, int64_t now)
@@ -550,19 +503,19 @@ void relay_kick(struct obx_relay *r, int64_t now)
     if (r->draining && relay_drain_over(r, now)) {
         if (relay_shards_give_all(r, now))
             return;
-        if (r->in_use > 0)
+        if (rows_in_use(&r->rows) > 0)
             obx_warn("relay: stopping %s with %zu rows unconfirmed (%zu acknowledged but not "
                      "marked); the next start recovers them from Kafka",
                      r->state == OBX_RELAY_IDLE || r->state == OBX_RELAY_WAIT_PG
                          ? "at the shutdown deadline"
                          : "at the shutdown deadline while Postgres has not answered",
-                     r->in_use, r->to_mark);
+                     rows_in_use(&r->rows), rows_to_mark(&r->rows));
         relay_stop(r, r->exit_code ? "fatal error" : "drained");
         return;
     }
     if (r->state != OBX_RELAY_IDLE || now < r->not_before)
         return;
-    if ((r->to_mark > 0 || relay_log_idle_write_due(r, now)) && !relay_uncertain(r) &&
+    if ((rows_to_mark(&r->rows) > 0 || relay_log_idle_write_due(r, now)) && !relay_uncertain(r) &&
         start_mark(r, now))
         return;
     if (r->draining)
@@ -570,7 +523,7 @@ void relay_kick(struct obx_relay *r, int64_t now)
     if (relay_sharded(r) && relay_start_claim(r, now))
         return;
     if (!r->recovered) {
-        if (r->n_orphans > 0 || (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded))
+        if (r->rows.orphans > 0 || (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded))
             return; /* the pass must see where this or a lost session's records landed */
         if (relay_sharded(r) && !r->shard.known)
             return; /* the pass is over the slots a claim gives */
@@ -581,8 +534,8 @@ void relay_kick(struct obx_relay *r, int64_t now)
             r->not_before = now + r->set.retry_backoff_ms;
         return;
     }
-    if (r->set.log_mode && r->in_use == (size_t)r->set.max_in_flight && relay_log_unclaimed(r) &&
-        now - r->full_warned_at >= FULL_WARN_MS) {
+    if (r->set.log_mode && rows_in_use(&r->rows) == (size_t)r->set.max_in_flight &&
+        relay_log_unclaimed(r) && now - r->full_warned_at >= FULL_WARN_MS) {
         /* Known limit of log mode (a cursor row cannot say "part of a
          * transaction"): every slot holds an acknowledged row that no claim
          * covers, so none can be stored and no fetch can go. */
@@ -640,11 +593,10 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
      * does. The offsets noted for the next mark go too: stored before the
      * pass, they would start it above records it has to find. */
     size_t acked = 0, refused = 0, awaiting = 0;
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct slot *s = &r->rows.slot[i];
         if (s->state == SLOT_PRODUCED && !s->orphan) {
-            s->orphan = true;
-            r->n_orphans++;
+            rows_orphan(&r->rows, s);
             awaiting++;
         } else if (s->state != SLOT_FREE && s->state != SLOT_PRODUCED) {
             if (s->state == SLOT_DEAD || s->state == SLOT_DEAD_MARKING)
@@ -904,7 +856,7 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
             relay_cursor_clear(r, "row held back"); /* fetched, not taken: below hwm */
             continue;                               /* a refused row of its key comes first */
         }
-        struct slot *s = slot_alloc(r, row->id, (uint32_t)topic);
+        struct slot *s = rows_take(&r->rows, row->id, (uint32_t)topic);
         if (!s) { /* cannot happen: the fetch limit was the free slot count */
             obx_error("relay: no free slot for row %lld", (long long)row->id);
             relay_cursor_clear(r, "no free slot");
@@ -931,10 +883,9 @@ static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
     if (!r->set.log_mode || r->log.n_found == 0 || !relay_take_found(r, id, &fr))
         return false;
     relay_log_settle(r, s, true);
-    s->state = SLOT_ACKED;
+    rows_move(&r->rows, s, SLOT_ACKED);
     s->partition = fr.partition;
     s->offset = fr.offset;
-    r->to_mark++;
     if (r->n_held_back > 0)
         relay_release_held_back(r, s->id); /* it was held: its key goes on */
     return true;
@@ -1043,7 +994,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     relay_set_state(r, OBX_RELAY_IDLE, "fetch done");
     if (fetch_set_aside(r, now))
         return;
-    if (n == 0 && r->in_use == 0)
+    if (n == 0 && rows_in_use(&r->rows) == 0)
         relay_progress(r, now); /* caught up: nothing waits */
     if (relay_failpoint(r, OBX_FP_FETCH_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -1075,7 +1026,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         relay_recs_settle(r); /* a fetch that handed nothing out settles at once */
     if (produced > 0 && relay_failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
-    obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced, r->in_use);
+    obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced,
+              rows_in_use(&r->rows));
     relay_kick(r, now);
 }
 
@@ -1085,8 +1037,8 @@ static void mark_done(struct obx_relay *r, int64_t now)
     size_t marked = 0, dead = 0;
     if (r->set.log_mode)
         relay_log_write_done(r);
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct slot *s = &r->rows.slot[i];
         if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
             if (s->state == SLOT_MARKING)
                 marked++;
@@ -1281,10 +1233,9 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     switch (outcome) {
     case OBX_DELIVERED:
         relay_log_settle(r, s, true);
-        s->state = SLOT_ACKED;
+        rows_move(&r->rows, s, SLOT_ACKED);
         s->partition = partition;
         s->offset = offset;
-        r->to_mark++;
         if (s->created_us > 0 && r->ops->acked)
             r->ops->acked(r->io, s->created_us);
         if (r->n_held_back > 0)
@@ -1338,7 +1289,7 @@ bool obx_relay_recovered(const struct obx_relay *r)
 
 size_t obx_relay_in_flight(const struct obx_relay *r)
 {
-    return r->in_use;
+    return rows_in_use(&r->rows);
 }
 
 uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset)

@@ -26,28 +26,29 @@ bool relay_uncertain(const struct obx_relay *r)
  * hung Postgres must not hold SIGTERM hostage). */
 bool relay_drain_over(const struct obx_relay *r, int64_t now)
 {
-    if (r->in_use == 0 || now >= r->hard_deadline)
+    if (rows_in_use(&r->rows) == 0 || now >= r->hard_deadline)
         return true;
     /* Without a session (or the relay lock), acknowledged rows cannot be
      * marked by us; once no delivery report is outstanding there is
      * nothing left to wait for: the next holder's recovery pass finds them. */
-    if (r->state == OBX_RELAY_WAIT_PG && r->in_use == r->to_mark)
+    if (r->state == OBX_RELAY_WAIT_PG && rows_in_use(&r->rows) == rows_to_mark(&r->rows))
         return true;
     /* Marks wait for a pass, which a drain does not start: the next start's
      * pass finds these rows, from offsets no mark has moved. */
-    if (relay_uncertain(r) && r->in_use == r->to_mark)
+    if (relay_uncertain(r) && rows_in_use(&r->rows) == rows_to_mark(&r->rows))
         return true;
     /* Log mode: every report is in and no claim is left to store (the last
      * fetches made none, a row went back unsent): what is acknowledged is
      * in Kafka, and the next start's pass finds it. */
     if (r->set.log_mode && r->state == OBX_RELAY_IDLE && r->n_outstanding == 0 &&
-        r->in_use == r->to_mark &&
+        rows_in_use(&r->rows) == rows_to_mark(&r->rows) &&
         !(r->log.has_ready && r->log.ready_seq > r->log.stored_seq &&
           r->log.ready_seq != r->log.looked_seq))
         return true;
     if (now < r->drain_deadline)
         return false;
-    return r->state == OBX_RELAY_WAIT_PG || (r->state == OBX_RELAY_IDLE && r->to_mark == 0);
+    return r->state == OBX_RELAY_WAIT_PG ||
+           (r->state == OBX_RELAY_IDLE && rows_to_mark(&r->rows) == 0);
 }
 
 void relay_progress(struct obx_relay *r, int64_t now)
@@ -72,8 +73,8 @@ void obx_relay_shutdown(struct obx_relay *r, int64_t now)
     r->hard_deadline = now + r->set.shutdown_timeout_ms;
     r->drain_deadline = r->hard_deadline - reserve;
     obx_event(OBX_LOG_INFO, "shutting_down",
-              "relay: shutting down: %zu rows in flight, waiting up to %lldms", r->in_use,
-              (long long)r->set.shutdown_timeout_ms);
+              "relay: shutting down: %zu rows in flight, waiting up to %lldms",
+              rows_in_use(&r->rows), (long long)r->set.shutdown_timeout_ms);
     relay_kick(r, now);
 }
 
@@ -102,7 +103,7 @@ void obx_relay_note_progress(struct obx_relay *r, int64_t now)
 static void describe_wait(const struct obx_relay *r, int64_t now, char *why, size_t len)
 {
     long long in_state = (long long)((now - r->state_since) / 1000);
-    size_t produced = r->in_use - r->to_mark;
+    size_t produced = rows_in_use(&r->rows) - rows_to_mark(&r->rows);
     switch (r->state) {
     case OBX_RELAY_FETCHING:
     case OBX_RELAY_MARKING:
@@ -117,7 +118,7 @@ static void describe_wait(const struct obx_relay *r, int64_t now, char *why, siz
             snprintf(why, len, "waiting for Kafka's delivery reports of %zu rows", produced);
         else
             snprintf(why, len, "%s for %llds with %zu rows in flight",
-                     obx_relay_state_name(r->state), in_state, r->in_use);
+                     obx_relay_state_name(r->state), in_state, rows_in_use(&r->rows));
         break;
     }
 }

@@ -204,8 +204,7 @@ void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t 
         if (s->reason) {
             if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
                 relay_log_settle(r, s, true);
-            s->state = SLOT_DEAD;
-            r->to_mark++;
+            rows_move(&r->rows, s, SLOT_DEAD);
             relay_drop_held_back(r, s->id); /* refused alone too: its key goes on */
             return;
         }
@@ -356,7 +355,7 @@ void relay_release_parked_of(struct obx_relay *r, uint64_t h)
     int32_t i;
     bool any = false;
     while ((i = obx_keycount_unpark(&r->busy_keys, h)) >= 0) {
-        relay_slot_release(r, &r->slots[i]);
+        relay_slot_release(r, &r->rows.slot[i]);
         any = true;
     }
     if (any)
@@ -369,9 +368,9 @@ void relay_release_all_parked(struct obx_relay *r)
 {
     if (!r->set.one_per_key)
         return;
-    for (int i = 0; i < r->set.max_in_flight; i++)
-        if (r->slots[i].state == SLOT_PARKED)
-            relay_release_parked_of(r, r->slots[i].key_hash);
+    for (int i = 0; i < r->rows.cap; i++)
+        if (r->rows.slot[i].state == SLOT_PARKED)
+            relay_release_parked_of(r, r->rows.slot[i].key_hash);
 }
 
 /* Parks row `row` of slot s behind its key's record at Kafka. false: no
@@ -379,12 +378,12 @@ void relay_release_all_parked(struct obx_relay *r)
 bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
 {
     struct obx_row *copy = row_copy(row);
-    if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, (int32_t)(s - r->slots)) != 0) {
+    if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, rows_index(&r->rows, s)) != 0) {
         obx_free(copy);
         return false;
     }
     s->parked = copy;
-    s->state = SLOT_PARKED;
+    rows_move(&r->rows, s, SLOT_PARKED);
     return true;
 }
 
@@ -399,9 +398,9 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
     int32_t i = obx_keycount_unpark(&r->busy_keys, h);
     if (i < 0)
         return;
-    struct slot *p = &r->slots[i];
+    struct slot *p = &r->rows.slot[i];
     const char *reason = NULL;
-    p->state = SLOT_PRODUCED;
+    rows_move(&r->rows, p, SLOT_PRODUCED);
     enum obx_produce_result pr = r->ops->produce(r->producer, p->parked, p, &reason);
     if (pr == OBX_PRODUCE_OK) {
         obx_free(p->parked);

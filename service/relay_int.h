@@ -6,12 +6,15 @@
  *   relay_log.c    log mode's cursor rows (relay.on_sent = log)
  *   relay_held.c   refused rows, held-back keys, rows parked behind their key
  *   relay_drain.c  drain, shutdown, progress and stalls
+ *   relay_shards.c the slots of relay.shards this relay owns
+ *   relay_rows.c   the rows in flight: slots and their states
  */
 #ifndef OUTBOXD_RELAY_INT_H
 #define OUTBOXD_RELAY_INT_H
 #include "outboxd/failpoint.h"
 #include "outboxd/keycount.h"
 #include "outboxd/relay.h"
+#include "relay_rows.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -38,34 +41,6 @@
  * xmin horizon every one of those versions stays, and each upsert walked
  * them all. */
 #define OFFSETS_STORE_MS 1000
-
-enum slot_state {
-    SLOT_FREE = 0,
-    SLOT_PRODUCED,     /* handed to Kafka, delivery report pending */
-    SLOT_ACKED,        /* persisted by Kafka, not yet marked */
-    SLOT_MARKING,      /* in the mark transaction now in flight */
-    SLOT_DEAD,         /* refused; to be moved to outbox.dead_letters */
-    SLOT_DEAD_MARKING, /* in the mark transaction now in flight, as a dead letter */
-    SLOT_PARKED,       /* set.one_per_key: fetched, waiting behind its key's record at Kafka */
-};
-
-struct slot {
-    int64_t id;
-    int64_t created_us; /* for the latency histogram */
-    int64_t offset;
-    int32_t partition;
-    uint32_t topic; /* index into obx_relay.topics */
-    enum slot_state state;
-    int32_t next_free;      /* free-list link, -1 = end */
-    char *reason;           /* SLOT_DEAD*: why Kafka refused it (owned) */
-    struct obx_row *parked; /* SLOT_PARKED: a copy of the row (owned, one allocation) */
-    uint64_t key_hash;      /* set.one_per_key and a key: its obx_keycount_hash */
-    uint64_t log_hash;      /* log mode and a key: its obx_keycount_hash */
-    uint64_t seq;           /* log mode: the fetch that handed it out */
-    bool orphan;            /* handed out by a session that is gone */
-    bool has_key_slot;      /* the fetch said its slot of relay.shards: key_slot */
-    int32_t key_slot;
-};
 
 /* ---- log mode (relay.on_sent = log) ----
  *
@@ -291,10 +266,7 @@ struct obx_relay {
     void *producer; /* ops->produce's first argument */
     enum obx_relay_state state;
 
-    struct slot *slots;
-    int32_t free_head;
-    size_t in_use;  /* slots not FREE */
-    size_t to_mark; /* slots ACKED or DEAD (waiting for a mark) */
+    struct rows rows; /* the rows in flight (relay_rows.h) */
 
     /* Topic names seen so far; slots refer to them by index. */
     char **topics;
@@ -356,7 +328,6 @@ struct obx_relay {
     bool key_waits;
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
-    size_t n_orphans;     /* of them, handed out by a session that is gone */
     int64_t alone_id;     /* a row tried alone, handed to Kafka, report pending (NO_ID: none) */
     enum fetch_answer fetch_answer; /* see relay_ignore_fetch */
 

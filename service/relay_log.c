@@ -485,8 +485,8 @@ static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
         l->offs[i].covered = -1;
         l->offs[i].below = INT64_MAX;
     }
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        const struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap; i++) {
+        const struct slot *s = &r->rows.slot[i];
         if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_MARKING) || s->offset < 0)
             continue;
         struct log_offset *o = log_offset_of(r, s->topic, s->partition);
@@ -539,8 +539,8 @@ static bool ready_covers(const struct log_state *l, const struct slot *s)
 static bool partial_leaves_dead(const struct obx_relay *r)
 {
     const struct log_state *l = &r->log;
-    for (int i = 0; l->ready_about && i < r->set.max_in_flight; i++) {
-        const struct slot *s = &r->slots[i];
+    for (int i = 0; l->ready_about && i < r->rows.cap; i++) {
+        const struct slot *s = &r->rows.slot[i];
         if (s->state == SLOT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot &&
             s->id <= l->ready_hwm)
             return true;
@@ -556,8 +556,8 @@ static bool partial_leaves_dead(const struct obx_relay *r)
 static bool list_also_sent(struct obx_relay *r)
 {
     struct log_state *l = &r->log;
-    for (int i = 0; i < r->set.max_in_flight && l->n_held > 0; i++) {
-        const struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap && l->n_held > 0; i++) {
+        const struct slot *s = &r->rows.slot[i];
         if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
             continue;
         struct also_row a = {s->id, s->log_hash, s->topic};
@@ -602,11 +602,11 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     if (relay_sharded(r) && !l->loaded)
         return false;
     if (!r->draining && !relay_shards_want_quiet(r) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
-        r->to_mark < (size_t)r->set.batch_size)
+        rows_to_mark(&r->rows) < (size_t)r->set.batch_size)
         return false;
     size_t n_cov = 0, n_dead = 0;
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        const struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap; i++) {
+        const struct slot *s = &r->rows.slot[i];
         if (!ready_covers(l, s))
             continue;
         if (s->state == SLOT_ACKED)
@@ -679,12 +679,11 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
     l->write_hwm = l->ready_hwm;
     l->write_partial = l->ready_about != NULL;
     l->restart_next = restart;
-    for (int i = 0; i < r->set.max_in_flight; i++) {
-        struct slot *s = &r->slots[i];
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct slot *s = &r->rows.slot[i];
         if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
             continue;
-        s->state = s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING;
-        r->to_mark--;
+        rows_move(&r->rows, s, s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING);
     }
     relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
     return true;
@@ -696,7 +695,8 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
 bool relay_log_unclaimed(const struct obx_relay *r)
 {
     const struct log_state *l = &r->log;
-    return r->set.log_mode && r->to_mark > 0 && r->in_use == r->to_mark &&
+    return r->set.log_mode && rows_to_mark(&r->rows) > 0 &&
+           rows_in_use(&r->rows) == rows_to_mark(&r->rows) &&
            !(l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq);
 }
 
@@ -781,10 +781,12 @@ static int compare_id(const void *a, const void *b)
 static size_t keep_found(struct obx_relay *r, struct found_row *found, size_t n)
 {
     size_t n_out = 0, kept = 0;
-    int64_t *out = r->in_use > 0 ? obx_calloc(r->in_use, sizeof(*out)) : NULL;
-    for (int i = 0; out && i < r->set.max_in_flight; i++)
-        if (r->slots[i].state != SLOT_FREE && !r->slots[i].orphan && n_out < r->in_use)
-            out[n_out++] = r->slots[i].id;
+    int64_t *out =
+        rows_in_use(&r->rows) > 0 ? obx_calloc(rows_in_use(&r->rows), sizeof(*out)) : NULL;
+    for (int i = 0; out && i < r->rows.cap; i++)
+        if (r->rows.slot[i].state != SLOT_FREE && !r->rows.slot[i].orphan &&
+            n_out < rows_in_use(&r->rows))
+            out[n_out++] = r->rows.slot[i].id;
     if (n_out > 1)
         qsort(out, n_out, sizeof(*out), compare_id);
     for (size_t i = 0; i < n; i++) {

@@ -167,7 +167,7 @@ bool relay_shards_want_quiet(const struct obx_relay *r)
  * unsettled. */
 static bool quiet(const struct obx_relay *r)
 {
-    return r->in_use == 0 && r->to_mark == 0 && !relay_uncertain(r);
+    return rows_in_use(&r->rows) == 0 && rows_to_mark(&r->rows) == 0 && !relay_uncertain(r);
 }
 
 const char *relay_fetch_slots(const struct obx_relay *r)
@@ -394,7 +394,7 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
     h->known = true;
     h->next_claim_at = now + CLAIM_EVERY_MS;
     shards_texts(r);
-    if (r->in_use == 0)
+    if (rows_in_use(&r->rows) == 0)
         relay_progress(r, now); /* nothing waits: a relay with no slot is not stalled */
     relay_kick(r, now);
 }

@@ -1,0 +1,86 @@
+/*
+ * relay_rows: the rows in flight, one slot each, from the fetch that hands
+ * a row out until its mark commits (or it goes back unsent). A slot's state
+ * changes in one place, rows_move(), which refuses moves the table does not
+ * allow and keeps the count of every state; the other rooms of the relay
+ * read slots and counts and never write a state.
+ */
+#ifndef OUTBOXD_RELAY_ROWS_H
+#define OUTBOXD_RELAY_ROWS_H
+#include "outboxd/relay.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum slot_state {
+    SLOT_FREE = 0,
+    SLOT_PRODUCED,     /* handed to Kafka, delivery report pending */
+    SLOT_ACKED,        /* persisted by Kafka, not yet marked */
+    SLOT_MARKING,      /* in the mark transaction now in flight */
+    SLOT_DEAD,         /* refused; to be moved to outbox.dead_letters */
+    SLOT_DEAD_MARKING, /* in the mark transaction now in flight, as a dead letter */
+    SLOT_PARKED,       /* set.one_per_key: fetched, waiting behind its key's record at Kafka */
+    SLOT_STATES
+};
+
+struct slot {
+    int64_t id;
+    int64_t created_us; /* for the latency histogram */
+    int64_t offset;
+    int32_t partition;
+    uint32_t topic; /* index into obx_relay.topics */
+    enum slot_state state;
+    int32_t next_free;      /* free-list link, -1 = end */
+    char *reason;           /* SLOT_DEAD*: why Kafka refused it (owned) */
+    struct obx_row *parked; /* SLOT_PARKED: a copy of the row (owned, one allocation) */
+    uint64_t key_hash;      /* set.one_per_key and a key: its obx_keycount_hash */
+    uint64_t log_hash;      /* log mode and a key: its obx_keycount_hash */
+    uint64_t seq;           /* log mode: the fetch that handed it out */
+    bool orphan;            /* handed out by a session that is gone */
+    bool has_key_slot;      /* the fetch said its slot of relay.shards: key_slot */
+    int32_t key_slot;
+};
+
+struct rows {
+    struct slot *slot; /* [cap] */
+    int32_t cap;       /* relay.max_in_flight */
+    int32_t free_head; /* -1: every slot in use */
+    size_t count[SLOT_STATES];
+    size_t orphans; /* slots with `orphan` set */
+};
+
+/* 0, or -1 out of memory. rows_free() undoes it (also after a failure). */
+int rows_init(struct rows *rs, int32_t cap);
+void rows_free(struct rows *rs);
+
+/* A free slot for row `id`, PRODUCED, its other fields reset; NULL if
+ * every slot is in use. */
+struct slot *rows_take(struct rows *rs, int64_t id, uint32_t topic);
+/* Moves `s` to `to`; a move the table does not allow is a bug (logged,
+ * nothing changes). */
+void rows_move(struct rows *rs, struct slot *s, enum slot_state to);
+/* Every slot in state `from` to `to` (a mark sent, or one that failed). */
+void rows_move_all(struct rows *rs, enum slot_state from, enum slot_state to);
+/* `s` back to the free list, its reason and parked row freed. */
+void rows_release(struct rows *rs, struct slot *s);
+/* `s` was handed out by a session that is gone. */
+void rows_orphan(struct rows *rs, struct slot *s);
+
+static inline size_t rows_in_use(const struct rows *rs)
+{
+    return (size_t)rs->cap - rs->count[SLOT_FREE];
+}
+/* Waiting for a mark: acknowledged or refused, not in the mark in flight. */
+static inline size_t rows_to_mark(const struct rows *rs)
+{
+    return rs->count[SLOT_ACKED] + rs->count[SLOT_DEAD];
+}
+static inline int32_t rows_index(const struct rows *rs, const struct slot *s)
+{
+    return (int32_t)(s - rs->slot);
+}
+
+const char *rows_state_name(enum slot_state s);
+
+#endif

@@ -1,0 +1,120 @@
+/*
+ * Unit tests of relay_rows, the rows in flight: slots, the free list, and
+ * the count of every state kept by the one function that moves a slot.
+ */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "cmocka_alloc.h"
+
+#include "outboxd/alloc.h"
+#include "relay_rows.h"
+
+#include <string.h>
+
+/* The counts agree with the slots' states. */
+static void assert_counts(const struct rows *rs)
+{
+    size_t seen[SLOT_STATES] = {0}, orphans = 0;
+    for (int32_t i = 0; i < rs->cap; i++) {
+        seen[rs->slot[i].state]++;
+        orphans += rs->slot[i].orphan;
+    }
+    for (int k = 0; k < SLOT_STATES; k++)
+        assert_int_equal(seen[k], rs->count[k]);
+    assert_int_equal(orphans, rs->orphans);
+}
+
+static void test_take_until_full(void **state)
+{
+    (void)state;
+    struct rows rs;
+    assert_int_equal(rows_init(&rs, 3), 0);
+    assert_int_equal(rows_in_use(&rs), 0);
+    struct slot *a = rows_take(&rs, 10, 0), *b = rows_take(&rs, 11, 1), *c = rows_take(&rs, 12, 0);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_non_null(c);
+    assert_null(rows_take(&rs, 13, 0)); /* full */
+    assert_int_equal(rows_in_use(&rs), 3);
+    assert_int_equal(b->id, 11);
+    assert_int_equal(b->topic, 1);
+    assert_int_equal(b->partition, -1);
+    assert_int_equal(b->offset, -1);
+    assert_int_equal(b->state, SLOT_PRODUCED);
+    assert_counts(&rs);
+    rows_release(&rs, b);
+    assert_int_equal(b->state, SLOT_FREE);
+    assert_int_equal(rows_in_use(&rs), 2);
+    struct slot *d = rows_take(&rs, 14, 0);
+    assert_ptr_equal(d, b); /* the slot freed last is taken first */
+    assert_int_equal(d->id, 14);
+    assert_counts(&rs);
+    rows_free(&rs);
+}
+
+/* A row's life through a mark that fails and one that commits. */
+static void test_mark_cycle(void **state)
+{
+    (void)state;
+    struct rows rs;
+    assert_int_equal(rows_init(&rs, 4), 0);
+    struct slot *a = rows_take(&rs, 1, 0), *b = rows_take(&rs, 2, 0), *c = rows_take(&rs, 3, 0);
+    rows_move(&rs, a, SLOT_ACKED);
+    rows_move(&rs, b, SLOT_DEAD);
+    b->reason = obx_strdup("refused");
+    assert_int_equal(rows_to_mark(&rs), 2);
+    rows_move_all(&rs, SLOT_ACKED, SLOT_MARKING);
+    rows_move_all(&rs, SLOT_DEAD, SLOT_DEAD_MARKING);
+    assert_int_equal(rows_to_mark(&rs), 0);
+    assert_int_equal(a->state, SLOT_MARKING);
+    assert_int_equal(b->state, SLOT_DEAD_MARKING);
+    assert_int_equal(c->state, SLOT_PRODUCED); /* not in the mark */
+    assert_counts(&rs);
+    rows_move_all(&rs, SLOT_MARKING, SLOT_ACKED); /* the mark failed */
+    rows_move_all(&rs, SLOT_DEAD_MARKING, SLOT_DEAD);
+    assert_int_equal(rows_to_mark(&rs), 2);
+    assert_string_equal(b->reason, "refused");
+    rows_move_all(&rs, SLOT_ACKED, SLOT_MARKING);
+    rows_move_all(&rs, SLOT_DEAD, SLOT_DEAD_MARKING);
+    rows_release(&rs, a); /* the mark committed: the reason is freed with the slot */
+    rows_release(&rs, b);
+    assert_null(b->reason);
+    assert_int_equal(rows_in_use(&rs), 1);
+    assert_counts(&rs);
+    rows_free(&rs);
+}
+
+static void test_parked_and_orphans(void **state)
+{
+    (void)state;
+    struct rows rs;
+    assert_int_equal(rows_init(&rs, 2), 0);
+    struct slot *a = rows_take(&rs, 1, 0), *b = rows_take(&rs, 2, 0);
+    rows_move(&rs, b, SLOT_PARKED);
+    b->parked = obx_malloc(16);
+    assert_int_equal(rs.count[SLOT_PARKED], 1);
+    rows_orphan(&rs, a);
+    rows_orphan(&rs, a); /* counted once */
+    assert_int_equal(rs.orphans, 1);
+    assert_counts(&rs);
+    rows_release(&rs, a);
+    assert_int_equal(rs.orphans, 0);
+    assert_false(a->orphan);
+    rows_move(&rs, b, SLOT_PRODUCED); /* its key is free: it goes */
+    assert_counts(&rs);
+    rows_free(&rs); /* frees b's parked copy */
+}
+
+int main(void)
+{
+    use_cmocka_allocator(); /* leaks and double frees fail the test */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_take_until_full),
+        cmocka_unit_test(test_mark_cycle),
+        cmocka_unit_test(test_parked_and_orphans),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
