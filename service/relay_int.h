@@ -440,6 +440,10 @@ const char *relay_mark_slots(const struct obx_relay *r);
 /* relay_drain.c (drain and stall) */
 bool relay_uncertain(const struct obx_relay *r);
 bool relay_drain_over(const struct obx_relay *r, int64_t now);
+/* What the relay is waiting for, for the stall report. */
+void relay_describe_wait(const struct obx_relay *r, int64_t now, char *why, size_t len);
+
+/* relay.c: progress was made now (a stall ends) */
 void relay_progress(struct obx_relay *r, int64_t now);
 
 #endif
