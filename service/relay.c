@@ -96,10 +96,10 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
         return -1;
     }
     r->cap_off = n;
-    relay_want_fetch(r, "start");
-    r->poll_delay = POLL_MIN_MS;
-    r->bytes_limit = s->batch_size;
-    r->top_id = r->hwm = r->alone_id = r->fetch_alone = NO_ID;
+    cursor_want_fetch(&r->cur, "start");
+    r->cur.poll_delay = POLL_MIN_MS;
+    r->cur.bytes_limit = s->batch_size;
+    r->cur.top_id = r->cur.hwm = r->alone_id = r->cur.fetch_alone = NO_ID;
     if (relay_shards_new(r) != 0) {
         obx_relay_free(r);
         return -1;
@@ -117,7 +117,7 @@ void obx_relay_free(struct obx_relay *r)
     for (size_t i = 0; i < r->n_topics; i++)
         obx_free(r->topics[i]);
     obx_free(r->topics);
-    obx_free(r->snap);
+    obx_free(r->cur.snap);
     rows_free(&r->rows);
     obx_free(r->ids);
     obx_free(r->held_back);
@@ -178,43 +178,15 @@ void relay_slot_release(struct obx_relay *r, struct slot *s)
     rows_release(&r->rows, s);
 }
 
-/* Something broke the cursor's promise (a row back unsent below hwm, a
- * key no longer held back, a new session): the next fetch is a full one.
- * A fetch already in flight was sent before it and cannot set the cursor
- * again when it answers. */
-void relay_cursor_clear(struct obx_relay *r, const char *why)
-{
-    if (r->cursor == CURSOR_HELD)
-        obx_debug("relay: cursor dropped (%s): the next fetch is a full one", why);
-    r->cursor = CURSOR_NONE;
-    r->cursor_gen++;
-}
-
 /* A fetch in flight, alone or beside the mark, was sent before `why`: its
  * answer is set aside and its rows fetched again. */
 void relay_ignore_fetch(struct obx_relay *r, const char *why)
 {
-    if (r->state != OBX_RELAY_FETCHING && r->fetch_ride != RIDE_ON_MARK)
+    if (r->state != OBX_RELAY_FETCHING && r->cur.fetch_ride != RIDE_ON_MARK)
         return;
-    if (r->fetch_answer == ANSWER_USE)
+    if (r->cur.fetch_answer == ANSWER_USE)
         obx_debug("relay: the fetch in flight will be ignored (%s)", why);
-    r->fetch_answer = ANSWER_IGNORE;
-}
-
-/* Rows may lie below the cursor now (`why`): the next fetch is a full one,
- * and it is due. */
-void relay_full_fetch_due(struct obx_relay *r, const char *why)
-{
-    relay_cursor_clear(r, why);
-    relay_want_fetch(r, why);
-}
-
-/* A fetch may find rows now (`why`); it goes once one is allowed. */
-void relay_want_fetch(struct obx_relay *r, const char *why)
-{
-    if (r->fetch_due == FETCH_NOT_DUE)
-        obx_debug("relay: fetch due (%s)", why);
-    r->fetch_due = FETCH_DUE;
+    r->cur.fetch_answer = ANSWER_IGNORE;
 }
 
 /* Failpoint `id`, through the ops (the relay reads no global). */
@@ -281,8 +253,8 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
                             .owned_slots = relay_fetch_slots(r)};
     int free_slots = r->set.max_in_flight - (int)rows_in_use(&r->rows);
     f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
-    if (f->limit > r->bytes_limit)
-        f->limit = r->bytes_limit;
+    if (f->limit > r->cur.bytes_limit)
+        f->limit = r->cur.bytes_limit;
     if (f->limit <= 0)
         return false;
     /* limit x this <= relay.fetch_max_bytes; a row asked for alone comes
@@ -294,15 +266,15 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
      * starts from hwm, where a full fetch walks the unsent-row index from
      * its lowest entry, past every row marked or deleted since the last
      * vacuum (and a held xmin horizon keeps them all). */
-    bool keyset = r->cursor == CURSOR_HELD;
+    bool keyset = r->cur.state == CURSOR_HELD;
     for (size_t i = 0; i < r->n_held_back && keyset; i++)
         keyset = r->held_back[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
         return false;
     if (keyset) {
         f->keyset = true;
-        f->after_id = r->hwm;
-        f->snapshot = r->snap;
+        f->after_id = r->cur.hwm;
+        f->snapshot = r->cur.snap;
     } else if (r->log.has_stored) {
         /* Everything the stored cursor does not cover, but what is in flight. */
         if (!relay_log_held_out(r))
@@ -348,13 +320,13 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     for (size_t i = 0; i < f->n_exclude; i++)
         if (f->exclude[i] > max_ex)
             max_ex = f->exclude[i];
-    r->fetch_kind = f->keyset ? FETCH_KEYSET : FETCH_FULL;
-    r->fetch_after = f->after_id;
-    r->fetch_gen = r->cursor_gen;
+    r->cur.fetch_kind = f->keyset ? FETCH_KEYSET : FETCH_FULL;
+    r->cur.fetch_after = f->after_id;
+    r->cur.fetch_gen = r->cur.gen;
     r->fetches[f->keyset]++;
-    r->fetch_limit = f->limit;
-    r->fetch_max_ex = max_ex;
-    r->fetch_sent_at = now;
+    r->cur.fetch_limit = f->limit;
+    r->cur.fetch_max_ex = max_ex;
+    r->cur.fetch_sent_at = now;
     /* As the full fetch's held-back keys say, for the entries drop_settled
      * looks at (a keyset fetch settles none). */
     for (size_t i = 0; i < r->n_held_back && !f->keyset; i++) {
@@ -368,8 +340,8 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     for (size_t i = 0; alone && i < f->n_exclude; i++)
         if (f->exclude[i] == alone->id)
             alone = NULL;
-    r->fetch_alone = alone ? alone->id : NO_ID;
-    r->fetch_due = FETCH_NOT_DUE;
+    r->cur.fetch_alone = alone ? alone->id : NO_ID;
+    r->cur.fetch_due = FETCH_NOT_DUE;
     r->log.fetch_send_no = ++r->log.sends;
 }
 
@@ -377,9 +349,9 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
  * again, and a full fetch, whatever went wrong. */
 static void fetch_gone(struct obx_relay *r)
 {
-    r->fetch_ride = RIDE_ALONE;
-    r->fetch_answer = ANSWER_USE;
-    relay_full_fetch_due(r, "the fetch in flight will not answer");
+    r->cur.fetch_ride = RIDE_ALONE;
+    r->cur.fetch_answer = ANSWER_USE;
+    cursor_full_fetch_due(&r->cur, "the fetch in flight will not answer");
 }
 
 /* Whether a fetch may go now. */
@@ -396,7 +368,7 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
 /* Whether a fetch should go now (beside a mark, or alone). */
 static bool fetch_wanted(struct obx_relay *r, int64_t now)
 {
-    return r->fetch_due == FETCH_DUE && fetch_allowed(r, now);
+    return r->cur.fetch_due == FETCH_DUE && fetch_allowed(r, now);
 }
 
 /* A fetch answered with `n` rows: when to look for new rows next. Rows
@@ -405,15 +377,15 @@ static bool fetch_wanted(struct obx_relay *r, int64_t now)
 static void schedule_look(struct obx_relay *r, size_t n, int64_t now)
 {
     if (n > 0)
-        r->rows_found_at = now;
-    r->poll_delay = (now - r->rows_found_at) / POLL_QUIET_DIVISOR;
-    if (r->poll_delay < POLL_MIN_MS)
-        r->poll_delay = POLL_MIN_MS;
-    if (r->poll_delay > r->set.poll_interval_ms)
-        r->poll_delay = r->set.poll_interval_ms;
-    r->next_look_at = now + r->poll_delay;
+        r->cur.rows_found_at = now;
+    r->cur.poll_delay = (now - r->cur.rows_found_at) / POLL_QUIET_DIVISOR;
+    if (r->cur.poll_delay < POLL_MIN_MS)
+        r->cur.poll_delay = POLL_MIN_MS;
+    if (r->cur.poll_delay > r->set.poll_interval_ms)
+        r->cur.poll_delay = r->set.poll_interval_ms;
+    r->cur.next_look_at = now + r->cur.poll_delay;
     if (r->ops->wake_at)
-        r->ops->wake_at(r->io, r->next_look_at);
+        r->ops->wake_at(r->io, r->cur.next_look_at);
 }
 
 /* Marks every ACKED slot and dead-letters every DEAD one, in one
@@ -468,7 +440,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
         return false;
     if (rc == 0) {
         fetch_sent(r, &f, now);
-        r->fetch_ride = RIDE_ON_MARK;
+        r->cur.fetch_ride = RIDE_ON_MARK;
     } else if (r->ops->mark(r->io, &m) != 0) {
         return false;
     }
@@ -557,7 +529,7 @@ void relay_kick(struct obx_relay *r, int64_t now)
 void relay_after_release(struct obx_relay *r)
 {
     relay_ignore_fetch(r, "rows released");
-    relay_full_fetch_due(r, "rows released");
+    cursor_full_fetch_due(&r->cur, "rows released");
 }
 
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
@@ -567,10 +539,10 @@ void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now)
         return;
     relay_set_state(r, OBX_RELAY_IDLE, "postgres ready");
     relay_progress(r, now); /* the lock was just acquired: the clock starts now */
-    relay_want_fetch(r, "postgres ready");
-    relay_cursor_clear(r, "new session"); /* another relay may have sent or left rows meanwhile */
+    cursor_want_fetch(&r->cur, "postgres ready");
+    cursor_clear(&r->cur, "new session"); /* another relay may have sent or left rows meanwhile */
     r->not_before = 0;
-    r->rows_found_at = now; /* rows may be waiting: look often at first */
+    r->cur.rows_found_at = now; /* rows may be waiting: look often at first */
     relay_kick(r, now);
 }
 
@@ -633,7 +605,8 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
          * a record the pass read past before it landed: one more pass. */
         r->recovered = r->unknowns == r->pass_unknowns;
         r->settled = r->pass_unknowns;
-        relay_full_fetch_due(r, "recovery pass done"); /* it may have marked rows, or left some */
+        cursor_full_fetch_due(&r->cur,
+                              "recovery pass done"); /* it may have marked rows, or left some */
         relay_progress(r, now);
     } else {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -649,21 +622,21 @@ static void release_rest(struct obx_relay *r, size_t from, size_t to)
         if (r->batch[j])
             relay_slot_release(r, r->batch[j]);
     relay_ignore_fetch(r, "rows given back");
-    relay_cursor_clear(r, "rows released"); /* they are below hwm now */
+    cursor_clear(&r->cur, "rows released"); /* they are below hwm now */
 }
 
 /* Keeps a copy of the fetch's snapshot for the next keyset fetch. */
 static bool keep_snapshot(struct obx_relay *r, const char *snapshot)
 {
     size_t len = strlen(snapshot) + 1;
-    if (len > r->snap_cap) {
-        char *p = obx_realloc(r->snap, len);
+    if (len > r->cur.snap_cap) {
+        char *p = obx_realloc(r->cur.snap, len);
         if (!p)
             return false;
-        r->snap = p;
-        r->snap_cap = len;
+        r->cur.snap = p;
+        r->cur.snap_cap = len;
     }
-    memcpy(r->snap, snapshot, len);
+    memcpy(r->cur.snap, snapshot, len);
     return true;
 }
 
@@ -673,32 +646,32 @@ static bool keep_snapshot(struct obx_relay *r, const char *snapshot)
 static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size_t n, size_t n_take,
                            const char *snapshot)
 {
-    bool cut = n_take < n || n >= (size_t)r->fetch_limit; /* rows may lie beyond */
+    bool cut = n_take < n || n >= (size_t)r->cur.fetch_limit; /* rows may lie beyond */
     int64_t last = n_take > 0 ? rows[n_take - 1].id : NO_ID;
     bool ok;
-    if (r->fetch_kind == FETCH_KEYSET) {
+    if (r->cur.fetch_kind == FETCH_KEYSET) {
         /* Late rows (at or below fetch_after) come first: all of them are
          * in if the first row not taken, or the last one taken, is above. */
         int64_t beyond = n_take < n ? rows[n_take].id : last;
-        ok = !cut || beyond > r->fetch_after;
-        if (ok && last > r->hwm)
-            r->hwm = last;
+        ok = !cut || beyond > r->cur.fetch_after;
+        if (ok && last > r->cur.hwm)
+            r->cur.hwm = last;
     } else if (!cut) {
         /* Every unsent row but those excluded was taken: any hwm will do
          * that is at or above everything in flight or waiting. */
         ok = true;
-        r->hwm = r->top_id > last ? r->top_id : last;
-        if (r->fetch_max_ex > r->hwm)
-            r->hwm = r->fetch_max_ex;
+        r->cur.hwm = r->cur.top_id > last ? r->cur.top_id : last;
+        if (r->cur.fetch_max_ex > r->cur.hwm)
+            r->cur.hwm = r->cur.fetch_max_ex;
     } else {
         /* Rows above `last` were not looked at: only a cursor at `last`
          * holds, and only if nothing in flight or waiting lies above it. */
-        ok = n_take > 0 && last >= r->fetch_max_ex;
+        ok = n_take > 0 && last >= r->cur.fetch_max_ex;
         if (ok)
-            r->hwm = last;
+            r->cur.hwm = last;
     }
-    if (last > r->top_id)
-        r->top_id = last;
+    if (last > r->cur.top_id)
+        r->cur.top_id = last;
     /* Log mode with slots: the others' rows are never marked, so a keyset
      * fetch from a hwm far below them would read past all of them to find
      * none of ours. A fetch that returned every row of our slots its
@@ -707,8 +680,8 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * fetch asks about by their transactions. So it goes up to the others'
      * (and the claim made here with it, which lets the cursor rows about
      * our slots follow theirs). */
-    if (ok && !cut && r->set.log_mode && relay_sharded(r) && r->log.others_hwm > r->hwm)
-        r->hwm = r->log.others_hwm;
+    if (ok && !cut && r->set.log_mode && relay_sharded(r) && r->log.others_hwm > r->cur.hwm)
+        r->cur.hwm = r->log.others_hwm;
     /* Log mode: the stored cursor covers everything up to its hwm that its
      * snapshot saw, and the keyset fetch would read those rows again from
      * a lower hwm. A full fetch that every uncovered row came back from may
@@ -716,26 +689,26 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * is a full fetch again). With slots it makes a partial claim: about
      * the owned slots whose cursor rows are all at or below its hwm (a slot
      * taken far behind the others, relay_log.c). */
-    r->fetch_partial = false;
+    r->cur.fetch_partial = false;
     if (r->log.has_stored && ok) {
-        if (r->fetch_kind == FETCH_FULL && !cut && r->hwm < r->log.stored_hwm)
-            r->hwm = r->log.stored_hwm;
-        r->fetch_partial = r->fetch_kind == FETCH_FULL && cut && r->log.by_slot &&
-                           relay_sharded(r) && r->hwm < r->log.stored_hwm;
-        ok = r->hwm >= r->log.stored_hwm;
+        if (r->cur.fetch_kind == FETCH_FULL && !cut && r->cur.hwm < r->log.stored_hwm)
+            r->cur.hwm = r->log.stored_hwm;
+        r->cur.fetch_partial = r->cur.fetch_kind == FETCH_FULL && cut && r->log.by_slot &&
+                               relay_sharded(r) && r->cur.hwm < r->log.stored_hwm;
+        ok = r->cur.hwm >= r->log.stored_hwm;
     }
     /* Cleared since this fetch was sent: what it did not return may lie
      * below hwm now (a row that was in flight then, a row its key's hold
      * kept out). */
-    ok = ok && r->fetch_gen == r->cursor_gen;
-    r->fetch_partial = r->fetch_partial && r->fetch_gen == r->cursor_gen && snapshot;
+    ok = ok && r->cur.fetch_gen == r->cur.gen;
+    r->cur.fetch_partial = r->cur.fetch_partial && r->cur.fetch_gen == r->cur.gen && snapshot;
     enum cursor_state next =
         ok && snapshot && keep_snapshot(r, snapshot) ? CURSOR_HELD : CURSOR_NONE;
-    if (next != r->cursor)
+    if (next != r->cur.state)
         obx_debug("relay: cursor %s", next == CURSOR_HELD
                                           ? "taken: keyset fetches from here"
                                           : "not taken: the next fetch is a full one");
-    r->cursor = next;
+    r->cur.state = next;
 }
 
 /* A row whose payload the fetch left out for the byte budget: it and the
@@ -750,17 +723,17 @@ static bool withheld(const struct obx_relay *r, const struct obx_row *row)
  * rows are fetched again) and true returned. */
 static bool fetch_set_aside(struct obx_relay *r, int64_t now)
 {
-    if (r->fetch_answer == ANSWER_IGNORE) {
+    if (r->cur.fetch_answer == ANSWER_IGNORE) {
         /* Sent while the batch before it was produced, and that batch did not
          * all go out: these rows would overtake the ones it left behind. */
-        r->fetch_answer = ANSWER_USE;
-        relay_full_fetch_due(r, "fetch overtook rows left behind");
+        r->cur.fetch_answer = ANSWER_USE;
+        cursor_full_fetch_due(&r->cur, "fetch overtook rows left behind");
     } else if (r->draining) { /* fetched before the shutdown began: leave them */
     } else if (!r->recovered) {
         /* A possibly-persisted report came while this fetch was out: the
          * recovery pass goes first, and these rows may be of the uncertain
          * row's key. They are fetched again after it. */
-        relay_full_fetch_due(r, "recovery pass due");
+        cursor_full_fetch_due(&r->cur, "recovery pass due");
     } else {
         return false;
     }
@@ -777,7 +750,9 @@ static bool fetch_set_aside(struct obx_relay *r, int64_t now)
 static int64_t alone_of_fetch(struct obx_relay *r, const struct obx_row *rows, size_t n)
 {
     int64_t due_alone_id =
-        r->fetch_alone != NO_ID && relay_find_held_back(r, r->fetch_alone) ? r->fetch_alone : NO_ID;
+        r->cur.fetch_alone != NO_ID && relay_find_held_back(r, r->cur.fetch_alone)
+            ? r->cur.fetch_alone
+            : NO_ID;
     if (due_alone_id == NO_ID || (n > 0 && rows[n - 1].id <= due_alone_id))
         return due_alone_id;
     for (size_t i = 0; i < n; i++)
@@ -786,7 +761,7 @@ static int64_t alone_of_fetch(struct obx_relay *r, const struct obx_row *rows, s
     obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
              (long long)due_alone_id);
     relay_drop_held_back(r, due_alone_id);
-    relay_want_fetch(r, "key no longer held back");
+    cursor_want_fetch(&r->cur, "key no longer held back");
     return NO_ID;
 }
 
@@ -804,10 +779,10 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
         if (!rows[i].oversize && rows[i].payload_len > largest) /* oversize: never fetched */
             largest = rows[i].payload_len;
     int64_t fit = r->set.fetch_max_bytes / (int64_t)largest;
-    r->bytes_limit = fit < 1 ? 1 : fit < r->set.batch_size ? (int)fit : r->set.batch_size;
+    r->cur.bytes_limit = fit < 1 ? 1 : fit < r->set.batch_size ? (int)fit : r->set.batch_size;
     if (n_take < n)
         obx_debug("relay: row %lld has %zu payload bytes: fetching %d rows at a time",
-                  (long long)rows[n_take].id, rows[n_take].payload_len, r->bytes_limit);
+                  (long long)rows[n_take].id, rows[n_take].payload_len, r->cur.bytes_limit);
     return n_take;
 }
 
@@ -822,15 +797,15 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapsho
     *seq = relay_rec_push(r);
     if (*seq == 0) { /* no record, no rows: they are fetched again */
         obx_error("relay: out of memory recording a fetch");
-        relay_full_fetch_due(r, "out of memory");
+        cursor_full_fetch_due(&r->cur, "out of memory");
         r->not_before = now + r->set.retry_backoff_ms;
         relay_kick(r, now);
         return false;
     }
-    if (r->cursor == CURSOR_HELD)
-        relay_rec_claim(r, *seq, r->hwm, r->snap);
-    else if (r->fetch_partial)
-        relay_rec_claim_partial(r, *seq, r->hwm, snapshot);
+    if (r->cur.state == CURSOR_HELD)
+        relay_rec_claim(r, *seq, r->cur.hwm, r->cur.snap);
+    else if (r->cur.fetch_partial)
+        relay_rec_claim_partial(r, *seq, r->cur.hwm, snapshot);
     return true;
 }
 
@@ -849,17 +824,17 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
         r->batch[i] = NULL;
         if (topic < 0) {
             obx_error("relay: out of memory for topic names");
-            relay_cursor_clear(r, "out of memory"); /* the rest was not taken */
+            cursor_clear(&r->cur, "out of memory"); /* the rest was not taken */
             break;
         }
         if (r->n_held_back > 0 && relay_held_back(r, row, (uint32_t)topic)) {
-            relay_cursor_clear(r, "row held back"); /* fetched, not taken: below hwm */
+            cursor_clear(&r->cur, "row held back"); /* fetched, not taken: below hwm */
             continue;                               /* a refused row of its key comes first */
         }
         struct slot *s = rows_take(&r->rows, row->id, (uint32_t)topic);
         if (!s) { /* cannot happen: the fetch limit was the free slot count */
             obx_error("relay: no free slot for row %lld", (long long)row->id);
-            relay_cursor_clear(r, "no free slot");
+            cursor_clear(&r->cur, "no free slot");
             break;
         }
         s->created_us = row->created_us;
@@ -921,7 +896,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         /* Rows before it are still out: it and the rest wait for the
          * next fetch, which relay_kick() sends once their reports are in. */
         release_rest(r, i, taken);
-        relay_want_fetch(r, "rows given back");
+        cursor_want_fetch(&r->cur, "rows given back");
         return false;
     }
     const char *reason = NULL;
@@ -934,7 +909,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         obx_warn("relay: Kafka queue full at row %lld; retrying shortly", (long long)row->id);
         release_rest(r, i, taken);
         r->not_before = now + 100;
-        relay_want_fetch(r, "Kafka queue full");
+        cursor_want_fetch(&r->cur, "Kafka queue full");
         return false;
     }
     if (pr != OBX_PRODUCE_OK) {
@@ -955,7 +930,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     obx_event(OBX_LOG_INFO, "tried_alone", "relay: trying row %lld alone", (long long)row->id);
     r->alone_id = row->id;
     release_rest(r, i + 1, taken);
-    relay_want_fetch(r, "rows given back");
+    cursor_want_fetch(&r->cur, "rows given back");
     return false;
 }
 
@@ -971,7 +946,7 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
             continue;
         if (r->n_held_back > 0 && relay_held_back(r, row, s->topic)) {
             relay_slot_release(r, s); /* its key was refused earlier in this batch */
-            relay_cursor_clear(r, "row held back");
+            cursor_clear(&r->cur, "row held back");
             continue;
         }
         s->key_hash = 0;
@@ -998,28 +973,28 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         relay_progress(r, now); /* caught up: nothing waits */
     if (relay_failpoint(r, OBX_FP_FETCH_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
-        relay_want_fetch(r, "fetch.after failpoint");
+        cursor_want_fetch(&r->cur, "fetch.after failpoint");
         return;
     }
     int64_t due_alone_id = alone_of_fetch(r, rows, n);
-    if (r->n_held_back > 0 && r->fetch_kind == FETCH_FULL)
-        relay_drop_settled(r, rows, n, n >= (size_t)r->fetch_limit);
+    if (r->n_held_back > 0 && r->cur.fetch_kind == FETCH_FULL)
+        relay_drop_settled(r, rows, n, n >= (size_t)r->cur.fetch_limit);
     size_t n_take = rows_to_take(r, rows, n);
     cursor_advance(r, rows, n, n_take, snapshot);
     uint64_t seq;
     if (!record_fetch(r, &seq, snapshot, now))
         return;
-    uint64_t gen_at_claim = r->cursor_gen;
-    r->caught_up = n < (size_t)r->fetch_limit;
+    uint64_t gen_at_claim = r->cur.gen;
+    r->cur.caught_up = n < (size_t)r->cur.fetch_limit;
     schedule_look(r, n, now);
     size_t taken = take_slots(r, rows, n_take, seq);
     /* Rows fetched and not taken: the claim above does not hold. */
-    if (seq && r->cursor_gen != gen_at_claim)
+    if (seq && r->cur.gen != gen_at_claim)
         relay_claims_drop_from(r, seq);
     /* A full batch means more rows are likely waiting (a batch of
      * relay.batch_size, or of what the byte budget allows, is one). */
-    if (n_take < n || (!r->caught_up && r->fetch_limit >= r->bytes_limit))
-        relay_want_fetch(r, "full batch");
+    if (n_take < n || (!r->cur.caught_up && r->cur.fetch_limit >= r->cur.bytes_limit))
+        cursor_want_fetch(&r->cur, "full batch");
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
     if (r->set.log_mode)
@@ -1058,13 +1033,13 @@ static void mark_done(struct obx_relay *r, int64_t now)
     obx_debug("relay: marked %zu rows, dead-lettered %zu", marked, dead);
     relay_set_state(r, OBX_RELAY_IDLE, "mark done");
     if (dead > 0)
-        relay_want_fetch(r, "rows dead-lettered"); /* the rows behind them may go now */
+        cursor_want_fetch(&r->cur, "rows dead-lettered"); /* the rows behind them may go now */
 }
 
 void obx_relay_on_marked(struct obx_relay *r, int64_t now)
 {
     r->now = now;
-    if (r->state != OBX_RELAY_MARKING || r->fetch_ride == RIDE_ON_MARK)
+    if (r->state != OBX_RELAY_MARKING || r->cur.fetch_ride == RIDE_ON_MARK)
         return;
     if (relay_failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) {
         /* As if the COMMIT's answer was lost: mark again (idempotent). */
@@ -1079,13 +1054,13 @@ void obx_relay_on_mark_fetched(struct obx_relay *r, const struct obx_row *rows, 
                                const char *snapshot, int64_t now)
 {
     r->now = now;
-    if (r->state != OBX_RELAY_MARKING || r->fetch_ride != RIDE_ON_MARK)
+    if (r->state != OBX_RELAY_MARKING || r->cur.fetch_ride != RIDE_ON_MARK)
         return;
     if (relay_failpoint(r, OBX_FP_MARK_AFTER_COMMIT) != 0) { /* as in obx_relay_on_marked */
         obx_relay_on_query_failed(r, "injected error after commit", now);
         return;
     }
-    r->fetch_ride = RIDE_ALONE;
+    r->cur.fetch_ride = RIDE_ALONE;
     mark_done(r, now);
     relay_set_state(r, OBX_RELAY_FETCHING, "the fetch beside the mark");
     obx_relay_on_fetched(r, rows, n, snapshot, now);
@@ -1125,7 +1100,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         fetch_gone(r);
     } else if (r->state == OBX_RELAY_MARKING) {
         obx_warn("relay: mark failed: %s", reason);
-        if (r->fetch_ride == RIDE_ON_MARK) /* and the fetch beside it */
+        if (r->cur.fetch_ride == RIDE_ON_MARK) /* and the fetch beside it */
             fetch_gone(r);
         if (r->set.log_mode)
             relay_log_write_failed(r);
@@ -1178,7 +1153,8 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
                  reason ? reason : "unknown error");
     }
     relay_slot_release(r, s);
-    relay_full_fetch_due(r, "row not delivered"); /* unsent below hwm: a full fetch finds it */
+    cursor_full_fetch_due(&r->cur,
+                          "row not delivered"); /* unsent below hwm: a full fetch finds it */
     r->not_before = now + r->set.retry_backoff_ms;
 }
 
@@ -1222,7 +1198,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     bool key_free = key_hash && obx_keycount_remove(&r->busy_keys, key_hash) == 0;
     if (key_free && r->key_waits) {
         r->key_waits = false; /* rows left behind for their key: fetch them now */
-        relay_want_fetch(r, "key free");
+        cursor_want_fetch(&r->cur, "key free");
     }
     r->n_outstanding--;
     bool was_alone = s->id == r->alone_id;
@@ -1269,11 +1245,12 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
     r->now = now;
     if (r->state == OBX_RELAY_STOPPED)
         return;
-    if (now >= r->next_look_at)
-        relay_want_fetch(r, "look due");
+    if (now >= r->cur.next_look_at)
+        cursor_want_fetch(&r->cur, "look due");
     for (size_t i = 0; i < r->n_held_back; i++)
         if (r->held_back[i].retry_at <= now)
-            relay_want_fetch(r, "refused row due"); /* a refused row is due for another try */
+            cursor_want_fetch(&r->cur,
+                              "refused row due"); /* a refused row is due for another try */
     relay_kick(r, now);
 }
 

@@ -54,7 +54,7 @@ void relay_release_held_back(struct obx_relay *r, int64_t id)
     if (!b)
         return;
     /* its key's later rows may be waiting below hwm */
-    relay_cursor_clear(r, "key no longer held back");
+    cursor_clear(&r->cur, "key no longer held back");
     obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
              b->attempts);
     if (r->set.log_mode)
@@ -69,7 +69,7 @@ void relay_drop_held_back(struct obx_relay *r, int64_t id)
     struct held_back *b = relay_find_held_back(r, id);
     if (!b)
         return;
-    relay_cursor_clear(r, "key no longer held back");
+    cursor_clear(&r->cur, "key no longer held back");
     if (r->set.log_mode)
         relay_lift(r, id);
     obx_free(b->key);
@@ -112,7 +112,7 @@ void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t 
     for (size_t i = 0; i < r->n_held_back;) {
         const struct held_back *b = &r->held_back[i];
         bool passed = !full || (n > 0 && rows[n - 1].id > b->id);
-        bool due = !b->alone && b->retry_at <= r->fetch_sent_at;
+        bool due = !b->alone && b->retry_at <= r->cur.fetch_sent_at;
         bool fetched = false;
         for (size_t j = 0; j < n && passed && due && !fetched; j++)
             fetched = rows[j].id == b->id;
@@ -123,7 +123,7 @@ void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t 
         obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
                  (long long)b->id);
         relay_drop_held_back(r, b->id); /* moves the last entry here */
-        relay_want_fetch(r, "key no longer held back");
+        cursor_want_fetch(&r->cur, "key no longer held back");
     }
 }
 
@@ -168,7 +168,7 @@ static void schedule_retry(const struct obx_relay *r, struct held_back *b, int64
 void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
                      size_t key_len, int64_t now)
 {
-    relay_cursor_clear(r, "row refused"); /* it is below hwm, and comes back by a full fetch */
+    cursor_clear(&r->cur, "row refused"); /* it is below hwm, and comes back by a full fetch */
     struct held_back *b = relay_find_held_back(r, id);
     if (!b) {
         if (r->n_held_back == r->cap_held_back && relay_grow_held_back(r) != 0) {
@@ -221,11 +221,11 @@ void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t 
                                * take the batch's other rows with it */
         if (b->whole_topic) { /* refused for itself now: the topic takes rows again */
             b->whole_topic = false;
-            relay_cursor_clear(r, "topic no longer held");
+            cursor_clear(&r->cur, "topic no longer held");
         }
     }
     relay_slot_release(r, s);
-    relay_want_fetch(r, "row refused");
+    cursor_want_fetch(&r->cur, "row refused");
 }
 
 bool relay_behind_topic(struct obx_relay *r, const struct slot *s)
@@ -248,7 +248,7 @@ void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, s
         obx_debug("relay: row %lld (topic %s) refused: %s; it waits behind row %lld",
                   (long long)s->id, r->topics[s->topic], reason, (long long)t->id);
         relay_slot_release(r, s);
-        relay_cursor_clear(r, "row refused"); /* below hwm, fetched again by a full fetch */
+        cursor_clear(&r->cur, "row refused"); /* below hwm, fetched again by a full fetch */
         return;
     }
     if (!t)
@@ -287,7 +287,7 @@ void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, s
         b->alone = true;
     }
     relay_slot_release(r, s);
-    relay_want_fetch(r, "topic refused");
+    cursor_want_fetch(&r->cur, "topic refused");
 }
 
 void relay_refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
@@ -315,7 +315,7 @@ void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, s
         b->retry_at = now;
     }
     relay_slot_release(r, s);
-    relay_want_fetch(r, "batch refused");
+    cursor_want_fetch(&r->cur, "batch refused");
 }
 
 /* A copy of `row` in one allocation, or NULL. */

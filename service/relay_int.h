@@ -8,12 +8,14 @@
  *   relay_drain.c  drain, shutdown, progress and stalls
  *   relay_shards.c the slots of relay.shards this relay owns
  *   relay_rows.c   the rows in flight: slots and their states
+ *   relay_cursor.c the fetch cursor, the fetch in flight and whether one is due
  */
 #ifndef OUTBOXD_RELAY_INT_H
 #define OUTBOXD_RELAY_INT_H
 #include "outboxd/failpoint.h"
 #include "outboxd/keycount.h"
 #include "outboxd/relay.h"
+#include "relay_cursor.h"
 #include "relay_rows.h"
 
 #include <stdbool.h>
@@ -193,38 +195,6 @@ struct held_back {
     size_t key_len;
 };
 
-/* What the next fetch may be (see the cursor in struct obx_relay). Moves
- * are logged at debug level with their reason. */
-enum cursor_state {
-    CURSOR_NONE, /* a full fetch, which excludes what is in flight and takes a cursor */
-    CURSOR_HELD, /* a keyset fetch from hwm and snap */
-};
-/* The fetch in flight: its kind and whether it rides on the mark in flight
- * (one statement) or goes alone, both set when it is sent (the state moves
- * that go with them, FETCHING and MARKING, are logged); and whether its
- * answer will be used, set by relay_ignore_fetch (logged) and back to USE
- * once that answer is set aside or the fetch is gone. */
-enum fetch_kind {
-    FETCH_FULL,   /* every unsent row but those in flight */
-    FETCH_KEYSET, /* from the cursor */
-};
-enum fetch_ride {
-    RIDE_ALONE,   /* the relay is FETCHING (or no fetch is in flight) */
-    RIDE_ON_MARK, /* the relay is MARKING, with the fetch in the same statement */
-};
-enum fetch_answer {
-    ANSWER_USE,
-    ANSWER_IGNORE, /* rows were given back while it was out: they would be overtaken */
-};
-
-/* Whether the relay has a reason to fetch now (rows may be waiting: a look
- * is due, a batch came back full, rows were given back, a key is free) or
- * waits for one. Moves are logged at debug level with their reason. */
-enum fetch_due {
-    FETCH_NOT_DUE,
-    FETCH_DUE,
-};
-
 /* relay.shards > 1 (relay_shards.c): the slots of relay.shards this relay
  * owns. ("Slot" alone in this code is a row in flight: these are `shard`.)
  * A claim every CLAIM_EVERY_MS reads the members and this relay's share; a
@@ -293,33 +263,7 @@ struct obx_relay {
 
     struct slot **batch; /* slots of the rows of the fetch being produced */
 
-    /* The fetch cursor. While it holds, every unsent row with an id up to
-     * `hwm` whose transaction is visible in snapshot `snap` has been handed
-     * out by this session (or is held back behind a refused row, or waits
-     * as a refused row itself), and no row in flight lies above `hwm`. The
-     * keyset fetch then asks only for ids above `hwm` and for the rows below
-     * it that `snap` did not see yet (late commits), and nothing in flight
-     * can be among them. Whatever may break that (a row back unsent, a
-     * fetch ignored, a new session) drops it (relay_cursor_clear); the next fetch is
-     * then a full one, which excludes what is in flight and sets it again. */
-    enum cursor_state cursor;
-    uint64_t cursor_gen; /* counts relay_cursor_clear() calls */
-    uint64_t fetch_gen;  /* cursor_gen when the fetch in flight was sent */
-    int64_t hwm;
-    char *snap;
-    size_t snap_cap;
-    int64_t top_id;             /* highest id handed out in this session (NO_ID: none) */
-    enum fetch_kind fetch_kind; /* the fetch in flight is a full or a keyset one ... */
-    int64_t fetch_after;        /* ... above this id */
-    int fetch_limit;            /* its row limit */
-    int64_t fetch_max_ex;       /* full fetch: the highest id it excluded */
-    bool fetch_partial;         /* log mode: the fetch answered makes a partial claim at hwm */
-    int bytes_limit;            /* most rows relay.fetch_max_bytes allows for now */
-    enum fetch_ride fetch_ride; /* it goes alone (FETCHING) or with the mark (MARKING) */
-    bool caught_up;             /* the last fetch found fewer rows than it asked for */
-    int64_t fetch_alone; /* the fetch in flight is a full one sent when this row was due to be tried
-                          * alone (NO_ID: none) */
-    int64_t fetch_sent_at; /* when the fetch in flight was sent */
+    struct cursor cur; /* the fetch cursor and the fetch in flight (relay_cursor.h) */
 
     /* set.one_per_key: the keys with a record at Kafka and the rows parked
      * behind them; key_waits: a row was left for a later fetch instead (no
@@ -329,17 +273,12 @@ struct obx_relay {
 
     size_t n_outstanding; /* rows handed to Kafka whose delivery report is pending */
     int64_t alone_id;     /* a row tried alone, handed to Kafka, report pending (NO_ID: none) */
-    enum fetch_answer fetch_answer; /* see relay_ignore_fetch */
 
-    bool recovered;           /* the start-up recovery pass has succeeded */
-    uint64_t unknowns;        /* possibly-persisted reports so far */
-    uint64_t pass_unknowns;   /* ... when the recovery pass in flight started */
-    uint64_t settled;         /* ... when the last successful pass started */
-    enum fetch_due fetch_due; /* see relay_want_fetch */
-    int64_t not_before;       /* back-off: no statement before this time */
-    int64_t poll_delay;       /* the pause before the next look for new rows */
-    int64_t rows_found_at;    /* when a fetch last found rows */
-    int64_t next_look_at;     /* when that look is due */
+    bool recovered;         /* the start-up recovery pass has succeeded */
+    uint64_t unknowns;      /* possibly-persisted reports so far */
+    uint64_t pass_unknowns; /* ... when the recovery pass in flight started */
+    uint64_t settled;       /* ... when the last successful pass started */
+    int64_t not_before;     /* back-off: no statement before this time */
 
     int64_t now; /* time of the event being handled */
     bool draining;
@@ -365,9 +304,6 @@ struct obx_relay {
 void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
 int64_t relay_topic_index(struct obx_relay *r, const char *name);
 void relay_slot_release(struct obx_relay *r, struct slot *s);
-void relay_cursor_clear(struct obx_relay *r, const char *why);
-void relay_want_fetch(struct obx_relay *r, const char *why);
-void relay_full_fetch_due(struct obx_relay *r, const char *why);
 void relay_ignore_fetch(struct obx_relay *r, const char *why);
 int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
 void relay_stop(struct obx_relay *r, const char *why);

@@ -202,7 +202,7 @@ bool relay_start_claim(struct obx_relay *r, int64_t now)
                  TAKE_PAUSE_MAX_MS, TAKE_RETRY_MS / 1000);
         h->want_take = false;
         h->take_again_at = now + TAKE_RETRY_MS;
-        relay_want_fetch(r, "slots not taken now");
+        cursor_want_fetch(&r->cur, "slots not taken now");
     }
     /* Nothing of ours in flight or unmarked, no report left unsettled and
      * the pass over our slots done: the slots go back clean (given_back),
@@ -266,7 +266,7 @@ static void choose_leaving(struct obx_relay *r, bool all)
         }
     }
     if (h->n_leaving > 0)
-        relay_cursor_clear(r, "slots to give back");
+        cursor_clear(&r->cur, "slots to give back");
 }
 
 /* At the end of a drain: with nothing in flight or unmarked, every slot
@@ -325,7 +325,7 @@ static void apply_owned(struct obx_relay *r, int64_t now)
     if (gone > 0) {
         obx_error("relay: %d slots were no longer held by this relay; its cursor starts again",
                   gone);
-        relay_cursor_clear(r, "slots gone");
+        cursor_clear(&r->cur, "slots gone");
     }
     if (given > 0)
         obx_event(OBX_LOG_INFO, "slots_given_back",
@@ -336,7 +336,7 @@ static void apply_owned(struct obx_relay *r, int64_t now)
         obx_event(OBX_LOG_INFO, "slots_taken",
                   "relay: took %d slots; holds %s (%d of %d, %d relays); recovering them first",
                   taken, h->list_text, h->n_owned, r->set.shards, h->members);
-        relay_cursor_clear(r, "slots taken");
+        cursor_clear(&r->cur, "slots taken");
         r->recovered = false; /* the pass for them goes before their rows */
         /* Log mode took them quiet: the pass reads the cursor rows about
          * every slot now owned, and this relay's cursor starts from them.
