@@ -1,12 +1,13 @@
 /*
  * relay: see include/outboxd/relay.h. This file is the cycle: fetch,
- * produce, delivery reports, mark, and every entry point (shutdown, fatal
- * errors, progress and stalls too); the other rooms of the relay are
- * relay_rows.c (the rows in flight and their states), relay_log.c (log
- * mode's cursor rows), relay_held.c (refused rows, the keys they hold back,
- * rows parked behind their key's record), relay_shards.c (the slots of
- * relay.shards owned) and relay_drain.c (predicates: when a drain may stop,
- * what a stall waits for). Their shared state: relay_int.h.
+ * produce, delivery reports, mark, rows parked behind their key's record,
+ * and every entry point (shutdown, fatal errors, progress and stalls too);
+ * the other rooms of the relay are relay_rows.c (the rows in flight and
+ * their states), relay_cursor.c (the fetch cursor and the fetch in
+ * flight), relay_log.c (log mode's cursor rows), relay_held.c (refused rows
+ * and the keys they hold back), relay_shards.c (the slots of relay.shards
+ * owned) and relay_drain.c (predicates: when a drain may stop, what a stall
+ * waits for). Their shared state: relay_int.h.
  */
 #include "relay_int.h"
 #include "outboxd/alloc.h"
@@ -1282,6 +1283,112 @@ uint64_t obx_relay_marked_total(const struct obx_relay *r)
 uint64_t obx_relay_dead_total(const struct obx_relay *r)
 {
     return r->dead_total;
+}
+
+/* ---- rows parked behind their key's record at Kafka (set.one_per_key) ---- */
+
+/* A copy of `row` in one allocation, or NULL. */
+static struct obx_row *row_copy(const struct obx_row *row)
+{
+    size_t topic_len = strlen(row->topic) + 1;
+    size_t payload_len = row->payload ? row->payload_len : 0;
+    struct obx_row *c =
+        obx_malloc(sizeof(*c) + topic_len + row->key_len + payload_len + row->headers_len);
+    if (!c)
+        return NULL;
+    char *p = (char *)(c + 1);
+    *c = *row;
+    memcpy(p, row->topic, topic_len);
+    c->topic = p;
+    p += topic_len;
+    if (row->key) {
+        memcpy(p, row->key, row->key_len);
+        c->key = p;
+        p += row->key_len;
+    }
+    if (row->payload) {
+        memcpy(p, row->payload, payload_len);
+        c->payload = p;
+        p += payload_len;
+    }
+    if (row->headers) {
+        memcpy(p, row->headers, row->headers_len);
+        c->headers = p;
+    }
+    return c;
+}
+
+/* The rows parked behind key hash h go back unsent, to be fetched again. */
+void relay_release_parked_of(struct obx_relay *r, uint64_t h)
+{
+    int32_t i;
+    bool any = false;
+    while ((i = obx_keycount_unpark(&r->busy_keys, h)) >= 0) {
+        relay_slot_release(r, &r->rows.slot[i]);
+        any = true;
+    }
+    if (any)
+        relay_after_release(r);
+}
+
+/* Every parked row goes back unsent: the relay stops handing rows to Kafka
+ * (shutdown, fatal error, session lost). */
+void relay_release_all_parked(struct obx_relay *r)
+{
+    if (!r->set.one_per_key)
+        return;
+    for (int i = 0; i < r->rows.cap; i++)
+        if (r->rows.slot[i].state == SLOT_PARKED)
+            relay_release_parked_of(r, r->rows.slot[i].key_hash);
+}
+
+/* Parks row `row` of slot s behind its key's record at Kafka. false: no
+ * memory for it (the caller leaves it for a later fetch). */
+bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
+{
+    struct obx_row *copy = row_copy(row);
+    if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, rows_index(&r->rows, s)) != 0) {
+        obx_free(copy);
+        return false;
+    }
+    s->parked = copy;
+    rows_move(&r->rows, s, SLOT_PARKED);
+    return true;
+}
+
+/* Key hash h has no record at Kafka any more, the last one delivered: its
+ * first parked row goes now, if the relay may publish. */
+void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
+{
+    if (!r->recovered || r->draining || r->state == OBX_RELAY_WAIT_PG) {
+        relay_release_parked_of(r, h); /* fetched again once it may */
+        return;
+    }
+    int32_t i = obx_keycount_unpark(&r->busy_keys, h);
+    if (i < 0)
+        return;
+    struct slot *p = &r->rows.slot[i];
+    const char *reason = NULL;
+    rows_move(&r->rows, p, SLOT_PRODUCED);
+    enum obx_produce_result pr = r->ops->produce(r->producer, p->parked, p, &reason);
+    if (pr == OBX_PRODUCE_OK) {
+        obx_free(p->parked);
+        p->parked = NULL;
+        (void)obx_keycount_add(&r->busy_keys, h); /* it had a place: cannot fail */
+        r->n_outstanding++;
+        return;
+    }
+    if (pr == OBX_PRODUCE_BUSY) {
+        relay_slot_release(r, p);
+        r->not_before = now + 100;
+    } else {
+        relay_refused_as(r, p, pr == OBX_PRODUCE_TOPIC_REFUSED, p->parked->key, p->parked->key_len,
+                         reason, now);
+        obx_free(p->parked);
+        p->parked = NULL;
+    }
+    relay_release_parked_of(r, h); /* the rest of the key after it, by a fetch */
+    relay_after_release(r);
 }
 
 /* ---- shutdown, fatal errors, progress and stalls ---- */

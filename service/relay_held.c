@@ -1,8 +1,7 @@
 /*
  * relay_held: refused rows (relay.on_reject = retry, the rows of a refused
- * batch tried alone), the later rows of their keys held back behind them, and, with a
- * finite kafka.message.timeout.ms, rows parked behind their key's record at
- * Kafka. See relay_int.h for the state, relay.c for the cycle.
+ * batch tried alone) and the later rows of their keys held back behind
+ * them. See relay_int.h for the state, relay.c for the cycle.
  */
 #include "relay_int.h"
 #include "outboxd/alloc.h"
@@ -316,110 +315,6 @@ void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, s
     }
     relay_slot_release(r, s);
     cursor_want_fetch(&r->cur, "batch refused");
-}
-
-/* A copy of `row` in one allocation, or NULL. */
-static struct obx_row *row_copy(const struct obx_row *row)
-{
-    size_t topic_len = strlen(row->topic) + 1;
-    size_t payload_len = row->payload ? row->payload_len : 0;
-    struct obx_row *c =
-        obx_malloc(sizeof(*c) + topic_len + row->key_len + payload_len + row->headers_len);
-    if (!c)
-        return NULL;
-    char *p = (char *)(c + 1);
-    *c = *row;
-    memcpy(p, row->topic, topic_len);
-    c->topic = p;
-    p += topic_len;
-    if (row->key) {
-        memcpy(p, row->key, row->key_len);
-        c->key = p;
-        p += row->key_len;
-    }
-    if (row->payload) {
-        memcpy(p, row->payload, payload_len);
-        c->payload = p;
-        p += payload_len;
-    }
-    if (row->headers) {
-        memcpy(p, row->headers, row->headers_len);
-        c->headers = p;
-    }
-    return c;
-}
-
-/* The rows parked behind key hash h go back unsent, to be fetched again. */
-void relay_release_parked_of(struct obx_relay *r, uint64_t h)
-{
-    int32_t i;
-    bool any = false;
-    while ((i = obx_keycount_unpark(&r->busy_keys, h)) >= 0) {
-        relay_slot_release(r, &r->rows.slot[i]);
-        any = true;
-    }
-    if (any)
-        relay_after_release(r);
-}
-
-/* Every parked row goes back unsent: the relay stops handing rows to Kafka
- * (shutdown, fatal error, session lost). */
-void relay_release_all_parked(struct obx_relay *r)
-{
-    if (!r->set.one_per_key)
-        return;
-    for (int i = 0; i < r->rows.cap; i++)
-        if (r->rows.slot[i].state == SLOT_PARKED)
-            relay_release_parked_of(r, r->rows.slot[i].key_hash);
-}
-
-/* Parks row `row` of slot s behind its key's record at Kafka. false: no
- * memory for it (the caller leaves it for a later fetch). */
-bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
-{
-    struct obx_row *copy = row_copy(row);
-    if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, rows_index(&r->rows, s)) != 0) {
-        obx_free(copy);
-        return false;
-    }
-    s->parked = copy;
-    rows_move(&r->rows, s, SLOT_PARKED);
-    return true;
-}
-
-/* Key hash h has no record at Kafka any more, the last one delivered: its
- * first parked row goes now, if the relay may publish. */
-void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
-{
-    if (!r->recovered || r->draining || r->state == OBX_RELAY_WAIT_PG) {
-        relay_release_parked_of(r, h); /* fetched again once it may */
-        return;
-    }
-    int32_t i = obx_keycount_unpark(&r->busy_keys, h);
-    if (i < 0)
-        return;
-    struct slot *p = &r->rows.slot[i];
-    const char *reason = NULL;
-    rows_move(&r->rows, p, SLOT_PRODUCED);
-    enum obx_produce_result pr = r->ops->produce(r->producer, p->parked, p, &reason);
-    if (pr == OBX_PRODUCE_OK) {
-        obx_free(p->parked);
-        p->parked = NULL;
-        (void)obx_keycount_add(&r->busy_keys, h); /* it had a place: cannot fail */
-        r->n_outstanding++;
-        return;
-    }
-    if (pr == OBX_PRODUCE_BUSY) {
-        relay_slot_release(r, p);
-        r->not_before = now + 100;
-    } else {
-        relay_refused_as(r, p, pr == OBX_PRODUCE_TOPIC_REFUSED, p->parked->key, p->parked->key_len,
-                         reason, now);
-        obx_free(p->parked);
-        p->parked = NULL;
-    }
-    relay_release_parked_of(r, h); /* the rest of the key after it, by a fetch */
-    relay_after_release(r);
 }
 
 size_t obx_relay_held_back_keys(const struct obx_relay *r)

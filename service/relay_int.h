@@ -4,7 +4,7 @@
  *
  *   relay.c        the cycle: fetch, produce, delivery reports, mark
  *   relay_log.c    log mode's cursor rows (relay.on_sent = log)
- *   relay_held.c   refused rows, held-back keys, rows parked behind their key
+ *   relay_held.c   refused rows and the keys they hold back
  *   relay_drain.c  drain, shutdown, progress and stalls
  *   relay_shards.c the slots of relay.shards this relay owns
  *   relay_rows.c   the rows in flight: slots and their states
@@ -310,6 +310,11 @@ void relay_stop(struct obx_relay *r, const char *why);
 int relay_grow_offsets(struct obx_relay *r);
 void relay_kick(struct obx_relay *r, int64_t now);
 void relay_after_release(struct obx_relay *r);
+/* Rows parked behind their key's record at Kafka (set.one_per_key). */
+void relay_release_parked_of(struct obx_relay *r, uint64_t h);
+void relay_release_all_parked(struct obx_relay *r);
+bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
+void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
 
 /* relay_log.c (log mode) */
 struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq);
@@ -352,10 +357,6 @@ void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, s
                          const char *reason, int64_t now);
 void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
                          const char *reason, int64_t now);
-void relay_release_parked_of(struct obx_relay *r, uint64_t h);
-void relay_release_all_parked(struct obx_relay *r);
-bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
-void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
 
 /* relay_shards.c (relay.shards > 1) */
 int relay_shards_new(struct obx_relay *r);
