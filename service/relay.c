@@ -124,6 +124,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->held_back);
     obx_free(r->keys);
     obx_free(r->key_ids);
+    obx_free(r->lifted);
     obx_free(r->dead_ids);
     obx_free(r->dead_reasons);
     obx_free(r->off_topics);
@@ -177,6 +178,92 @@ void relay_slot_release(struct obx_relay *r, struct slot *s)
     if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
         relay_log_settle(r, s, false); /* back unsent, or held */
     rows_release(&r->rows, s);
+}
+
+/* ---- refused rows: relay_held.c keeps the entries, this applies the rest ---- */
+
+/* What a call into relay_held.c asked for (struct held_fx), applied right
+ * after it: before a slot is released, whose log-mode settle reads the
+ * rules of held rows. */
+static void held_apply(struct obx_relay *r, const struct held_fx *fx)
+{
+    for (size_t i = 0; r->set.log_mode && i < fx->n_lifted; i++)
+        relay_lift(r, r->lifted[i]);
+    if (fx->hold && r->set.log_mode)
+        relay_hold(r, fx->hold_id, fx->hold_topic, fx->hold_key, fx->hold_key_len);
+    if (fx->clear_cursor)
+        cursor_clear(&r->cur, fx->clear_cursor);
+    if (fx->want_fetch)
+        cursor_want_fetch(&r->cur, fx->want_fetch);
+}
+
+/* Row `id` was delivered, or went on otherwise (`delivered` false: without
+ * a word): its key's rows go on. */
+static void held_goes_on(struct obx_relay *r, int64_t id, bool delivered)
+{
+    struct held_fx fx = {0};
+    if (delivered)
+        relay_release_held_back(r, id, &fx);
+    else
+        relay_drop_held_back(r, id, &fx);
+    held_apply(r, &fx);
+}
+
+/* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
+static void row_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                        const char *reason, int64_t now)
+{
+    if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
+        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
+                  "outbox.dead_letters",
+                  (long long)s->id, r->topics[s->topic], reason);
+        s->reason = obx_strdup(reason ? reason : "refused by Kafka");
+        if (s->reason) {
+            if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
+                relay_log_settle(r, s, true);
+            rows_move(&r->rows, s, SLOT_DEAD);
+            held_goes_on(r, s->id, false); /* refused alone too: its key goes on */
+            return;
+        }
+        obx_error("relay: out of memory dead-lettering row %lld; retrying it", (long long)s->id);
+    } else {
+        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; retrying it, later rows of "
+                  "its key wait (relay.on_reject = retry)",
+                  (long long)s->id, r->topics[s->topic], reason);
+    }
+    struct held_fx fx = {0};
+    relay_held_refused(r, s->id, s->topic, key, key_len, now, &fx);
+    held_apply(r, &fx);
+    relay_slot_release(r, s);
+    cursor_want_fetch(&r->cur, "row refused");
+}
+
+/* Row `s`'s topic refused it, or `s` itself was refused (`topic` false). */
+static void refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
+                       size_t key_len, const char *reason, int64_t now)
+{
+    if (!topic || r->set.on_reject != OBX_ON_REJECT_RETRY || r->set.log_mode) {
+        row_refused(r, s, key, key_len, reason, now);
+        return;
+    }
+    struct held_fx fx = {0};
+    bool behind = relay_held_topic_refused(r, s->id, s->topic, key, key_len, reason, now, &fx);
+    held_apply(r, &fx);
+    relay_slot_release(r, s);
+    if (behind) /* below hwm, fetched again by a full fetch once the topic goes on */
+        cursor_clear(&r->cur, "row refused");
+    else
+        cursor_want_fetch(&r->cur, "topic refused");
+}
+
+static void batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+                          const char *reason, int64_t now)
+{
+    struct held_fx fx = {0};
+    relay_held_batch_refused(r, s->id, s->topic, key, key_len, reason, now, &fx);
+    held_apply(r, &fx);
+    relay_slot_release(r, s);
+    cursor_want_fetch(&r->cur, "batch refused");
 }
 
 /* A fetch in flight, alone or beside the mark, was sent before `why`: its
@@ -761,7 +848,7 @@ static int64_t alone_of_fetch(struct obx_relay *r, const struct obx_row *rows, s
             return due_alone_id;
     obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
              (long long)due_alone_id);
-    relay_drop_held_back(r, due_alone_id);
+    held_goes_on(r, due_alone_id, false);
     cursor_want_fetch(&r->cur, "key no longer held back");
     return NO_ID;
 }
@@ -863,7 +950,7 @@ static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
     s->partition = fr.partition;
     s->offset = fr.offset;
     if (r->n_held_back > 0)
-        relay_release_held_back(r, s->id); /* it was held: its key goes on */
+        held_goes_on(r, s->id, true); /* it was held: its key goes on */
     return true;
 }
 
@@ -914,8 +1001,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         return false;
     }
     if (pr != OBX_PRODUCE_OK) {
-        relay_refused_as(r, s, pr == OBX_PRODUCE_TOPIC_REFUSED, row->key, row->key_len, reason,
-                         now);
+        refused_as(r, s, pr == OBX_PRODUCE_TOPIC_REFUSED, row->key, row->key_len, reason, now);
         return true;
     }
     if (s->key_hash && obx_keycount_add(&r->busy_keys, s->key_hash) != 0)
@@ -978,8 +1064,11 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         return;
     }
     int64_t due_alone_id = alone_of_fetch(r, rows, n);
-    if (r->n_held_back > 0 && r->cur.fetch_kind == FETCH_FULL)
-        relay_drop_settled(r, rows, n, n >= (size_t)r->cur.fetch_limit);
+    if (r->n_held_back > 0 && r->cur.fetch_kind == FETCH_FULL) {
+        struct held_fx fx = {0};
+        relay_drop_settled(r, rows, n, n >= (size_t)r->cur.fetch_limit, &fx);
+        held_apply(r, &fx);
+    }
     size_t n_take = rows_to_take(r, rows, n);
     cursor_advance(r, rows, n, n_take, snapshot);
     uint64_t seq;
@@ -1130,7 +1219,9 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
     /* A later row of a topic held as a whole waits with the topic's rows:
      * no entry of its own. Log mode: a held row, key or none. */
     if (!b && (key || r->set.log_mode) && !relay_behind_topic(r, s)) {
-        relay_hold_back(r, s->id, s->topic, key, key_len, now);
+        struct held_fx fx = {0};
+        relay_hold_back(r, s->id, s->topic, key, key_len, now, &fx);
+        held_apply(r, &fx);
         b = relay_find_held_back(r, s->id);
     } else if (b)
         b->attempts++;
@@ -1216,20 +1307,20 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         if (s->created_us > 0 && r->ops->acked)
             r->ops->acked(r->io, s->created_us);
         if (r->n_held_back > 0)
-            relay_release_held_back(r, s->id);
+            held_goes_on(r, s->id, true);
         break;
     case OBX_DELIVERY_RETRY:
     case OBX_DELIVERY_UNKNOWN:
         not_delivered(r, s, outcome, key, key_len, reason, now);
         break;
     case OBX_DELIVERY_REFUSED:
-        relay_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        row_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     case OBX_DELIVERY_BATCH_REFUSED:
-        relay_batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
+        batch_refused(r, s, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     case OBX_DELIVERY_TOPIC_REFUSED:
-        relay_refused_as(r, s, true, key, key_len, reason ? reason : "refused by Kafka", now);
+        refused_as(r, s, true, key, key_len, reason ? reason : "refused by Kafka", now);
         break;
     }
     /* The key's next row goes once this one is delivered; after any other
@@ -1382,8 +1473,8 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
         relay_slot_release(r, p);
         r->not_before = now + 100;
     } else {
-        relay_refused_as(r, p, pr == OBX_PRODUCE_TOPIC_REFUSED, p->parked->key, p->parked->key_len,
-                         reason, now);
+        refused_as(r, p, pr == OBX_PRODUCE_TOPIC_REFUSED, p->parked->key, p->parked->key_len,
+                   reason, now);
         obx_free(p->parked);
         p->parked = NULL;
     }

@@ -47,32 +47,30 @@ static struct held_back *topic_held(struct obx_relay *r, uint32_t topic)
     return NULL;
 }
 
-void relay_release_held_back(struct obx_relay *r, int64_t id)
+/* Forgets entry `b`: its key goes on. */
+static void forget(struct obx_relay *r, struct held_back *b, struct held_fx *fx)
 {
-    struct held_back *b = relay_find_held_back(r, id);
-    if (!b)
-        return;
-    /* its key's later rows may be waiting below hwm */
-    cursor_clear(&r->cur, "key no longer held back");
-    obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
-             b->attempts);
-    if (r->set.log_mode)
-        relay_lift(r, id);
+    fx->clear_cursor = "key no longer held back"; /* its later rows may wait below hwm */
+    r->lifted[fx->n_lifted++] = b->id;
     obx_free(b->key);
     *b = r->held_back[--r->n_held_back];
 }
 
-/* Forgets the entry of row `id` without a word (dead-lettered, or gone). */
-void relay_drop_held_back(struct obx_relay *r, int64_t id)
+void relay_release_held_back(struct obx_relay *r, int64_t id, struct held_fx *fx)
 {
     struct held_back *b = relay_find_held_back(r, id);
     if (!b)
         return;
-    cursor_clear(&r->cur, "key no longer held back");
-    if (r->set.log_mode)
-        relay_lift(r, id);
-    obx_free(b->key);
-    *b = r->held_back[--r->n_held_back];
+    obx_info("relay: row %lld delivered after %d failed tries; its key goes on", (long long)id,
+             b->attempts);
+    forget(r, b, fx);
+}
+
+void relay_drop_held_back(struct obx_relay *r, int64_t id, struct held_fx *fx)
+{
+    struct held_back *b = relay_find_held_back(r, id);
+    if (b)
+        forget(r, b, fx);
 }
 
 /* True if an earlier held row of its key, or of its topic refused as a
@@ -106,7 +104,8 @@ struct held_back *relay_due_alone(struct obx_relay *r, int64_t now)
  * recovery pass found it in Kafka and marked it, or another relay published
  * it): its key goes on. `rows` are the answer's n rows, `full`: it had as
  * many as it asked for. */
-void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full)
+void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full,
+                        struct held_fx *fx)
 {
     for (size_t i = 0; i < r->n_held_back;) {
         const struct held_back *b = &r->held_back[i];
@@ -121,8 +120,8 @@ void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t 
         }
         obx_info("relay: row %lld is no longer waiting to be sent; its key goes on",
                  (long long)b->id);
-        relay_drop_held_back(r, b->id); /* moves the last entry here */
-        cursor_want_fetch(&r->cur, "key no longer held back");
+        forget(r, &r->held_back[i], fx); /* moves the last entry here */
+        fx->want_fetch = "key no longer held back";
     }
 }
 
@@ -143,6 +142,10 @@ int relay_grow_held_back(struct obx_relay *r)
     if (!ki)
         return -1;
     r->key_ids = ki;
+    int64_t *li = obx_realloc(r->lifted, cap * sizeof(*li));
+    if (!li)
+        return -1;
+    r->lifted = li;
     int64_t *ids = obx_realloc(r->ids, ((size_t)r->set.max_in_flight + cap) * sizeof(*ids));
     if (!ids)
         return -1;
@@ -165,9 +168,9 @@ static void schedule_retry(const struct obx_relay *r, struct held_back *b, int64
 
 /* Row `id` was refused: retry it later, holding back its key meanwhile. */
 void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
-                     size_t key_len, int64_t now)
+                     size_t key_len, int64_t now, struct held_fx *fx)
 {
-    cursor_clear(&r->cur, "row refused"); /* it is below hwm, and comes back by a full fetch */
+    fx->clear_cursor = "row refused"; /* it is below hwm, and comes back by a full fetch */
     struct held_back *b = relay_find_held_back(r, id);
     if (!b) {
         if (r->n_held_back == r->cap_held_back && relay_grow_held_back(r) != 0) {
@@ -185,46 +188,30 @@ void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char
             memcpy(copy, key, key_len);
         b = &r->held_back[r->n_held_back++];
         *b = (struct held_back){.id = id, .topic = topic, .key = copy, .key_len = key_len};
-        if (r->set.log_mode)
-            relay_hold(r, id, topic, key, key_len);
+        fx->hold = true; /* log mode: the cursor rows name it */
+        fx->hold_id = id;
+        fx->hold_topic = topic;
+        fx->hold_key = key;
+        fx->hold_key_len = key_len;
     }
     schedule_retry(r, b, now);
 }
 
-/* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
-void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                   const char *reason, int64_t now)
+/* Row `id` refused for good, retried (relay.on_reject = retry, or no
+ * memory for its dead letter): alone, with back-off, its key waiting. */
+void relay_held_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                        size_t key_len, int64_t now, struct held_fx *fx)
 {
-    if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
-        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
-                  "outbox.dead_letters",
-                  (long long)s->id, r->topics[s->topic], reason);
-        s->reason = obx_strdup(reason ? reason : "refused by Kafka");
-        if (s->reason) {
-            if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
-                relay_log_settle(r, s, true);
-            rows_move(&r->rows, s, SLOT_DEAD);
-            relay_drop_held_back(r, s->id); /* refused alone too: its key goes on */
-            return;
-        }
-        obx_error("relay: out of memory dead-lettering row %lld; retrying it", (long long)s->id);
-    } else {
-        obx_error("relay: row %lld (topic %s) refused by Kafka: %s; retrying it, later rows of "
-                  "its key wait (relay.on_reject = retry)",
-                  (long long)s->id, r->topics[s->topic], reason);
-    }
-    relay_hold_back(r, s->id, s->topic, key, key_len, now);
-    struct held_back *b = relay_find_held_back(r, s->id);
+    relay_hold_back(r, id, topic, key, key_len, now, fx);
+    struct held_back *b = relay_find_held_back(r, id);
     if (b) {
         b->alone = true;      /* retried alone, with back-off: a refusal in a batch would
                                * take the batch's other rows with it */
         if (b->whole_topic) { /* refused for itself now: the topic takes rows again */
             b->whole_topic = false;
-            cursor_clear(&r->cur, "topic no longer held");
+            fx->clear_cursor = "topic no longer held";
         }
     }
-    relay_slot_release(r, s);
-    cursor_want_fetch(&r->cur, "row refused");
 }
 
 bool relay_behind_topic(struct obx_relay *r, const struct slot *s)
@@ -233,37 +220,29 @@ bool relay_behind_topic(struct obx_relay *r, const struct slot *s)
     return t && t->id < s->id;
 }
 
-/* Row `s`'s topic refused it (it does not exist, the relay may not write
- * it, its name is invalid), relay.on_reject = retry, mark or delete mode:
- * the topic's rows wait behind its first refused row, held as one entry
- * (thousands of keys would make thousands), which is retried alone with
- * back-off; the other topics go on. Log mode holds by key (its stored
- * cursor has no rule for a whole topic). */
-void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                         const char *reason, int64_t now)
+bool relay_held_topic_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                              size_t key_len, const char *reason, int64_t now, struct held_fx *fx)
 {
-    struct held_back *t = topic_held(r, s->topic);
-    if (t && t->id < s->id) { /* behind it: fetched again once the topic goes on */
-        obx_debug("relay: row %lld (topic %s) refused: %s; it waits behind row %lld",
-                  (long long)s->id, r->topics[s->topic], reason, (long long)t->id);
-        relay_slot_release(r, s);
-        cursor_clear(&r->cur, "row refused"); /* below hwm, fetched again by a full fetch */
-        return;
+    struct held_back *t = topic_held(r, topic);
+    if (t && t->id < id) { /* behind it: fetched again once the topic goes on */
+        obx_debug("relay: row %lld (topic %s) refused: %s; it waits behind row %lld", (long long)id,
+                  r->topics[topic], reason, (long long)t->id);
+        return true;
     }
     if (!t)
         obx_error("relay: topic %s refused row %lld: %s; the topic's rows wait behind its first "
                   "one, which is retried alone with back-off, and other topics go on "
                   "(relay.on_reject = retry)",
-                  r->topics[s->topic], (long long)s->id, reason);
+                  r->topics[topic], (long long)id, reason);
     /* The topic's entry is its lowest row with one, or this row: reports
      * of rows of the topic may have come first (a refusal in a batch purges
      * the producer, and each purged row came back for a retry). Every
      * other entry of the topic goes; its row waits behind that one. */
-    int64_t low = s->id;
+    int64_t low = id;
     int attempts = 0;
     for (size_t i = 0; i < r->n_held_back; i++) {
         const struct held_back *o = &r->held_back[i];
-        if (o->topic != s->topic)
+        if (o->topic != topic)
             continue;
         if (o->id < low)
             low = o->id;
@@ -271,13 +250,13 @@ void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, s
             attempts = o->attempts;
     }
     for (size_t i = 0; i < r->n_held_back;) {
-        if (r->held_back[i].topic == s->topic && r->held_back[i].id != low)
-            relay_drop_held_back(r, r->held_back[i].id); /* moves the last entry here */
+        if (r->held_back[i].topic == topic && r->held_back[i].id != low)
+            forget(r, &r->held_back[i], fx); /* moves the last entry here */
         else
             i++;
     }
-    if (low == s->id)
-        relay_hold_back(r, s->id, s->topic, key, key_len, now);
+    if (low == id)
+        relay_hold_back(r, id, topic, key, key_len, now, fx);
     struct held_back *b = relay_find_held_back(r, low);
     if (b) {
         b->attempts = attempts; /* the topic's back-off goes on from where it was */
@@ -285,36 +264,21 @@ void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, s
         b->whole_topic = true;
         b->alone = true;
     }
-    relay_slot_release(r, s);
-    cursor_want_fetch(&r->cur, "topic refused");
+    return false;
 }
 
-void relay_refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
-                      size_t key_len, const char *reason, int64_t now)
-{
-    if (topic && r->set.on_reject == OBX_ON_REJECT_RETRY && !r->set.log_mode)
-        relay_topic_refused(r, s, key, key_len, reason, now);
-    else
-        relay_refused(r, s, key, key_len, reason, now);
-}
-
-/* The batch row `s` went in was refused for good, perhaps for another
- * record's sake (a batch is too large as a whole, or one record in it is):
- * its key waits while it is tried again alone, at once. */
-void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                         const char *reason, int64_t now)
+void relay_held_batch_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                              size_t key_len, const char *reason, int64_t now, struct held_fx *fx)
 {
     obx_warn("relay: the batch of row %lld (topic %s) was refused by Kafka: %s; trying the row "
              "alone before relay.on_reject applies, later rows of its key wait",
-             (long long)s->id, r->topics[s->topic], reason);
-    relay_hold_back(r, s->id, s->topic, key, key_len, now);
-    struct held_back *b = relay_find_held_back(r, s->id);
+             (long long)id, r->topics[topic], reason);
+    relay_hold_back(r, id, topic, key, key_len, now, fx);
+    struct held_back *b = relay_find_held_back(r, id);
     if (b) {
         b->alone = true;
         b->retry_at = now;
     }
-    relay_slot_release(r, s);
-    cursor_want_fetch(&r->cur, "batch refused");
 }
 
 size_t obx_relay_held_back_keys(const struct obx_relay *r)

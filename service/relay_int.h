@@ -260,6 +260,7 @@ struct obx_relay {
     int64_t offsets_due;            /* when the next mark stores them */
     struct obx_held_back_key *keys; /* cap_held_back of them */
     int64_t *key_ids;               /* cap_held_back of them */
+    int64_t *lifted;                /* cap_held_back of them: see struct held_fx */
 
     struct slot **batch; /* slots of the rows of the fetch being produced */
 
@@ -333,30 +334,50 @@ bool relay_log_held_out(struct obx_relay *r);
 bool relay_start_log_write(struct obx_relay *r, int64_t now);
 void relay_log_write_done(struct obx_relay *r);
 
-/* relay_held.c (refused rows and held-back keys) */
+/* relay_held.c (refused rows and held-back keys). Its functions change
+ * the held entries only, and say what else is to change in a struct
+ * held_fx that relay.c applies right after the call (held_apply). */
+struct held_fx {
+    const char *clear_cursor; /* drop the cursor, for this reason (NULL: no) */
+    const char *want_fetch;   /* a fetch is due, for this reason (NULL: no) */
+    bool hold;                /* log mode: a rule for row hold_id, just held back */
+    int64_t hold_id;
+    uint32_t hold_topic;
+    const char *hold_key; /* the caller's, valid until applied */
+    size_t hold_key_len;
+    size_t n_lifted; /* held rows whose key went on: r->lifted[0..n_lifted) */
+};
 struct held_back *relay_find_held_back(struct obx_relay *r, int64_t id);
 bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic);
-void relay_release_held_back(struct obx_relay *r, int64_t id);
-void relay_drop_held_back(struct obx_relay *r, int64_t id);
+/* Row `id` was delivered (logged) or is gone (dead-lettered, settled): its
+ * entry goes, and its key with it. */
+void relay_release_held_back(struct obx_relay *r, int64_t id, struct held_fx *fx);
+void relay_drop_held_back(struct obx_relay *r, int64_t id, struct held_fx *fx);
 bool relay_behind_another(const struct obx_relay *r, const struct held_back *b);
 struct held_back *relay_due_alone(struct obx_relay *r, int64_t now);
-void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full);
+void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full,
+                        struct held_fx *fx);
 int relay_grow_held_back(struct obx_relay *r);
 void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
-                     size_t key_len, int64_t now);
-void relay_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                   const char *reason, int64_t now);
+                     size_t key_len, int64_t now, struct held_fx *fx);
+void relay_held_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                        size_t key_len, int64_t now, struct held_fx *fx);
 /* Whether `s` is a later row of a topic held as a whole. */
 bool relay_behind_topic(struct obx_relay *r, const struct slot *s);
-/* relay_topic_refused when `topic` (its topic refuses every row) and the
- * relay holds topics (relay.on_reject = retry, not log mode), else
- * relay_refused. */
-void relay_refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
-                      size_t key_len, const char *reason, int64_t now);
-void relay_topic_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                         const char *reason, int64_t now);
-void relay_batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
-                         const char *reason, int64_t now);
+/* Row `id`'s topic refused it (it does not exist, the relay may not write
+ * it, its name is invalid), relay.on_reject = retry, mark or delete mode:
+ * the topic's rows wait behind its first refused row, held as one entry
+ * (thousands of keys would make thousands), which is retried alone with
+ * back-off; the other topics go on. Log mode holds by key (its stored
+ * cursor has no rule for a whole topic). True: the row waits behind an
+ * earlier one of the topic, held already. */
+bool relay_held_topic_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                              size_t key_len, const char *reason, int64_t now, struct held_fx *fx);
+/* The batch row `id` went in was refused for good, perhaps for another
+ * record's sake (a batch is too large as a whole, or one record in it is):
+ * its key waits while it is tried again alone, at once. */
+void relay_held_batch_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
+                              size_t key_len, const char *reason, int64_t now, struct held_fx *fx);
 
 /* relay_shards.c (relay.shards > 1) */
 int relay_shards_new(struct obx_relay *r);
