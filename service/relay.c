@@ -15,14 +15,6 @@
 
 #include <string.h>
 
-static const char *const state_names[] = {"wait_pg", "recovering", "idle",    "fetching",
-                                          "marking", "stopped",    "claiming"};
-
-const char *obx_relay_state_name(enum obx_relay_state s)
-{
-    return (unsigned)s < sizeof(state_names) / sizeof(state_names[0]) ? state_names[s] : "?";
-}
-
 /* Which moves are possible: allowed[from] is a bit set of destinations. */
 /* The error about log mode's rows in flight that cannot be stored, at most
  * this often. */
@@ -44,11 +36,12 @@ static const unsigned allowed[] = {
 void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why)
 {
     if (!(allowed[r->state] & BIT(to))) {
-        OBX_BUG("relay: refused state change %s -> %s (%s)", state_names[r->state], state_names[to],
-                why);
+        OBX_BUG("relay: refused state change %s -> %s (%s)", obx_relay_state_name(r->state),
+                obx_relay_state_name(to), why);
         return;
     }
-    obx_debug("relay: %s -> %s (%s)", state_names[r->state], state_names[to], why);
+    obx_debug("relay: %s -> %s (%s)", obx_relay_state_name(r->state), obx_relay_state_name(to),
+              why);
     r->state = to;
     r->state_since = r->now;
 }
@@ -86,17 +79,13 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_held_back: see relay_grow_held_back() */
     r->dead_ids = obx_calloc(n, sizeof(*r->dead_ids));
     r->dead_reasons = obx_calloc(n, sizeof(*r->dead_reasons));
-    r->off_topics = obx_calloc(n, sizeof(*r->off_topics));
-    r->off_partitions = obx_calloc(n, sizeof(*r->off_partitions));
-    r->off_offsets = obx_calloc(n, sizeof(*r->off_offsets));
     r->batch = obx_calloc((size_t)s->batch_size, sizeof(*r->batch));
     if (rows_init(&r->rows, s->max_in_flight) != 0 || !r->ids || !r->dead_ids || !r->dead_reasons ||
-        !r->off_topics || !r->off_partitions || !r->off_offsets || !r->batch ||
+        part_offsets_init(&r->offs, n) != 0 || !r->batch ||
         (s->one_per_key && obx_keycount_init(&r->busy_keys, n) != 0)) {
         obx_relay_free(r);
         return -1;
     }
-    r->cap_off = n;
     cursor_want_fetch(&r->cur, "start");
     r->cur.poll_delay = POLL_MIN_MS;
     r->cur.bytes_limit = s->batch_size;
@@ -115,9 +104,7 @@ void obx_relay_free(struct obx_relay *r)
         return;
     for (size_t i = 0; i < r->n_held_back; i++)
         obx_free(r->held_back[i].key);
-    for (size_t i = 0; i < r->n_topics; i++)
-        obx_free(r->topics[i]);
-    obx_free(r->topics);
+    topics_free(&r->topics);
     obx_free(r->cur.snap);
     rows_free(&r->rows);
     obx_free(r->ids);
@@ -127,9 +114,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->lifted);
     obx_free(r->dead_ids);
     obx_free(r->dead_reasons);
-    obx_free(r->off_topics);
-    obx_free(r->off_partitions);
-    obx_free(r->off_offsets);
+    part_offsets_free(&r->offs);
     obx_free(r->batch);
     obx_keycount_free(&r->busy_keys);
     relay_log_reset(r);
@@ -147,30 +132,6 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->log.offs);
     relay_shards_free(r);
     obx_free(r);
-}
-
-/* Index of `name` in the topic table, adding it if new; -1 on no memory.
- * Rows come in runs of one topic, so the last hit is tried first. */
-int64_t relay_topic_index(struct obx_relay *r, const char *name)
-{
-    if (r->last_topic < r->n_topics && strcmp(r->topics[r->last_topic], name) == 0)
-        return r->last_topic;
-    for (size_t i = 0; i < r->n_topics; i++)
-        if (strcmp(r->topics[i], name) == 0)
-            return r->last_topic = (uint32_t)i;
-    if (r->n_topics == r->cap_topics) {
-        size_t cap = r->cap_topics ? r->cap_topics * 2 : 16;
-        char **grown = obx_realloc(r->topics, cap * sizeof(*grown));
-        if (!grown)
-            return -1;
-        r->topics = grown;
-        r->cap_topics = cap;
-    }
-    char *copy = obx_strdup(name);
-    if (!copy)
-        return -1;
-    r->topics[r->n_topics] = copy;
-    return r->last_topic = (uint32_t)r->n_topics++;
 }
 
 void relay_slot_release(struct obx_relay *r, struct slot *s)
@@ -216,7 +177,7 @@ static void row_refused(struct obx_relay *r, struct slot *s, const char *key, si
     if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
         obx_error("relay: row %lld (topic %s) refused by Kafka: %s; moving it to "
                   "outbox.dead_letters",
-                  (long long)s->id, r->topics[s->topic], reason);
+                  (long long)s->id, r->topics.name[s->topic], reason);
         s->reason = obx_strdup(reason ? reason : "refused by Kafka");
         if (s->reason) {
             if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
@@ -229,7 +190,7 @@ static void row_refused(struct obx_relay *r, struct slot *s, const char *key, si
     } else {
         obx_error("relay: row %lld (topic %s) refused by Kafka: %s; retrying it, later rows of "
                   "its key wait (relay.on_reject = retry)",
-                  (long long)s->id, r->topics[s->topic], reason);
+                  (long long)s->id, r->topics.name[s->topic], reason);
     }
     struct held_fx fx = {0};
     relay_held_refused(r, s->id, s->topic, key, key_len, now, &fx);
@@ -290,44 +251,10 @@ void relay_stop(struct obx_relay *r, const char *why)
         r->ops->stopped(r->io, r->exit_code);
 }
 
-/* Room for twice as many partitions' offsets. */
-int relay_grow_offsets(struct obx_relay *r)
-{
-    size_t cap = r->cap_off * 2;
-    const char **t = obx_realloc(r->off_topics, cap * sizeof(*t));
-    if (!t)
-        return -1;
-    r->off_topics = t;
-    int32_t *p = obx_realloc(r->off_partitions, cap * sizeof(*p));
-    if (!p)
-        return -1;
-    r->off_partitions = p;
-    int64_t *o = obx_realloc(r->off_offsets, cap * sizeof(*o));
-    if (!o)
-        return -1;
-    r->off_offsets = o;
-    r->cap_off = cap;
-    return 0;
-}
-
-/* Adds slot `s`'s offset to the per-partition maxima waiting to be stored.
- * Without memory for a new partition its stored offset lags, which costs
- * the recovery pass a longer read and nothing else. */
+/* Adds slot `s`'s offset to the per-partition maxima waiting to be stored. */
 static void note_offset(struct obx_relay *r, const struct slot *s)
 {
-    const char *topic = r->topics[s->topic];
-    for (size_t i = 0; i < r->n_off; i++) {
-        if (r->off_partitions[i] == s->partition && r->off_topics[i] == topic) {
-            if (s->offset > r->off_offsets[i])
-                r->off_offsets[i] = s->offset;
-            return;
-        }
-    }
-    if (r->n_off == r->cap_off && relay_grow_offsets(r) != 0)
-        return;
-    r->off_topics[r->n_off] = topic;
-    r->off_partitions[r->n_off] = s->partition;
-    r->off_offsets[r->n_off++] = s->offset;
+    part_offsets_raise(&r->offs, r->topics.name[s->topic], s->partition, s->offset);
 }
 
 /* Fills `f` for the next fetch; false if none can go (no free slot, or
@@ -393,8 +320,8 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         if (b->key || b->whole_topic) {     /* a topic's: key NULL, every later row */
             r->keys[f->n_held_back] =
                 b->whole_topic
-                    ? (struct obx_held_back_key){r->topics[b->topic], NULL, 0}
-                    : (struct obx_held_back_key){r->topics[b->topic], b->key, b->key_len};
+                    ? (struct obx_held_back_key){r->topics.name[b->topic], NULL, 0}
+                    : (struct obx_held_back_key){r->topics.name[b->topic], b->key, b->key_len};
             r->key_ids[f->n_held_back++] = b->id;
         }
     }
@@ -445,7 +372,7 @@ static void fetch_gone(struct obx_relay *r)
 /* Whether a fetch may go now. */
 static bool fetch_allowed(struct obx_relay *r, int64_t now)
 {
-    if (r->draining || !r->recovered || relay_shards_hold_fetch(r))
+    if (r->draining || !r->recovered || relay_shards_hold_fetch(r, relay_log_unclaimed(r)))
         return false;
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending. */
@@ -476,16 +403,40 @@ static void schedule_look(struct obx_relay *r, size_t n, int64_t now)
         r->ops->wake_at(r->io, r->cur.next_look_at);
 }
 
+/* Log mode: the cursor row relay_log.c builds, sent; the rows it covers
+ * go into the mark in flight. */
+static bool start_log_write(struct obx_relay *r, int64_t now)
+{
+    struct obx_mark m;
+    bool restart;
+    if (!relay_log_write_build(r, now, &m, &restart))
+        return false;
+    if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
+        r->not_before = now + r->set.retry_backoff_ms;
+        return false;
+    }
+    if (r->ops->mark(r->io, &m) != 0)
+        return false;
+    relay_log_write_sent(r, restart);
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct slot *s = &r->rows.slot[i];
+        if ((s->state == SLOT_ACKED || s->state == SLOT_DEAD) && relay_log_ready_covers(r, s))
+            rows_move(&r->rows, s, s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING);
+    }
+    relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
+    return true;
+}
+
 /* Marks every ACKED slot and dead-letters every DEAD one, in one
  * statement (perhaps with the next fetch). Returns true if it was sent. */
 static bool start_mark(struct obx_relay *r, int64_t now)
 {
     if (r->set.log_mode)
-        return relay_start_log_write(r, now);
+        return start_log_write(r, now);
     struct obx_mark m = {.ids = r->ids,
-                         .topics = r->off_topics,
-                         .partitions = r->off_partitions,
-                         .offsets = r->off_offsets,
+                         .topics = r->offs.topic,
+                         .partitions = r->offs.partition,
+                         .offsets = r->offs.offset,
                          .shards = r->set.shards,
                          .owned_slots = relay_mark_slots(r),
                          .dead_ids = r->dead_ids,
@@ -504,13 +455,13 @@ static bool start_mark(struct obx_relay *r, int64_t now)
         return false;
     /* The offsets go with a mark once a second, and with every mark of a
      * drain (the next start reads less). */
-    r->offsets_in_mark = r->n_off > 0 && (now >= r->offsets_due || r->draining);
+    r->offsets_in_mark = r->offs.n > 0 && (now >= r->offsets_due || r->draining);
     /* A slot just taken is read by its pass from the offsets stored before:
      * ours, stored for it now, could lie above its last owner's records
      * that the pass has yet to find. Kept until the pass is done. */
     if (relay_sharded(r) && !r->recovered)
         r->offsets_in_mark = false;
-    m.n_offsets = r->offsets_in_mark ? r->n_off : 0;
+    m.n_offsets = r->offsets_in_mark ? r->offs.n : 0;
     if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
@@ -555,13 +506,92 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
     return true;
 }
 
+/* ---- the slots of relay.shards: relay_shards.c decides, this sends ---- */
+
+/* What a call into relay_shards.c asked for (struct owner_fx). */
+static void owner_apply(struct obx_relay *r, const struct owner_fx *fx)
+{
+    if (fx->taken) {
+        r->recovered = false; /* the pass for them goes before their rows */
+        /* Log mode took them quiet: the pass reads the cursor rows about
+         * every slot now owned, and this relay's cursor starts from them.
+         * Mark and delete mode read cursor rows too if log mode left any
+         * (cursor_advance: the highest hwm of them). */
+        if (r->set.log_mode || r->log.has_stored)
+            r->log.loaded = false;
+        /* A claim made before is not about the slots taken: none may be
+         * stored with them (relay_log.c refuses writes until the reload). */
+        r->log.has_ready = false;
+        relay_claims_drop_from(r, 0);
+    }
+    if (fx->clear_cursor)
+        cursor_clear(&r->cur, fx->clear_cursor);
+    if (fx->want_fetch)
+        cursor_want_fetch(&r->cur, fx->want_fetch);
+}
+
+/* Sends a claim if one is due. True if it went. */
+static bool start_claim(struct obx_relay *r, int64_t now)
+{
+    struct owner_fx fx = {0};
+    struct claim_due c;
+    bool due = relay_claim_due(r, now, &c, &fx);
+    owner_apply(r, &fx);
+    if (!due)
+        return false;
+    if (r->ops->claim(r->io, r->set.shards, c.give, c.take) != 0) {
+        r->not_before = now + r->set.retry_backoff_ms;
+        return false;
+    }
+    relay_claim_sent(r, c.giving);
+    relay_set_state(r, OBX_RELAY_CLAIMING, c.why);
+    return true;
+}
+
+/* At the end of a drain, every slot back (relay_give_all_due). True if the
+ * claim went, or an answer is awaited first. */
+static bool give_all(struct obx_relay *r, int64_t now)
+{
+    struct owner_fx fx = {0};
+    const char *give = NULL;
+    enum give_all g = relay_give_all_due(r, now, &give, &fx);
+    owner_apply(r, &fx);
+    if (g != GIVE_ALL_SEND)
+        return g == GIVE_ALL_WAIT;
+    if (r->ops->claim(r->io, r->set.shards, give, false) != 0)
+        return false;
+    relay_claim_sent(r, true);
+    relay_set_state(r, OBX_RELAY_CLAIMING, "slots to give back before stopping");
+    return true;
+}
+
+void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_t now)
+{
+    r->now = now;
+    if (r->state != OBX_RELAY_CLAIMING)
+        return;
+    relay_set_state(r, OBX_RELAY_IDLE, "claim answered");
+    struct owner_fx fx = {0};
+    if (!relay_claim_answered(r, c, now, &fx)) {
+        r->not_before = now + r->set.retry_backoff_ms;
+        relay_kick(r, now);
+        return;
+    }
+    if (c->cursor_hwm > r->log.others_hwm)
+        r->log.others_hwm = c->cursor_hwm;
+    owner_apply(r, &fx);
+    if (rows_in_use(&r->rows) == 0)
+        relay_progress(r, now); /* nothing waits: a relay with no slot is not stalled */
+    relay_kick(r, now);
+}
+
 /* Decides what the relay does next. Called after every event. */
 void relay_kick(struct obx_relay *r, int64_t now)
 {
     if (r->state == OBX_RELAY_STOPPED)
         return;
     if (r->draining && relay_drain_over(r, now)) {
-        if (relay_shards_give_all(r, now))
+        if (give_all(r, now))
             return;
         if (rows_in_use(&r->rows) > 0)
             obx_warn("relay: stopping %s with %zu rows unconfirmed (%zu acknowledged but not "
@@ -580,7 +610,7 @@ void relay_kick(struct obx_relay *r, int64_t now)
         return;
     if (r->draining)
         return;
-    if (relay_sharded(r) && relay_start_claim(r, now))
+    if (relay_sharded(r) && start_claim(r, now))
         return;
     if (!r->recovered) {
         if (r->rows.orphans > 0 || (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded))
@@ -672,7 +702,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
                  "finds in Kafka what landed, and %zu refused rows to be fetched again; none is "
                  "confirmed by its id",
                  acked, awaiting, refused);
-    r->n_off = 0;
+    r->offs.n = 0;
     relay_log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
     relay_shards_lost(r);
     /* The relay lock went with the session: another relay may have
@@ -908,7 +938,7 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
     size_t taken = 0;
     for (size_t i = 0; i < n_take; i++) {
         const struct obx_row *row = &rows[i];
-        int64_t topic = relay_topic_index(r, row->topic);
+        int64_t topic = topics_index(&r->topics, row->topic);
         r->batch[i] = NULL;
         if (topic < 0) {
             obx_error("relay: out of memory for topic names");
@@ -1115,7 +1145,7 @@ static void mark_done(struct obx_relay *r, int64_t now)
     r->marked_total += marked;
     r->dead_total += dead;
     if (r->offsets_in_mark) {
-        r->n_off = 0;
+        r->offs.n = 0;
         r->offsets_due = now + OFFSETS_STORE_MS;
         r->offsets_in_mark = false;
     }

@@ -1,12 +1,21 @@
 /*
- * relay_drain: predicates only, read from the relay's state: whether marks
- * must wait for a recovery pass, when a drain may stop, and what a stalled
- * relay waits for. relay.c acts on their answers (shutdown, fatal errors,
- * progress and stalls are its entry points).
+ * relay_drain: predicates and names only, read from the relay's state:
+ * whether marks must wait for a recovery pass, when a drain may stop, what
+ * a stalled relay waits for, and the states' names. relay.c acts on their
+ * answers (shutdown, fatal errors, progress and stalls are its entry
+ * points).
  */
 #include "relay_int.h"
 
 #include <stdio.h>
+
+static const char *const state_names[] = {"wait_pg", "recovering", "idle",    "fetching",
+                                          "marking", "stopped",    "claiming"};
+
+const char *obx_relay_state_name(enum obx_relay_state s)
+{
+    return (unsigned)s < sizeof(state_names) / sizeof(state_names[0]) ? state_names[s] : "?";
+}
 
 /* A possibly-persisted report is not yet settled by a recovery pass. Until
  * it is, nothing is marked: a mark raises the stored offset of each of its

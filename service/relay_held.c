@@ -226,14 +226,14 @@ bool relay_held_topic_refused(struct obx_relay *r, int64_t id, uint32_t topic, c
     struct held_back *t = topic_held(r, topic);
     if (t && t->id < id) { /* behind it: fetched again once the topic goes on */
         obx_debug("relay: row %lld (topic %s) refused: %s; it waits behind row %lld", (long long)id,
-                  r->topics[topic], reason, (long long)t->id);
+                  r->topics.name[topic], reason, (long long)t->id);
         return true;
     }
     if (!t)
         obx_error("relay: topic %s refused row %lld: %s; the topic's rows wait behind its first "
                   "one, which is retried alone with back-off, and other topics go on "
                   "(relay.on_reject = retry)",
-                  r->topics[topic], (long long)id, reason);
+                  r->topics.name[topic], (long long)id, reason);
     /* The topic's entry is its lowest row with one, or this row: reports
      * of rows of the topic may have come first (a refusal in a batch purges
      * the producer, and each purged row came back for a retry). Every
@@ -272,7 +272,7 @@ void relay_held_batch_refused(struct obx_relay *r, int64_t id, uint32_t topic, c
 {
     obx_warn("relay: the batch of row %lld (topic %s) was refused by Kafka: %s; trying the row "
              "alone before relay.on_reject applies, later rows of its key wait",
-             (long long)id, r->topics[topic], reason);
+             (long long)id, r->topics.name[topic], reason);
     relay_hold_back(r, id, topic, key, key_len, now, fx);
     struct held_back *b = relay_find_held_back(r, id);
     if (b) {

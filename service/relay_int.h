@@ -238,10 +238,7 @@ struct obx_relay {
 
     struct rows rows; /* the rows in flight (relay_rows.h) */
 
-    /* Topic names seen so far; slots refer to them by index. */
-    char **topics;
-    size_t n_topics, cap_topics;
-    uint32_t last_topic;
+    struct topics topics; /* topic names; slots refer to them by index */
 
     /* Refused rows and the keys they hold back: grown as needed. */
     struct held_back *held_back;
@@ -252,10 +249,7 @@ struct obx_relay {
     int64_t *dead_ids;
     const char **dead_reasons;
     /* The highest acknowledged offset per partition not yet stored. */
-    const char **off_topics;
-    int32_t *off_partitions;
-    int64_t *off_offsets;
-    size_t n_off, cap_off;
+    struct part_offsets offs;
     bool offsets_in_mark;           /* the mark in flight stores them */
     int64_t offsets_due;            /* when the next mark stores them */
     struct obx_held_back_key *keys; /* cap_held_back of them */
@@ -303,12 +297,10 @@ struct obx_relay {
 
 /* relay.c (the cycle) */
 void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
-int64_t relay_topic_index(struct obx_relay *r, const char *name);
 void relay_slot_release(struct obx_relay *r, struct slot *s);
 void relay_ignore_fetch(struct obx_relay *r, const char *why);
 int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
 void relay_stop(struct obx_relay *r, const char *why);
-int relay_grow_offsets(struct obx_relay *r);
 void relay_kick(struct obx_relay *r, int64_t now);
 void relay_after_release(struct obx_relay *r);
 /* Rows parked behind their key's record at Kafka (set.one_per_key). */
@@ -331,7 +323,15 @@ void relay_lift(struct obx_relay *r, int64_t id);
 bool relay_take_found(struct obx_relay *r, int64_t id, struct found_row *out);
 void relay_log_reset(struct obx_relay *r);
 bool relay_log_held_out(struct obx_relay *r);
-bool relay_start_log_write(struct obx_relay *r, int64_t now);
+/* Log mode: a cursor row for the ready claim, covering the acknowledged
+ * rows of the fetches up to it (a partial claim's: those of its slots up
+ * to its hwm), and dead-lettering the refused ones among them. True: one
+ * is due, in *m (valid until the next call into relay_log.c); once it is
+ * sent, relay_log_write_sent(), and the rows it covers
+ * (relay_log_ready_covers) are in it. */
+bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *m, bool *restart);
+void relay_log_write_sent(struct obx_relay *r, bool restart);
+bool relay_log_ready_covers(const struct obx_relay *r, const struct slot *s);
 void relay_log_write_done(struct obx_relay *r);
 
 /* relay_held.c (refused rows and held-back keys). Its functions change
@@ -379,17 +379,37 @@ bool relay_held_topic_refused(struct obx_relay *r, int64_t id, uint32_t topic, c
 void relay_held_batch_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
                               size_t key_len, const char *reason, int64_t now, struct held_fx *fx);
 
-/* relay_shards.c (relay.shards > 1) */
+/* relay_shards.c (relay.shards > 1). It decides on the slots this relay
+ * owns; relay.c sends the claims and applies, right after each call, what
+ * else is to change (struct owner_fx). */
+struct owner_fx {
+    const char *clear_cursor; /* drop the cursor, for this reason (NULL: no) */
+    const char *want_fetch;   /* a fetch is due, for this reason (NULL: no) */
+    bool taken;               /* slots were taken: their recovery pass goes before their rows,
+                               * and log mode's cursor starts again from the rows about them */
+};
+struct claim_due {
+    const char *give; /* the slots it gives back, "{}" for none */
+    bool take;        /* it may take free slots */
+    bool giving;
+    const char *why;
+};
+bool relay_claim_due(struct obx_relay *r, int64_t now, struct claim_due *out, struct owner_fx *fx);
+void relay_claim_sent(struct obx_relay *r, bool giving);
+enum give_all { GIVE_ALL_NO, GIVE_ALL_WAIT, GIVE_ALL_SEND };
+enum give_all relay_give_all_due(struct obx_relay *r, int64_t now, const char **give,
+                                 struct owner_fx *fx);
+/* A claim's answer; false: unreadable (logged), the slots unknown. */
+bool relay_claim_answered(struct obx_relay *r, const struct obx_claim *c, int64_t now,
+                          struct owner_fx *fx);
 int relay_shards_new(struct obx_relay *r);
 void relay_shards_free(struct obx_relay *r);
 bool relay_sharded(const struct obx_relay *r);
 void relay_shards_lost(struct obx_relay *r);
-bool relay_shards_hold_fetch(const struct obx_relay *r);
+bool relay_shards_hold_fetch(const struct obx_relay *r, bool log_unclaimed);
 bool relay_shards_want_quiet(const struct obx_relay *r);
-bool relay_shards_give_all(struct obx_relay *r, int64_t now);
 bool relay_log_unclaimed(const struct obx_relay *r);
 bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
-bool relay_start_claim(struct obx_relay *r, int64_t now);
 void relay_claim_failed(struct obx_relay *r);
 const char *relay_fetch_slots(const struct obx_relay *r);
 bool relay_fetch_every_slot(const struct obx_relay *r);

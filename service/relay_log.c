@@ -424,7 +424,7 @@ static bool log_held_out_room(struct obx_relay *r, size_t extra, uint64_t claim_
         if (h->lifted && claim_send > h->lift_send)
             continue; /* the claim written with these covers its rows */
         l->held_out[l->n_held_out++] =
-            (struct obx_log_held){r->topics[h->topic], h->key, h->key_len, h->from_id};
+            (struct obx_log_held){r->topics.name[h->topic], h->key, h->key_len, h->from_id};
     }
     for (size_t i = 0; i < l->n_also; i++)
         l->also_out[l->n_also_out++] = l->also[i].id;
@@ -504,7 +504,7 @@ static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
         if (o && l->found[i].offset < o->below)
             o->below = l->found[i].offset;
     }
-    r->n_off = 0;
+    r->offs.n = 0;
     for (size_t i = 0; i < l->n_offs; i++) {
         struct log_offset *o = &l->offs[i];
         int64_t v = o->below != INT64_MAX ? o->below - 1 : o->covered;
@@ -513,11 +513,8 @@ static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
         o->covered = v;    /* what this write stores */
         if (v < 0 || (!all && v == o->stored))
             continue;
-        if (r->n_off == r->cap_off && relay_grow_offsets(r) != 0)
+        if (part_offsets_add(&r->offs, r->topics.name[o->topic], o->partition, v) != 0)
             return false;
-        r->off_topics[r->n_off] = r->topics[o->topic];
-        r->off_partitions[r->n_off] = o->partition;
-        r->off_offsets[r->n_off++] = v;
     }
     return true;
 }
@@ -587,11 +584,13 @@ bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
            now - l->stored_at >= LOG_IDLE_WRITE_MS;
 }
 
-/* Log mode: a cursor row for the ready claim, covering the acknowledged
- * rows of the fetches up to it (a partial claim's: those of its slots up
- * to its hwm), and dead-lettering the refused ones among them. Returns true
- * if it was sent. */
-bool relay_start_log_write(struct obx_relay *r, int64_t now)
+bool relay_log_ready_covers(const struct obx_relay *r, const struct slot *s)
+{
+    return ready_covers(&r->log, s);
+}
+
+bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *out,
+                           bool *restart_out)
 {
     struct log_state *l = &r->log;
     bool idle = relay_log_idle_write_due(r, now);
@@ -631,7 +630,7 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
      * cost the next recovery pass a longer read, nothing more). */
     l->offsets_in_write = !l->ready_about && (!relay_sharded(r) || restart || r->draining ||
                                               relay_shards_want_quiet(r) || now >= l->offsets_due);
-    r->n_off = 0;
+    r->offs.n = 0;
     if (l->offsets_in_write && !log_offsets_out(r, l->ready_seq, restart)) {
         obx_error("relay: out of memory building the cursor row");
         return false;
@@ -661,32 +660,26 @@ bool relay_start_log_write(struct obx_relay *r, int64_t now)
                          .restart = restart,
                          .shards = r->set.shards,
                          .owned_slots = l->ready_about ? l->write_about_text : relay_mark_slots(r),
-                         .topics = r->off_topics,
-                         .partitions = r->off_partitions,
-                         .offsets = r->off_offsets,
-                         .n_offsets = r->n_off,
+                         .topics = r->offs.topic,
+                         .partitions = r->offs.partition,
+                         .offsets = r->offs.offset,
+                         .n_offsets = r->offs.n,
                          .dead_ids = r->dead_ids,
                          .dead_reasons = r->dead_reasons,
                          .n_dead = n_dead};
-    if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
-        r->not_before = now + r->set.retry_backoff_ms;
-        return false;
-    }
-    if (r->ops->mark(r->io, &m) != 0)
-        return false;
+    *out = m;
+    *restart_out = restart;
+    return true;
+}
+
+void relay_log_write_sent(struct obx_relay *r, bool restart)
+{
+    struct log_state *l = &r->log;
     l->write_seq = l->ready_seq;
     l->write_send = l->ready_send;
     l->write_hwm = l->ready_hwm;
     l->write_partial = l->ready_about != NULL;
     l->restart_next = restart;
-    for (int i = 0; i < r->rows.cap; i++) {
-        struct slot *s = &r->rows.slot[i];
-        if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
-            continue;
-        rows_move(&r->rows, s, s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING);
-    }
-    relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
-    return true;
 }
 
 /* Every row in flight is acknowledged and no claim can store them (the
@@ -837,7 +830,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     if (st->n_found > 0 && !(found = obx_calloc(st->n_found, sizeof(*found))))
         return -1;
     for (size_t i = 0; i < st->n_found; i++) {
-        int64_t t = relay_topic_index(r, st->found[i].topic);
+        int64_t t = topics_index(&r->topics, st->found[i].topic);
         if (t < 0) {
             obx_free(found);
             return -1;
@@ -880,7 +873,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     size_t n_off = relay_sharded(r) ? 0 : st->n_off;
     for (size_t i = 0; i < n_held; i++) {
         const struct obx_log_held *h = &st->held[i];
-        int64_t t = relay_topic_index(r, h->topic);
+        int64_t t = topics_index(&r->topics, h->topic);
         if (t < 0)
             return -1;
         size_t before = l->n_held;
@@ -898,7 +891,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
         if (!also_add(l, st->also_sent[i], 0, 0))
             return -1;
     for (size_t i = 0; i < n_off; i++) {
-        int64_t t = relay_topic_index(r, st->off_topics[i]);
+        int64_t t = topics_index(&r->topics, st->off_topics[i]);
         struct log_offset *o = t < 0 ? NULL : log_offset_of(r, (uint32_t)t, st->off_partitions[i]);
         if (!o)
             return -1;

@@ -110,3 +110,94 @@ void rows_orphan(struct rows *rs, struct slot *s)
         rs->orphans++;
     }
 }
+
+int64_t topics_index(struct topics *t, const char *name)
+{
+    if (t->last < t->n && strcmp(t->name[t->last], name) == 0)
+        return t->last;
+    for (size_t i = 0; i < t->n; i++)
+        if (strcmp(t->name[i], name) == 0)
+            return t->last = (uint32_t)i;
+    if (t->n == t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 16;
+        char **grown = obx_realloc(t->name, cap * sizeof(*grown));
+        if (!grown)
+            return -1;
+        t->name = grown;
+        t->cap = cap;
+    }
+    char *copy = obx_strdup(name);
+    if (!copy)
+        return -1;
+    t->name[t->n] = copy;
+    return t->last = (uint32_t)t->n++;
+}
+
+void topics_free(struct topics *t)
+{
+    for (size_t i = 0; i < t->n; i++)
+        obx_free(t->name[i]);
+    obx_free(t->name);
+    memset(t, 0, sizeof(*t));
+}
+
+int part_offsets_init(struct part_offsets *o, size_t cap)
+{
+    memset(o, 0, sizeof(*o));
+    o->topic = obx_calloc(cap, sizeof(*o->topic));
+    o->partition = obx_calloc(cap, sizeof(*o->partition));
+    o->offset = obx_calloc(cap, sizeof(*o->offset));
+    o->cap = cap;
+    return o->topic && o->partition && o->offset ? 0 : -1;
+}
+
+void part_offsets_free(struct part_offsets *o)
+{
+    obx_free(o->topic);
+    obx_free(o->partition);
+    obx_free(o->offset);
+    memset(o, 0, sizeof(*o));
+}
+
+/* Room for twice as many partitions. */
+static int part_offsets_grow(struct part_offsets *o)
+{
+    size_t cap = o->cap ? o->cap * 2 : 16;
+    const char **t = obx_realloc(o->topic, cap * sizeof(*t));
+    if (!t)
+        return -1;
+    o->topic = t;
+    int32_t *p = obx_realloc(o->partition, cap * sizeof(*p));
+    if (!p)
+        return -1;
+    o->partition = p;
+    int64_t *v = obx_realloc(o->offset, cap * sizeof(*v));
+    if (!v)
+        return -1;
+    o->offset = v;
+    o->cap = cap;
+    return 0;
+}
+
+int part_offsets_add(struct part_offsets *o, const char *topic, int32_t partition, int64_t offset)
+{
+    if (o->n == o->cap && part_offsets_grow(o) != 0)
+        return -1;
+    o->topic[o->n] = topic;
+    o->partition[o->n] = partition;
+    o->offset[o->n++] = offset;
+    return 0;
+}
+
+void part_offsets_raise(struct part_offsets *o, const char *topic, int32_t partition,
+                        int64_t offset)
+{
+    for (size_t i = 0; i < o->n; i++) {
+        if (o->partition[i] == partition && o->topic[i] == topic) {
+            if (offset > o->offset[i])
+                o->offset[i] = offset;
+            return;
+        }
+    }
+    (void)part_offsets_add(o, topic, partition, offset);
+}

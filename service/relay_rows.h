@@ -3,7 +3,8 @@
  * a row out until its mark commits (or it goes back unsent). A slot's state
  * changes in one place, rows_move(), which refuses moves the table does not
  * allow and keeps the count of every state; the other rooms of the relay
- * read slots and counts and never write a state.
+ * read slots and counts and never write a state. Beside them: the topic
+ * names rows refer to, and the partitions' offsets a mark stores.
  */
 #ifndef OUTBOXD_RELAY_ROWS_H
 #define OUTBOXD_RELAY_ROWS_H
@@ -82,5 +83,36 @@ static inline int32_t rows_index(const struct rows *rs, const struct slot *s)
 }
 
 const char *rows_state_name(enum slot_state s);
+
+/* Topic names seen so far; slots, held entries and offsets refer to them
+ * by index. */
+struct topics {
+    char **name;
+    size_t n, cap;
+    uint32_t last;
+};
+/* Index of `name`, added if new; -1 on no memory. Rows come in runs of one
+ * topic, so the last hit is tried first. */
+int64_t topics_index(struct topics *t, const char *name);
+void topics_free(struct topics *t);
+
+/* The highest acknowledged offset of each partition, to be stored with a
+ * mark (as struct obx_mark takes them: topic names point into struct
+ * topics). */
+struct part_offsets {
+    const char **topic;
+    int32_t *partition;
+    int64_t *offset;
+    size_t n, cap;
+};
+int part_offsets_init(struct part_offsets *o, size_t cap);
+void part_offsets_free(struct part_offsets *o);
+/* Appends one; -1 on no memory. */
+int part_offsets_add(struct part_offsets *o, const char *topic, int32_t partition, int64_t offset);
+/* Raises `partition`'s offset to `offset`, or appends it. Without memory
+ * for a new partition its stored offset lags, which costs the recovery
+ * pass a longer read and nothing else. */
+void part_offsets_raise(struct part_offsets *o, const char *topic, int32_t partition,
+                        int64_t offset);
 
 #endif

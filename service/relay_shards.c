@@ -143,7 +143,7 @@ static bool found_pending(const struct obx_relay *r)
 
 /* No fetch may go: the slots are not known yet, some wait to be given back
  * (the relay makes a quiet moment for them), or none is owned. */
-bool relay_shards_hold_fetch(const struct obx_relay *r)
+bool relay_shards_hold_fetch(const struct obx_relay *r, bool log_unclaimed)
 {
     const struct shard_state *h = &r->shard;
     if (!relay_sharded(r))
@@ -153,7 +153,7 @@ bool relay_shards_hold_fetch(const struct obx_relay *r)
     /* Log mode: acknowledged rows that no claim covers are stored only
      * after a fetch that makes one, so one goes (its rows are of every
      * slot owned, leaving ones too: see shards_texts). */
-    return (h->n_leaving > 0 || h->want_take) && !relay_log_unclaimed(r) && !found_pending(r);
+    return (h->n_leaving > 0 || h->want_take) && !log_unclaimed && !found_pending(r);
 }
 
 /* Slots wait to be given back or taken: what is in flight should be stored
@@ -189,10 +189,10 @@ const char *relay_mark_slots(const struct obx_relay *r)
     return relay_sharded(r) ? r->shard.mark_text : NULL;
 }
 
-/* Sends a claim if one is due: the first of a session, the periodic look,
- * or the give-back once nothing of ours is in flight or unmarked. True if
- * it went. */
-bool relay_start_claim(struct obx_relay *r, int64_t now)
+/* Whether a claim is due: the first of a session, the periodic look, or
+ * the give-back once nothing of ours is in flight or unmarked; if so, what
+ * it gives back and whether it may take. */
+bool relay_claim_due(struct obx_relay *r, int64_t now, struct claim_due *out, struct owner_fx *fx)
 {
     struct shard_state *h = &r->shard;
     if (h->want_take && !quiet(r) && now - h->want_take_since > TAKE_PAUSE_MAX_MS) {
@@ -202,7 +202,7 @@ bool relay_start_claim(struct obx_relay *r, int64_t now)
                  TAKE_PAUSE_MAX_MS, TAKE_RETRY_MS / 1000);
         h->want_take = false;
         h->take_again_at = now + TAKE_RETRY_MS;
-        cursor_want_fetch(&r->cur, "slots not taken now");
+        fx->want_fetch = "slots not taken now";
     }
     /* Nothing of ours in flight or unmarked, no report left unsettled and
      * the pass over our slots done: the slots go back clean (given_back),
@@ -218,13 +218,16 @@ bool relay_start_claim(struct obx_relay *r, int64_t now)
     bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0 && may_take;
     if (take && h->want_take)
         h->next_quick_claim_at = now + CLAIM_EVERY_MS / 5; /* a lost race does not spin */
-    if (r->ops->claim(r->io, r->set.shards, give ? h->give_text : "{}", take) != 0) {
-        r->not_before = now + r->set.retry_backoff_ms;
-        return false;
-    }
-    h->giving = give;
-    relay_set_state(r, OBX_RELAY_CLAIMING, give ? "slots to give back" : "look at the slots");
+    *out = (struct claim_due){.give = give ? h->give_text : "{}",
+                              .take = take,
+                              .giving = give,
+                              .why = give ? "slots to give back" : "look at the slots"};
     return true;
+}
+
+void relay_claim_sent(struct obx_relay *r, bool giving)
+{
+    r->shard.giving = giving;
 }
 
 /* "0,3,5" into h->seen; false if it is not such a list of slots. */
@@ -248,7 +251,7 @@ static bool parse_owned(struct obx_relay *r, const char *text)
 
 /* The surplus over the share leaves the fetches (the highest slots first),
  * to be given back at the next quiet moment. With `all`, every slot. */
-static void choose_leaving(struct obx_relay *r, bool all)
+static void choose_leaving(struct obx_relay *r, bool all, struct owner_fx *fx)
 {
     struct shard_state *h = &r->shard;
     int keep = all ? 0 : h->share;
@@ -266,42 +269,42 @@ static void choose_leaving(struct obx_relay *r, bool all)
         }
     }
     if (h->n_leaving > 0)
-        cursor_clear(&r->cur, "slots to give back");
+        fx->clear_cursor = "slots to give back";
 }
 
 /* At the end of a drain: with nothing in flight or unmarked, every slot
  * goes back clean (given_back), so that their next owners' passes read
  * Kafka from the stored offsets only, not from a partition's start as
- * after an owner that may have died before storing one. True if the claim
- * went (the drain ends at its answer), or waits for an answer first. */
-bool relay_shards_give_all(struct obx_relay *r, int64_t now)
+ * after an owner that may have died before storing one. GIVE_ALL_SEND: a
+ * claim giving every slot back is to go (*give), and the drain ends at its
+ * answer; GIVE_ALL_WAIT: an answer is awaited first. */
+enum give_all relay_give_all_due(struct obx_relay *r, int64_t now, const char **give,
+                                 struct owner_fx *fx)
 {
     struct shard_state *h = &r->shard;
     if (h->gave_all) /* the drain ends at the answer */
-        return r->state == OBX_RELAY_CLAIMING && now < r->hard_deadline;
+        return r->state == OBX_RELAY_CLAIMING && now < r->hard_deadline ? GIVE_ALL_WAIT
+                                                                        : GIVE_ALL_NO;
     if (!relay_sharded(r) || !r->ops->claim || !h->known || h->n_owned == 0 || !quiet(r) ||
         !r->recovered || found_pending(r))
-        return false;
+        return GIVE_ALL_NO;
     /* A look for rows, at the slots, or an empty cursor row still out:
      * its answer comes first (the rows of a fetch answered now are left). */
     if (r->state == OBX_RELAY_FETCHING || r->state == OBX_RELAY_CLAIMING ||
         r->state == OBX_RELAY_MARKING)
-        return now < r->hard_deadline;
+        return now < r->hard_deadline ? GIVE_ALL_WAIT : GIVE_ALL_NO;
     if (r->state != OBX_RELAY_IDLE)
-        return false;
+        return GIVE_ALL_NO;
     h->gave_all = true;
-    choose_leaving(r, true);
+    choose_leaving(r, true, fx);
     shards_texts(r);
-    if (r->ops->claim(r->io, r->set.shards, h->give_text, false) != 0)
-        return false;
-    h->giving = true;
-    relay_set_state(r, OBX_RELAY_CLAIMING, "slots to give back before stopping");
-    return true;
+    *give = h->give_text;
+    return GIVE_ALL_SEND;
 }
 
 /* The answer's slots against what we held: given back, taken, or (never
  * expected: a lock goes only with the session) gone. */
-static void apply_owned(struct obx_relay *r, int64_t now)
+static void apply_owned(struct obx_relay *r, struct owner_fx *fx)
 {
     struct shard_state *h = &r->shard;
     int taken = 0, given = 0, gone = 0;
@@ -325,7 +328,7 @@ static void apply_owned(struct obx_relay *r, int64_t now)
     if (gone > 0) {
         obx_error("relay: %d slots were no longer held by this relay; its cursor starts again",
                   gone);
-        cursor_clear(&r->cur, "slots gone");
+        fx->clear_cursor = "slots gone";
     }
     if (given > 0)
         obx_event(OBX_LOG_INFO, "slots_given_back",
@@ -336,44 +339,26 @@ static void apply_owned(struct obx_relay *r, int64_t now)
         obx_event(OBX_LOG_INFO, "slots_taken",
                   "relay: took %d slots; holds %s (%d of %d, %d relays); recovering them first",
                   taken, h->list_text, h->n_owned, r->set.shards, h->members);
-        cursor_clear(&r->cur, "slots taken");
-        r->recovered = false; /* the pass for them goes before their rows */
-        /* Log mode took them quiet: the pass reads the cursor rows about
-         * every slot now owned, and this relay's cursor starts from them.
-         * Mark and delete mode read cursor rows too if log mode left any
-         * (relay.c, cursor_advance: the highest hwm of them). */
-        if (r->set.log_mode || r->log.has_stored)
-            r->log.loaded = false;
-        /* A claim made before is not about the slots taken: none may be
-         * stored with them (relay_log.c refuses writes until the reload). */
-        r->log.has_ready = false;
-        relay_claims_drop_from(r, 0);
+        fx->clear_cursor = "slots taken";
+        fx->taken = true;
     }
-    (void)now;
 }
 
-void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_t now)
+bool relay_claim_answered(struct obx_relay *r, const struct obx_claim *c, int64_t now,
+                          struct owner_fx *fx)
 {
     struct shard_state *h = &r->shard;
-    r->now = now;
-    if (r->state != OBX_RELAY_CLAIMING)
-        return;
-    relay_set_state(r, OBX_RELAY_IDLE, "claim answered");
     h->giving = false;
     if (!parse_owned(r, c->owned ? c->owned : "")) {
         obx_error("relay: the claim of slots answered an unreadable list: %.64s", c->owned);
         h->known = false;
-        r->not_before = now + r->set.retry_backoff_ms;
-        relay_kick(r, now);
-        return;
+        return false;
     }
     h->members = c->members;
     h->share = c->share;
-    if (c->cursor_hwm > r->log.others_hwm)
-        r->log.others_hwm = c->cursor_hwm;
     h->free = c->free;
     h->other_shards = c->other_shards;
-    apply_owned(r, now);
+    apply_owned(r, fx);
     bool want = r->set.log_mode && h->other_shards == 0 && h->n_leaving == 0 && !r->draining &&
                 h->n_owned < h->share && h->free > 0 && now >= h->take_again_at;
     if (want && !h->want_take)
@@ -387,16 +372,14 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
                       h->other_shards, r->set.shards);
             h->warned_at = now;
         }
-        choose_leaving(r, true);
+        choose_leaving(r, true, fx);
     } else if (h->n_owned - h->n_leaving > h->share) {
-        choose_leaving(r, false);
+        choose_leaving(r, false, fx);
     }
     h->known = true;
     h->next_claim_at = now + CLAIM_EVERY_MS;
     shards_texts(r);
-    if (rows_in_use(&r->rows) == 0)
-        relay_progress(r, now); /* nothing waits: a relay with no slot is not stalled */
-    relay_kick(r, now);
+    return true;
 }
 
 /* A claim that failed may have moved locks before it did (advisory locks

@@ -1,6 +1,7 @@
 /*
  * Unit tests of relay_rows, the rows in flight: slots, the free list, and
- * the count of every state kept by the one function that moves a slot.
+ * the count of every state kept by the one function that moves a slot;
+ * the topic names and the partitions' offsets beside them.
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -12,6 +13,7 @@
 #include "outboxd/alloc.h"
 #include "relay_rows.h"
 
+#include <stdio.h>
 #include <string.h>
 
 /* The counts agree with the slots' states. */
@@ -108,6 +110,36 @@ static void test_parked_and_orphans(void **state)
     rows_free(&rs); /* frees b's parked copy */
 }
 
+static void test_topics_and_offsets(void **state)
+{
+    (void)state;
+    struct topics t = {0};
+    assert_int_equal(topics_index(&t, "a"), 0);
+    assert_int_equal(topics_index(&t, "b"), 1);
+    assert_int_equal(topics_index(&t, "a"), 0); /* found again, not added */
+    for (int i = 0; i < 40; i++) {              /* grows past its first 16 */
+        char name[16];
+        snprintf(name, sizeof(name), "t%d", i);
+        assert_int_equal(topics_index(&t, name), 2 + i);
+    }
+    assert_string_equal(t.name[1], "b");
+
+    struct part_offsets o;
+    assert_int_equal(part_offsets_init(&o, 1), 0);
+    part_offsets_raise(&o, t.name[0], 3, 10);
+    part_offsets_raise(&o, t.name[0], 3, 7); /* never back */
+    part_offsets_raise(&o, t.name[1], 3, 5); /* another topic: its own entry (grown) */
+    part_offsets_raise(&o, t.name[0], 3, 12);
+    assert_int_equal(o.n, 2);
+    assert_int_equal(o.offset[0], 12);
+    assert_int_equal(o.offset[1], 5);
+    assert_int_equal(part_offsets_add(&o, t.name[0], 4, 1), 0);
+    assert_int_equal(o.n, 3);
+    assert_int_equal(o.partition[2], 4);
+    part_offsets_free(&o);
+    topics_free(&t);
+}
+
 int main(void)
 {
     use_cmocka_allocator(); /* leaks and double frees fail the test */
@@ -115,6 +147,7 @@ int main(void)
         cmocka_unit_test(test_take_until_full),
         cmocka_unit_test(test_mark_cycle),
         cmocka_unit_test(test_parked_and_orphans),
+        cmocka_unit_test(test_topics_and_offsets),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
