@@ -76,7 +76,8 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->io = io;
     r->producer = producer;
     r->state = OBX_RELAY_WAIT_PG;
-    r->ids = obx_calloc(n, sizeof(*r->ids)); /* + cap_held_back: see relay_grow_held_back() */
+    r->ids = obx_calloc(n, sizeof(*r->ids)); /* + held.cap: see fetch_room_fits() */
+    r->held.retry_backoff_ms = s->retry_backoff_ms;
     r->dead_ids = obx_calloc(n, sizeof(*r->dead_ids));
     r->dead_reasons = obx_calloc(n, sizeof(*r->dead_reasons));
     r->batch = obx_calloc((size_t)s->batch_size, sizeof(*r->batch));
@@ -102,16 +103,13 @@ void obx_relay_free(struct obx_relay *r)
 {
     if (!r)
         return;
-    for (size_t i = 0; i < r->n_held_back; i++)
-        obx_free(r->held_back[i].key);
+    held_free(&r->held);
     topics_free(&r->topics);
     obx_free(r->cur.snap);
     rows_free(&r->rows);
     obx_free(r->ids);
-    obx_free(r->held_back);
     obx_free(r->keys);
     obx_free(r->key_ids);
-    obx_free(r->lifted);
     obx_free(r->dead_ids);
     obx_free(r->dead_reasons);
     part_offsets_free(&r->offs);
@@ -149,7 +147,7 @@ void relay_slot_release(struct obx_relay *r, struct slot *s)
 static void held_apply(struct obx_relay *r, const struct held_fx *fx)
 {
     for (size_t i = 0; r->set.log_mode && i < fx->n_lifted; i++)
-        relay_lift(r, r->lifted[i]);
+        relay_lift(r, r->held.lifted[i]);
     if (fx->hold && r->set.log_mode)
         relay_hold(r, fx->hold_id, fx->hold_topic, fx->hold_key, fx->hold_key_len);
     if (fx->clear_cursor)
@@ -164,9 +162,9 @@ static void held_goes_on(struct obx_relay *r, int64_t id, bool delivered)
 {
     struct held_fx fx = {0};
     if (delivered)
-        relay_release_held_back(r, id, &fx);
+        held_release(&r->held, id, &fx);
     else
-        relay_drop_held_back(r, id, &fx);
+        held_drop(&r->held, id, &fx);
     held_apply(r, &fx);
 }
 
@@ -193,7 +191,7 @@ static void row_refused(struct obx_relay *r, struct slot *s, const char *key, si
                   (long long)s->id, r->topics.name[s->topic], reason);
     }
     struct held_fx fx = {0};
-    relay_held_refused(r, s->id, s->topic, key, key_len, now, &fx);
+    held_refused(&r->held, s->id, s->topic, key, key_len, now, &fx);
     held_apply(r, &fx);
     relay_slot_release(r, s);
     cursor_want_fetch(&r->cur, "row refused");
@@ -208,7 +206,8 @@ static void refused_as(struct obx_relay *r, struct slot *s, bool topic, const ch
         return;
     }
     struct held_fx fx = {0};
-    bool behind = relay_held_topic_refused(r, s->id, s->topic, key, key_len, reason, now, &fx);
+    bool behind = held_topic_refused(&r->held, s->id, s->topic, r->topics.name[s->topic], key,
+                                     key_len, reason, now, &fx);
     held_apply(r, &fx);
     relay_slot_release(r, s);
     if (behind) /* below hwm, fetched again by a full fetch once the topic goes on */
@@ -221,7 +220,8 @@ static void batch_refused(struct obx_relay *r, struct slot *s, const char *key, 
                           const char *reason, int64_t now)
 {
     struct held_fx fx = {0};
-    relay_held_batch_refused(r, s->id, s->topic, key, key_len, reason, now, &fx);
+    held_batch_refused(&r->held, s->id, s->topic, r->topics.name[s->topic], key, key_len, reason,
+                       now, &fx);
     held_apply(r, &fx);
     relay_slot_release(r, s);
     cursor_want_fetch(&r->cur, "batch refused");
@@ -257,10 +257,38 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
     part_offsets_raise(&r->offs, r->topics.name[s->topic], s->partition, s->offset);
 }
 
+/* The fetch's arrays fit the held entries (which grow as rows are
+ * refused): a key and an id for each, and each id among the exclusions. */
+static bool fetch_room_fits(struct obx_relay *r)
+{
+    size_t cap = r->held.cap;
+    if (r->fetch_room >= cap)
+        return true;
+    struct obx_held_back_key *k = obx_realloc(r->keys, cap * sizeof(*k));
+    if (!k)
+        return false;
+    r->keys = k;
+    int64_t *ki = obx_realloc(r->key_ids, cap * sizeof(*ki));
+    if (!ki)
+        return false;
+    r->key_ids = ki;
+    int64_t *ids = obx_realloc(r->ids, ((size_t)r->set.max_in_flight + cap) * sizeof(*ids));
+    if (!ids)
+        return false;
+    r->ids = ids;
+    r->fetch_room = cap;
+    return true;
+}
+
 /* Fills `f` for the next fetch; false if none can go (no free slot, or
  * `keyset_only` and it would be a full one). Arrays are the relay's. */
 static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
 {
+    if (!fetch_room_fits(r)) {
+        obx_error("relay: out of memory for the fetch's %zu held-back keys; fetching later",
+                  r->held.n);
+        return false;
+    }
     *f = (struct obx_fetch){.exclude = r->ids,
                             .held_back = r->keys,
                             .held_back_ids = r->key_ids,
@@ -282,8 +310,8 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
      * its lowest entry, past every row marked or deleted since the last
      * vacuum (and a held xmin horizon keeps them all). */
     bool keyset = r->cur.state == CURSOR_HELD;
-    for (size_t i = 0; i < r->n_held_back && keyset; i++)
-        keyset = r->held_back[i].retry_at > now; /* a due one lies below hwm */
+    for (size_t i = 0; i < r->held.n && keyset; i++)
+        keyset = r->held.entry[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
         return false;
     if (keyset) {
@@ -313,8 +341,8 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
             if (r->rows.slot[i].state != SLOT_FREE)
                 r->ids[f->n_exclude++] = r->rows.slot[i].id;
     }
-    for (size_t i = 0; i < r->n_held_back; i++) {
-        const struct held_back *b = &r->held_back[i];
+    for (size_t i = 0; i < r->held.n; i++) {
+        const struct held_back *b = &r->held.entry[i];
         if (b->retry_at > now && !keyset)
             r->ids[f->n_exclude++] = b->id; /* not due yet (a keyset fetch is above it) */
         if (b->key || b->whole_topic) {     /* a topic's: key NULL, every later row */
@@ -344,12 +372,12 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->cur.fetch_sent_at = now;
     /* As the full fetch's held-back keys say, for the entries drop_settled
      * looks at (a keyset fetch settles none). */
-    for (size_t i = 0; i < r->n_held_back && !f->keyset; i++) {
-        struct held_back *e = &r->held_back[i];
-        e->behind_at_fetch = !e->alone && e->retry_at <= now && relay_behind_another(r, e);
+    for (size_t i = 0; i < r->held.n && !f->keyset; i++) {
+        struct held_back *e = &r->held.entry[i];
+        e->behind_at_fetch = !e->alone && e->retry_at <= now && held_behind_another(&r->held, e);
     }
     const struct held_back *alone =
-        r->n_held_back > 0 && !f->keyset ? relay_due_alone(r, now) : NULL;
+        r->held.n > 0 && !f->keyset ? held_due_alone(&r->held, now) : NULL;
     /* One taken from the answer before (its slot is in the exclusions)
      * is on its way: this fetch's answer without it says nothing. */
     for (size_t i = 0; alone && i < f->n_exclude; i++)
@@ -377,7 +405,7 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending. */
     return !(r->alone_id != NO_ID ||
-             (r->n_outstanding > 0 && r->n_held_back > 0 && relay_due_alone(r, now)));
+             (r->n_outstanding > 0 && r->held.n > 0 && held_due_alone(&r->held, now)));
 }
 
 /* Whether a fetch should go now (beside a mark, or alone). */
@@ -867,10 +895,9 @@ static bool fetch_set_aside(struct obx_relay *r, int64_t now)
  * the row to send alone, or NO_ID. */
 static int64_t alone_of_fetch(struct obx_relay *r, const struct obx_row *rows, size_t n)
 {
-    int64_t due_alone_id =
-        r->cur.fetch_alone != NO_ID && relay_find_held_back(r, r->cur.fetch_alone)
-            ? r->cur.fetch_alone
-            : NO_ID;
+    int64_t due_alone_id = r->cur.fetch_alone != NO_ID && held_find(&r->held, r->cur.fetch_alone)
+                               ? r->cur.fetch_alone
+                               : NO_ID;
     if (due_alone_id == NO_ID || (n > 0 && rows[n - 1].id <= due_alone_id))
         return due_alone_id;
     for (size_t i = 0; i < n; i++)
@@ -945,7 +972,8 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
             cursor_clear(&r->cur, "out of memory"); /* the rest was not taken */
             break;
         }
-        if (r->n_held_back > 0 && relay_held_back(r, row, (uint32_t)topic)) {
+        if (r->held.n > 0 &&
+            held_holds(&r->held, row->id, (uint32_t)topic, row->key, row->key_len)) {
             cursor_clear(&r->cur, "row held back"); /* fetched, not taken: below hwm */
             continue;                               /* a refused row of its key comes first */
         }
@@ -979,7 +1007,7 @@ static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
     rows_move(&r->rows, s, SLOT_ACKED);
     s->partition = fr.partition;
     s->offset = fr.offset;
-    if (r->n_held_back > 0)
+    if (r->held.n > 0)
         held_goes_on(r, s->id, true); /* it was held: its key goes on */
     return true;
 }
@@ -1037,7 +1065,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     if (s->key_hash && obx_keycount_add(&r->busy_keys, s->key_hash) != 0)
         obx_error("relay: more keys with Kafka than rows in flight (row %lld)",
                   (long long)row->id); /* cannot happen: sized for max_in_flight */
-    struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, row->id) : NULL;
+    struct held_back *b = r->held.n > 0 ? held_find(&r->held, row->id) : NULL;
     if (b)
         b->retry_at = INT64_MAX; /* being retried: not due again until refused */
     r->n_outstanding++;
@@ -1061,7 +1089,7 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
         struct slot *s = r->batch[i];
         if (!s)
             continue;
-        if (r->n_held_back > 0 && relay_held_back(r, row, s->topic)) {
+        if (r->held.n > 0 && held_holds(&r->held, row->id, s->topic, row->key, row->key_len)) {
             relay_slot_release(r, s); /* its key was refused earlier in this batch */
             cursor_clear(&r->cur, "row held back");
             continue;
@@ -1094,9 +1122,10 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         return;
     }
     int64_t due_alone_id = alone_of_fetch(r, rows, n);
-    if (r->n_held_back > 0 && r->cur.fetch_kind == FETCH_FULL) {
+    if (r->held.n > 0 && r->cur.fetch_kind == FETCH_FULL) {
         struct held_fx fx = {0};
-        relay_drop_settled(r, rows, n, n >= (size_t)r->cur.fetch_limit, &fx);
+        held_drop_settled(&r->held, rows, n, n >= (size_t)r->cur.fetch_limit, r->cur.fetch_sent_at,
+                          &fx);
         held_apply(r, &fx);
     }
     size_t n_take = rows_to_take(r, rows, n);
@@ -1245,14 +1274,14 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
 static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery outcome,
                           const char *key, size_t key_len, const char *reason, int64_t now)
 {
-    struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, s->id) : NULL;
+    struct held_back *b = r->held.n > 0 ? held_find(&r->held, s->id) : NULL;
     /* A later row of a topic held as a whole waits with the topic's rows:
      * no entry of its own. Log mode: a held row, key or none. */
-    if (!b && (key || r->set.log_mode) && !relay_behind_topic(r, s)) {
+    if (!b && (key || r->set.log_mode) && !held_behind_topic(&r->held, s->topic, s->id)) {
         struct held_fx fx = {0};
-        relay_hold_back(r, s->id, s->topic, key, key_len, now, &fx);
+        held_hold_back(&r->held, s->id, s->topic, key, key_len, now, &fx);
         held_apply(r, &fx);
-        b = relay_find_held_back(r, s->id);
+        b = held_find(&r->held, s->id);
     } else if (b)
         b->attempts++;
     if (b)
@@ -1294,7 +1323,7 @@ static void orphan_reported(struct obx_relay *r, struct slot *s, int64_t now)
     /* A held-back row was out again (not due while out): due now, so the
      * next session's full fetch brings it back, found in Kafka or not.
      * Left as it was, every fetch would leave it and its key out. */
-    struct held_back *b = r->n_held_back > 0 ? relay_find_held_back(r, s->id) : NULL;
+    struct held_back *b = r->held.n > 0 ? held_find(&r->held, s->id) : NULL;
     if (b && b->retry_at > now)
         b->retry_at = now;
     relay_slot_release(r, s);
@@ -1336,7 +1365,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         s->offset = offset;
         if (s->created_us > 0 && r->ops->acked)
             r->ops->acked(r->io, s->created_us);
-        if (r->n_held_back > 0)
+        if (r->held.n > 0)
             held_goes_on(r, s->id, true);
         break;
     case OBX_DELIVERY_RETRY:
@@ -1369,8 +1398,8 @@ void obx_relay_tick(struct obx_relay *r, int64_t now)
         return;
     if (now >= r->cur.next_look_at)
         cursor_want_fetch(&r->cur, "look due");
-    for (size_t i = 0; i < r->n_held_back; i++)
-        if (r->held_back[i].retry_at <= now)
+    for (size_t i = 0; i < r->held.n; i++)
+        if (r->held.entry[i].retry_at <= now)
             cursor_want_fetch(&r->cur,
                               "refused row due"); /* a refused row is due for another try */
     relay_kick(r, now);
@@ -1597,4 +1626,9 @@ int64_t obx_relay_stalled(const struct obx_relay *r, char *why, size_t len)
 int64_t obx_relay_last_progress(const struct obx_relay *r)
 {
     return r->last_progress;
+}
+
+size_t obx_relay_held_back_keys(const struct obx_relay *r)
+{
+    return r->held.n;
 }

@@ -16,6 +16,7 @@
 #include "outboxd/keycount.h"
 #include "outboxd/relay.h"
 #include "relay_cursor.h"
+#include "relay_held.h"
 #include "relay_rows.h"
 
 #include <stdbool.h>
@@ -25,8 +26,6 @@
 /* "No row" wherever an id is kept: ids may be 0 or below (an identity
  * restarted or set there by an operator). */
 #define NO_ID INT64_MIN
-/* Longest pause between retries of a refused row. */
-#define MAX_REFUSED_BACKOFF_MS (60 * 1000)
 /* The pause before the next look for new rows: POLL_MIN_MS after a fetch
  * that found some, and an eighth of the time since one last did after a
  * fetch that found none, up to relay.poll_interval. Rows that keep coming,
@@ -181,20 +180,6 @@ struct log_state {
     bool by_slot;
 };
 
-/* A refused row under relay.on_reject = retry, or a row whose whole batch
- * was refused (it is tried again alone before on_reject applies). */
-struct held_back {
-    int64_t id;
-    int64_t retry_at;
-    uint32_t topic;
-    int attempts;
-    bool alone;           /* tried alone (nothing else out): its batch was refused, or it was */
-    bool whole_topic;     /* its topic refused it: every later row of the topic waits */
-    bool behind_at_fetch; /* an earlier one of its key held it back in the fetch in flight */
-    char *key;            /* owned; NULL = no key (only the row itself waits) */
-    size_t key_len;
-};
-
 /* relay.shards > 1 (relay_shards.c): the slots of relay.shards this relay
  * owns. ("Slot" alone in this code is a row in flight: these are `shard`.)
  * A claim every CLAIM_EVERY_MS reads the members and this relay's share; a
@@ -240,9 +225,7 @@ struct obx_relay {
 
     struct topics topics; /* topic names; slots refer to them by index */
 
-    /* Refused rows and the keys they hold back: grown as needed. */
-    struct held_back *held_back;
-    size_t n_held_back, cap_held_back;
+    struct held held; /* refused rows and the keys they hold back (relay_held.h) */
 
     /* Scratch arrays for the fetch and mark arguments, sized once. */
     int64_t *ids;
@@ -250,11 +233,13 @@ struct obx_relay {
     const char **dead_reasons;
     /* The highest acknowledged offset per partition not yet stored. */
     struct part_offsets offs;
-    bool offsets_in_mark;           /* the mark in flight stores them */
-    int64_t offsets_due;            /* when the next mark stores them */
-    struct obx_held_back_key *keys; /* cap_held_back of them */
-    int64_t *key_ids;               /* cap_held_back of them */
-    int64_t *lifted;                /* cap_held_back of them: see struct held_fx */
+    bool offsets_in_mark; /* the mark in flight stores them */
+    int64_t offsets_due;  /* when the next mark stores them */
+    /* The fetch's held-back keys and their rows' ids (held.cap of them,
+     * as r->ids has set.max_in_flight + held.cap: see fetch_room). */
+    struct obx_held_back_key *keys;
+    int64_t *key_ids;
+    size_t fetch_room; /* the held.cap they fit */
 
     struct slot **batch; /* slots of the rows of the fetch being produced */
 
@@ -333,51 +318,6 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *m,
 void relay_log_write_sent(struct obx_relay *r, bool restart);
 bool relay_log_ready_covers(const struct obx_relay *r, const struct slot *s);
 void relay_log_write_done(struct obx_relay *r);
-
-/* relay_held.c (refused rows and held-back keys). Its functions change
- * the held entries only, and say what else is to change in a struct
- * held_fx that relay.c applies right after the call (held_apply). */
-struct held_fx {
-    const char *clear_cursor; /* drop the cursor, for this reason (NULL: no) */
-    const char *want_fetch;   /* a fetch is due, for this reason (NULL: no) */
-    bool hold;                /* log mode: a rule for row hold_id, just held back */
-    int64_t hold_id;
-    uint32_t hold_topic;
-    const char *hold_key; /* the caller's, valid until applied */
-    size_t hold_key_len;
-    size_t n_lifted; /* held rows whose key went on: r->lifted[0..n_lifted) */
-};
-struct held_back *relay_find_held_back(struct obx_relay *r, int64_t id);
-bool relay_held_back(struct obx_relay *r, const struct obx_row *row, uint32_t topic);
-/* Row `id` was delivered (logged) or is gone (dead-lettered, settled): its
- * entry goes, and its key with it. */
-void relay_release_held_back(struct obx_relay *r, int64_t id, struct held_fx *fx);
-void relay_drop_held_back(struct obx_relay *r, int64_t id, struct held_fx *fx);
-bool relay_behind_another(const struct obx_relay *r, const struct held_back *b);
-struct held_back *relay_due_alone(struct obx_relay *r, int64_t now);
-void relay_drop_settled(struct obx_relay *r, const struct obx_row *rows, size_t n, bool full,
-                        struct held_fx *fx);
-int relay_grow_held_back(struct obx_relay *r);
-void relay_hold_back(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
-                     size_t key_len, int64_t now, struct held_fx *fx);
-void relay_held_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
-                        size_t key_len, int64_t now, struct held_fx *fx);
-/* Whether `s` is a later row of a topic held as a whole. */
-bool relay_behind_topic(struct obx_relay *r, const struct slot *s);
-/* Row `id`'s topic refused it (it does not exist, the relay may not write
- * it, its name is invalid), relay.on_reject = retry, mark or delete mode:
- * the topic's rows wait behind its first refused row, held as one entry
- * (thousands of keys would make thousands), which is retried alone with
- * back-off; the other topics go on. Log mode holds by key (its stored
- * cursor has no rule for a whole topic). True: the row waits behind an
- * earlier one of the topic, held already. */
-bool relay_held_topic_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
-                              size_t key_len, const char *reason, int64_t now, struct held_fx *fx);
-/* The batch row `id` went in was refused for good, perhaps for another
- * record's sake (a batch is too large as a whole, or one record in it is):
- * its key waits while it is tried again alone, at once. */
-void relay_held_batch_refused(struct obx_relay *r, int64_t id, uint32_t topic, const char *key,
-                              size_t key_len, const char *reason, int64_t now, struct held_fx *fx);
 
 /* relay_shards.c (relay.shards > 1). It decides on the slots this relay
  * owns; relay.c sends the claims and applies, right after each call, what

@@ -250,7 +250,7 @@ void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked)
     relay_recs_settle(r);
 }
 
-static void held_free(struct held_rule *h)
+static void rule_free(struct held_rule *h)
 {
     obx_free(h->key);
 }
@@ -388,7 +388,7 @@ void relay_log_reset(struct obx_relay *r)
     l->partial_told = false;
     l->has_stored = false;
     for (size_t i = 0; i < l->n_held; i++)
-        held_free(&l->held[i]);
+        rule_free(&l->held[i]);
     l->n_held = 0;
     l->n_found = 0;
     l->n_offs = 0;
@@ -740,7 +740,7 @@ void relay_log_write_done(struct obx_relay *r)
      * claim comes from (or an earlier one) is covered by that claim. */
     for (size_t i = 0; i < l->n_held;) {
         if (l->held[i].lifted && l->stored_send > l->held[i].lift_send) {
-            held_free(&l->held[i]);
+            rule_free(&l->held[i]);
             l->held[i] = l->held[--l->n_held];
         } else {
             i++;
@@ -900,8 +900,8 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     /* Rows refused or failed in an earlier session of this process are
      * still held back (their entries outlive a lost session): the cursor
      * rows of this one must leave them out too. */
-    for (size_t i = 0; i < r->n_held_back; i++) {
-        const struct held_back *b = &r->held_back[i];
+    for (size_t i = 0; i < r->held.n; i++) {
+        const struct held_back *b = &r->held.entry[i];
         size_t before = l->n_held;
         relay_hold(r, b->id, b->topic, b->key, b->key_len);
         if (l->n_held == before && !held_now(r, b->id))

@@ -1,0 +1,101 @@
+/*
+ * Unit tests of relay_held, the refused rows and the keys (or topics) they
+ * hold back, on their own: entries, the effects they ask of the cycle,
+ * back-off, the row to try alone, and a topic held as one entry.
+ */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "cmocka_alloc.h"
+
+#include "relay_held.h"
+
+#include <string.h>
+
+static void test_key_held_and_released(void **state)
+{
+    (void)state;
+    struct held h = {.retry_backoff_ms = 100};
+    struct held_fx fx = {0};
+    held_hold_back(&h, 10, 0, "k", 1, 1000, &fx);
+    assert_string_equal(fx.clear_cursor, "row refused");
+    assert_true(fx.hold); /* log mode's rule for it */
+    assert_int_equal(fx.hold_id, 10);
+    assert_true(held_holds(&h, 11, 0, "k", 1));   /* a later row of its key */
+    assert_false(held_holds(&h, 9, 0, "k", 1));   /* an earlier one */
+    assert_false(held_holds(&h, 11, 1, "k", 1));  /* another topic */
+    assert_false(held_holds(&h, 11, 0, "j", 1));  /* another key */
+    assert_false(held_holds(&h, 11, 0, NULL, 0)); /* no key: only the row waits */
+    assert_int_equal(held_find(&h, 10)->retry_at, 1100);
+    fx = (struct held_fx){0};
+    held_hold_back(&h, 10, 0, "k", 1, 2000, &fx); /* failed again: the pause doubles */
+    assert_false(fx.hold);                        /* held already */
+    assert_int_equal(held_find(&h, 10)->retry_at, 2200);
+    fx = (struct held_fx){0};
+    held_release(&h, 10, &fx);
+    assert_int_equal(h.n, 0);
+    assert_int_equal(fx.n_lifted, 1);
+    assert_int_equal(h.lifted[0], 10);
+    assert_string_equal(fx.clear_cursor, "key no longer held back");
+    assert_false(held_holds(&h, 11, 0, "k", 1));
+    held_free(&h);
+}
+
+static void test_due_alone(void **state)
+{
+    (void)state;
+    struct held h = {.retry_backoff_ms = 100};
+    struct held_fx fx = {0};
+    held_refused(&h, 20, 0, "k", 1, 0, &fx); /* retried alone from 100 on */
+    held_refused(&h, 30, 0, "k", 1, 0, &fx); /* behind 20: its key */
+    held_refused(&h, 25, 0, "m", 1, 0, &fx);
+    assert_null(held_due_alone(&h, 50)); /* none due yet */
+    assert_int_equal(held_due_alone(&h, 100)->id, 20);
+    fx = (struct held_fx){0};
+    held_drop(&h, 20, &fx); /* dead-lettered, say */
+    assert_int_equal(held_due_alone(&h, 100)->id, 25);
+    held_drop(&h, 25, &fx);
+    assert_int_equal(held_due_alone(&h, 100)->id, 30); /* nothing before it now */
+    assert_int_equal(fx.n_lifted, 2);
+    held_free(&h);
+}
+
+/* A topic refused: one entry for it, at its lowest row; the others of the
+ * topic go, and every later row of the topic waits, whatever its key. */
+static void test_topic_held_as_one(void **state)
+{
+    (void)state;
+    struct held h = {.retry_backoff_ms = 100};
+    struct held_fx fx = {0};
+    held_hold_back(&h, 5, 1, "a", 1, 0, &fx); /* a retry of the topic's row first */
+    held_hold_back(&h, 7, 2, "b", 1, 0, &fx); /* another topic */
+    fx = (struct held_fx){0};
+    assert_false(held_topic_refused(&h, 9, 1, "t1", "c", 1, "refused", 0, &fx));
+    assert_int_equal(h.n, 2);
+    const struct held_back *t = held_find(&h, 5);
+    assert_non_null(t);
+    assert_true(t->whole_topic);
+    assert_true(t->alone);
+    assert_null(held_find(&h, 9)); /* waits behind 5 without an entry */
+    assert_true(held_holds(&h, 100, 1, "zz", 2));
+    assert_true(held_holds(&h, 100, 1, NULL, 0));
+    assert_true(held_behind_topic(&h, 1, 100));
+    assert_false(held_behind_topic(&h, 2, 100));
+    fx = (struct held_fx){0};
+    assert_true(held_topic_refused(&h, 12, 1, "t1", "d", 1, "refused", 0, &fx));
+    assert_int_equal(h.n, 2); /* nothing new */
+    held_free(&h);
+}
+
+int main(void)
+{
+    use_cmocka_allocator(); /* leaks and double frees fail the test */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_key_held_and_released),
+        cmocka_unit_test(test_due_alone),
+        cmocka_unit_test(test_topic_held_as_one),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
