@@ -2003,9 +2003,9 @@ static void cost_row(const char *num, const char *what, double rate, const struc
            what, rate, c->wal_per_row, c->cpu_ms_per_1k);
 }
 
-int main(int argc, char **argv)
+/* The command line into `o`. */
+static void parse_args(int argc, char **argv, struct opts *o)
 {
-    struct opts o = {.rows = 200000, .latency_seconds = 5};
     static const struct option longopts[] = {{"conninfo", required_argument, NULL, 'c'},
                                              {"bootstrap", required_argument, NULL, 'b'},
                                              {"outboxd", required_argument, NULL, 'o'},
@@ -2017,49 +2017,305 @@ int main(int argc, char **argv)
     while ((opt = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         switch (opt) {
         case 'c':
-            o.conninfo = optarg;
+            o->conninfo = optarg;
             break;
         case 'b':
-            o.bootstrap = optarg;
+            o->bootstrap = optarg;
             break;
         case 'o':
-            o.outboxd = optarg;
+            o->outboxd = optarg;
             break;
         case 'm':
-            o.malloc_lib = optarg;
+            o->malloc_lib = optarg;
             break;
         case 'r':
-            o.rows = atoi(optarg);
+            o->rows = atoi(optarg);
             break;
         case 'l':
-            o.latency_seconds = atoi(optarg);
+            o->latency_seconds = atoi(optarg);
             break;
         default:
             die("usage", "see bench/run");
         }
     }
-    if (!o.conninfo || !o.bootstrap || !o.outboxd)
+    if (!o->conninfo || !o->bootstrap || !o->outboxd)
         die("usage", "--conninfo, --bootstrap and --outboxd are required");
+}
+
+/* What every table's first line says of the run. */
+struct run_env {
+    char cpu[256], date[32], pgver[64];
+    char context[512];
+};
+
+static void run_env(const struct opts *o, struct run_env *e)
+{
+    machine(e->cpu, sizeof(e->cpu));
+    time_t t = time(NULL);
+    strftime(e->date, sizeof(e->date), "%Y-%m-%d", gmtime(&t));
+    PGconn *c = connect_db(o);
+    snprintf(e->pgver, sizeof(e->pgver), "%lld", query_int(c, "SHOW server_version_num"));
+    PQfinish(c);
+    snprintf(e->context, sizeof(e->context),
+             "%s, %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s mock cluster (3 "
+             "brokers, TCP_NODELAY), all on this machine; outboxd defaults",
+             e->date, e->cpu, sysconf(_SC_NPROCESSORS_ONLN), e->pgver, rd_kafka_version_str());
+}
+
+/* OBX_BENCH_LATENCY_ONLY: the latency rows alone, N s a rate, with what
+ * the looks for new rows cost; and the Kafka side alone. */
+static void latency_only(struct opts *o, const char *context)
+{
+    PGconn *c;
+    char *end = NULL;
+    long secs = strtol(getenv("OBX_BENCH_LATENCY_ONLY"), &end, 10);
+    if (end == getenv("OBX_BENCH_LATENCY_ONLY") || *end != '\0' || secs < 1 || secs > 600)
+        die("OBX_BENCH_LATENCY_ONLY", "want seconds a rate, 1 to 600");
+    o->latency_seconds = (int)secs;
+    /* OBX_BENCH_LATENCY_MODE=mark|delete|log: the relay's mode (mark). */
+    const char *lm = getenv("OBX_BENCH_LATENCY_MODE");
+    int lat_mode = lm ? mode_of("OBX_BENCH_LATENCY_MODE", lm) : OBX_ON_SENT_MARK;
+    pid_t relay = spawn_outboxd(o, lat_mode, NULL);
+    sleep(2);
+    c = connect_db(o);
+    exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+    sleep(2);
+    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+    int backend = relay_backend_pid(c);
+    PQfinish(c);
+    printf("outboxd latency, %s: commit -> record read by a consumer in this process, "
+           "4 writers, %s mode, outboxd defaults, %d s a rate; and the Kafka side alone: "
+           "records produced straight to Kafka with outboxd's producer settings, no "
+           "Postgres, read back by the same consumer. What the looks for new rows cost: "
+           "the relay's fetches a second and its Postgres backend's CPU, idle (no writer, "
+           "%d s) and at each rate.\n\n",
+           context, mode_name(lat_mode), o->latency_seconds, o->latency_seconds);
+    printf("| rate | achieved | samples | p50 | p99 | p99.9 | max | fetches/s | relay "
+           "backend CPU |\n"
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    struct look_cost idle0 = look_cost_now(backend);
+    sleep((unsigned)o->latency_seconds);
+    struct look_cost idle1 = look_cost_now(backend);
+    printf("| idle | - | - | - | - | - | - | %.0f | %.1f ms/s |\n",
+           (double)(idle1.fetches - idle0.fetches) / (idle1.at - idle0.at),
+           (idle1.cpu_s - idle0.cpu_s) * 1e3 / (idle1.at - idle0.at));
+    static const int only_rates[3] = {100, 1000, 5000};
+    lat_cost_backend = backend;
+    for (int i = 0; i < 3; i++) {
+        struct lat_result l;
+        latency(o, only_rates[i], &l);
+        struct look_cost c0 = lat_cost[0], c1 = lat_cost[1];
+        printf("| %d/s | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %.0f | %.1f "
+               "ms/s |\n",
+               only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max,
+               (double)(c1.fetches - c0.fetches) / (c1.at - c0.at),
+               (c1.cpu_s - c0.cpu_s) * 1e3 / (c1.at - c0.at));
+    }
+    lat_cost_backend = 0;
+    stop_outboxd(relay);
+    for (int i = 0; i < 3; i++) {
+        struct lat_result l;
+        kafka_floor(o, only_rates[i], &l);
+        printf("| %d/s, Kafka side alone | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | "
+               "%.2f ms |\n",
+               only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
+    }
+}
+
+/* OBX_BENCH_DRAIN_ONLY=MODE: quick experiments, one drain against its
+ * mode's limit. */
+static void drain_only(const struct opts *o, const char *mode_text)
+{
+    int mode = mode_of("OBX_BENCH_DRAIN_ONLY", mode_text);
+    struct pg_cost job = job_limit(o, mode, 200);
+    struct drain_result d;
+    drain(o, mode, o->rows, 200, false, &d, NULL, NULL);
+    printf("%s: job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows, %.1f us machine "
+           "CPU per row, %.1f WAL bytes per row), drain %.0f rows/s = %.2f (%.1f ms backend "
+           "CPU per 1k rows, %.1f us "
+           "machine CPU per row, %.1f WAL bytes and %.3f dead versions per row), %.2f s "
+           "outboxd CPU per 100k\n",
+           mode_name(mode), job.rows_per_s, job.cpu_ms_per_1k, job.machine_us, job.wal_per_row,
+           d.rows_per_s, d.rows_per_s / job.rows_per_s, d.pg_cpu_ms_per_1k, d.machine_us,
+           d.wal_per_row, d.dead_per_row, d.cpu_per_100k);
+}
+
+/* The default run: every measurement first, then the tables. */
+struct full_run {
+    struct paired p_mark, p_delete, p_log;
+    struct drain_result d_4k, d_alloc;
+    struct pg_cost job_4k;
+    double purge, kafka, kafka_4k, kafka_machine_us;
+    long allocs;
+    struct lat_result lat[3], lat_mode[3], floor_1k;
+    struct horizon_result hz[3];
+    int hz_seconds;
+};
+
+static const int full_rates[3] = {100, 1000, 5000};
+static const int full_modes[3] = {OBX_ON_SENT_MARK, OBX_ON_SENT_DELETE, OBX_ON_SENT_LOG};
+
+static void full_measure(const struct opts *o, struct full_run *f)
+{
+    PGconn *c;
+    fprintf(stderr, "obx-bench: 1+3/5 Postgres-side limit and outboxd drain, paired...\n");
+    paired(o, OBX_ON_SENT_MARK, 200, true, &f->p_mark);
+    paired(o, OBX_ON_SENT_DELETE, 200, false, &f->p_delete);
+    paired(o, OBX_ON_SENT_LOG, 200, false, &f->p_log);
+    f->job_4k = job_limit(o, OBX_ON_SENT_MARK, 4096);
+    drain(o, OBX_ON_SENT_MARK, o->rows, 4096, false, &f->d_4k, NULL, NULL);
+    f->purge = purge_rate(o, 1000);
+    f->allocs = -1;
+    if (o->malloc_lib)
+        drain(o, OBX_ON_SENT_MARK, o->rows, 200, false, &f->d_alloc, &f->allocs, NULL);
+    fprintf(stderr, "obx-bench: 4/5 latency...\n");
+    pid_t relay = spawn_outboxd(o, OBX_ON_SENT_MARK, NULL);
+    sleep(2);
+    /* Warm the topic up: its first record waits for metadata. */
+    c = connect_db(o);
+    exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+    PQfinish(c);
+    sleep(2);
+    c = connect_db(o);
+    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+    PQfinish(c);
+    for (int i = 0; i < 3; i++)
+        latency(o, full_rates[i], &f->lat[i]);
+    stop_outboxd(relay);
+    /* Each mode at 1,000 rows/s, then under a held horizon (the three-mode
+     * table). */
+    f->hz_seconds = table_horizon_seconds();
+    f->lat_mode[0] = f->lat[1];
+    for (int m = 1; m < 3; m++) {
+        relay = spawn_outboxd(o, full_modes[m], NULL);
+        sleep(2);
+        c = connect_db(o);
+        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+        PQfinish(c);
+        size_t n;
+        struct lat_sample *s = lat_run(o, 1000, o->latency_seconds, NULL, &n);
+        lat_summary(s, n, -1e9, 1e9, &f->lat_mode[m]);
+        f->lat_mode[m].achieved = (double)n / o->latency_seconds;
+        free(s);
+        stop_outboxd(relay);
+    }
+    kafka_floor(o, 1000, &f->floor_1k);
+    for (int m = 0; m < 3; m++) {
+        lat_series = m + 1;
+        horizon(o, full_modes[m], f->hz_seconds, true, "", &f->hz[m]);
+    }
+    lat_series = 0;
+    /* Last, on a topic of its own: the volume it pushes through the mock
+     * (about 1 GB) would slow whatever ran after it. */
+    fprintf(stderr, "obx-bench: 2/5 Kafka-side limit...\n");
+    f->kafka_machine_us = 0;
+    f->kafka = kafka_limit(o, 200, &f->kafka_machine_us);
+    f->kafka_4k = kafka_limit(o, 4096, NULL);
+}
+
+static void full_print(const struct opts *o, const struct run_env *e, const struct full_run *f)
+{
+    printf("outboxd benchmark, %s: %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s "
+           "mock cluster (3 brokers, TCP_NODELAY), all on this machine; outboxd defaults "
+           "(batch %d, linger.ms 1); %d rows, 200-byte payloads, 3 headers, %d keys, %d "
+           "partitions.\n\n",
+           e->date, e->cpu, sysconf(_SC_NPROCESSORS_ONLN), e->pgver, rd_kafka_version_str(), BATCH,
+           o->rows, KEYS, PARTITIONS);
+    printf("| # | measurement | result |\n| --- | --- | --- |\n");
+    cost_row("0",
+             "**the job's limit**, mark (minimal SELECT + UPDATE ... WHERE id = ANY, pipelined, "
+             "1 connection; median of 3)",
+             f->p_mark.job, &f->p_mark.job_cost);
+    cost_row("0", "the job's limit, delete (minimal SELECT + DELETE ... WHERE id = ANY)",
+             f->p_delete.job, &f->p_delete.job_cost);
+    printf("| 0 | the job's limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n",
+           f->job_4k.rows_per_s);
+    cost_row("1", "outboxd's own fetch + mark statements in a plain loop, mark (median of 3)",
+             f->p_mark.own, &f->p_mark.own_cost);
+    cost_row("1", "outboxd's own statements, delete", f->p_delete.own, &f->p_delete.own_cost);
+    printf("| 1 | retention purge of sent rows (mark mode), batches of 1000 | %.0f rows/s |\n",
+           f->purge);
+    printf("| 2 | Kafka-side limit (bare idempotent producer, same records) | %.0f records/s |\n",
+           f->kafka);
+    printf("| 2 | Kafka-side limit, 4 KiB payloads | %.0f records/s |\n", f->kafka_4k);
+    printf("| 3 | outboxd drain, mark (median of %d) | %.0f rows/s = **%.2f x the job's limit** "
+           "(pairs %.2f-%.2f); %.0f WAL bytes/row; its backend %.1f ms CPU per 1k rows |\n",
+           PAIRS, f->p_mark.drain, f->p_mark.ratio, f->p_mark.ratio_min, f->p_mark.ratio_max,
+           f->p_mark.first.wal_per_row, f->p_mark.first.pg_cpu_ms_per_1k);
+    printf("| 3 | outboxd drain, delete (median of %d) | %.0f rows/s = **%.2f x the job's "
+           "limit** (pairs %.2f-%.2f); %.0f WAL bytes/row; its backend %.1f ms CPU per 1k rows |\n",
+           PAIRS, f->p_delete.drain, f->p_delete.ratio, f->p_delete.ratio_min,
+           f->p_delete.ratio_max, f->p_delete.first.wal_per_row,
+           f->p_delete.first.pg_cpu_ms_per_1k);
+    double limit_4k = f->job_4k.rows_per_s < f->kafka_4k ? f->job_4k.rows_per_s : f->kafka_4k;
+    printf("| 3 | outboxd drain, mark, 4 KiB payloads | %.0f rows/s = **%.2f x the job's limit**; "
+           "%.2f x the lower of it and Kafka's |\n",
+           f->d_4k.rows_per_s, f->d_4k.rows_per_s / f->job_4k.rows_per_s,
+           f->d_4k.rows_per_s / limit_4k);
+    for (int i = 0; i < 3; i++)
+        printf("| 4 | latency at %d events/s (achieved %.0f/s, %ld samples): commit -> consumer "
+               "| p50 %.2f ms, p99 %.2f ms, p99.9 %.2f ms, max %.2f ms |\n",
+               full_rates[i], f->lat[i].achieved, f->lat[i].n, f->lat[i].p50, f->lat[i].p99,
+               f->lat[i].p999, f->lat[i].max);
+    printf("| 5 | peak RSS of outboxd (drain, mark) | %.1f MB |\n",
+           f->p_mark.first.peak_kb / 1024.0);
+    printf("| 5 | CPU per 100k rows (drain, mark) | %.2f s |\n", f->p_mark.first.cpu_per_100k);
+    if (f->allocs >= 0)
+        printf("| 5 | allocations per row during the drain (malloc+calloc+realloc, all "
+               "threads, librdkafka's included) | %.2f |\n",
+               (double)f->allocs / o->rows);
+    printf("| 5 | CPU while idle for 10 s | %.2f s |\n", f->p_mark.first.idle_cpu_s);
+
+    /* The three modes side by side. */
+    const struct paired *pm[3] = {&f->p_mark, &f->p_delete, &f->p_log};
+    printf("\nThe three modes (relay.on_sent), same run. Drain: median of %d, x its mode's job's "
+           "limit (log mode's: the minimal keyset SELECT alone). CPU efficiency: the machine's "
+           "CPU per row of the job's limit plus the bare producer's, over the drain's (all "
+           "processes; 1 = no overhead of its own). Dead versions: updates and deletes of "
+           "outbox.events per row relayed. p99: commit -> consumer at 1,000 rows/s, %d s. Held "
+           "horizon: %d s at 1,000 rows/s while a REPEATABLE READ snapshot is held; last minute "
+           "over first.\n\n",
+           PAIRS, o->latency_seconds, f->hz_seconds);
+    printf("| mode | drain | x job's limit | CPU efficiency | WAL bytes/row | dead versions/row "
+           "| relay backend CPU per 1k rows | p99 at 1,000/s | held horizon: p99 | held "
+           "horizon: backend CPU per 1k rows | n_dead_tup at its end |\n"
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for (int m = 0; m < 3; m++) {
+        const struct paired *q = pm[m];
+        double eff = q->first.machine_us > 0
+                         ? (q->job_cost.machine_us + f->kafka_machine_us) / q->first.machine_us
+                         : 0;
+        printf("| %s | %.0f rows/s | %.2f (pairs %.2f-%.2f) | %.2f (%.1f + %.1f / %.1f us) | %.1f "
+               "| %.3f | %.1f ms | %.2f ms | %.2f -> %.2f ms (%.2f x) | %.1f -> %.1f ms (%.2f x) "
+               "| %lld |\n",
+               mode_name(full_modes[m]), q->drain, q->ratio, q->ratio_min, q->ratio_max, eff,
+               q->job_cost.machine_us, f->kafka_machine_us, q->first.machine_us,
+               q->first.wal_per_row, q->first.dead_per_row, q->first.pg_cpu_ms_per_1k,
+               f->lat_mode[m].p99, f->hz[m].p99_first, f->hz[m].p99_last,
+               f->hz[m].p99_first > 0 ? f->hz[m].p99_last / f->hz[m].p99_first : 0,
+               f->hz[m].cpu_first, f->hz[m].cpu_last,
+               f->hz[m].cpu_first > 0 ? f->hz[m].cpu_last / f->hz[m].cpu_first : 0, f->hz[m].dead);
+    }
+    printf("\nLog mode's relay backend CPU per row: %.2f of mark mode's; its drain %.2f x mark "
+           "mode's. The Kafka side alone at 1,000 records/s (produced straight to the mock "
+           "cluster with outboxd's producer settings, read back by the same consumer, no "
+           "Postgres): p50 %.2f ms, p99 %.2f ms.\n",
+           f->p_log.first.pg_cpu_ms_per_1k / f->p_mark.first.pg_cpu_ms_per_1k,
+           f->p_log.drain / f->p_mark.drain, f->floor_1k.p50, f->floor_1k.p99);
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o = {.rows = 200000, .latency_seconds = 5};
+    parse_args(argc, argv, &o);
     http_port = free_port();
     signal(SIGTERM, on_fatal_signal);
     signal(SIGINT, on_fatal_signal);
     commit_at = calloc(MAX_IDS, sizeof(double));
     if (!commit_at)
         die("commit times", "out of memory");
-
-    char cpu[256], date[32];
-    machine(cpu, sizeof(cpu));
-    time_t t = time(NULL);
-    strftime(date, sizeof(date), "%Y-%m-%d", gmtime(&t));
-    PGconn *c = connect_db(&o);
-    char pgver[64];
-    snprintf(pgver, sizeof(pgver), "%lld", query_int(c, "SHOW server_version_num"));
-    PQfinish(c);
-    char context[512];
-    snprintf(context, sizeof(context),
-             "%s, %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s mock cluster (3 "
-             "brokers, TCP_NODELAY), all on this machine; outboxd defaults",
-             date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str());
+    struct run_env e;
+    run_env(&o, &e);
 
     /* The application's database against the relay: each alone. */
     const char *held = getenv("OBX_BENCH_HORIZON");
@@ -2073,69 +2329,16 @@ int main(int argc, char **argv)
         /* OBX_BENCH_HORIZON_HOLD=0: the same run with nothing held. */
         const char *hold = getenv("OBX_BENCH_HORIZON_HOLD");
         horizon(&o, mode_of("OBX_BENCH_HORIZON", held), (int)seconds,
-                !hold || strcmp(hold, "0") != 0, context, NULL);
+                !hold || strcmp(hold, "0") != 0, e.context, NULL);
         return 0;
     }
     const char *open_writer = getenv("OBX_BENCH_OPEN_WRITER");
     if (open_writer) {
-        open_writer_bench(&o, mode_of("OBX_BENCH_OPEN_WRITER", open_writer), context);
+        open_writer_bench(&o, mode_of("OBX_BENCH_OPEN_WRITER", open_writer), e.context);
         return 0;
     }
-
-    if (getenv("OBX_BENCH_LATENCY_ONLY")) { /* the latency rows alone, N s a rate */
-        char *end = NULL;
-        long secs = strtol(getenv("OBX_BENCH_LATENCY_ONLY"), &end, 10);
-        if (end == getenv("OBX_BENCH_LATENCY_ONLY") || *end != '\0' || secs < 1 || secs > 600)
-            die("OBX_BENCH_LATENCY_ONLY", "want seconds a rate, 1 to 600");
-        o.latency_seconds = (int)secs;
-        /* OBX_BENCH_LATENCY_MODE=mark|delete|log: the relay's mode (mark). */
-        const char *lm = getenv("OBX_BENCH_LATENCY_MODE");
-        int lat_mode = lm ? mode_of("OBX_BENCH_LATENCY_MODE", lm) : OBX_ON_SENT_MARK;
-        pid_t relay = spawn_outboxd(&o, lat_mode, NULL);
-        sleep(2);
-        c = connect_db(&o);
-        exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
-        sleep(2);
-        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
-        int backend = relay_backend_pid(c);
-        PQfinish(c);
-        printf("outboxd latency, %s: commit -> record read by a consumer in this process, "
-               "4 writers, %s mode, outboxd defaults, %d s a rate; and the Kafka side alone: "
-               "records produced straight to Kafka with outboxd's producer settings, no "
-               "Postgres, read back by the same consumer. What the looks for new rows cost: "
-               "the relay's fetches a second and its Postgres backend's CPU, idle (no writer, "
-               "%d s) and at each rate.\n\n",
-               context, mode_name(lat_mode), o.latency_seconds, o.latency_seconds);
-        printf("| rate | achieved | samples | p50 | p99 | p99.9 | max | fetches/s | relay "
-               "backend CPU |\n"
-               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
-        struct look_cost idle0 = look_cost_now(backend);
-        sleep((unsigned)o.latency_seconds);
-        struct look_cost idle1 = look_cost_now(backend);
-        printf("| idle | - | - | - | - | - | - | %.0f | %.1f ms/s |\n",
-               (double)(idle1.fetches - idle0.fetches) / (idle1.at - idle0.at),
-               (idle1.cpu_s - idle0.cpu_s) * 1e3 / (idle1.at - idle0.at));
-        static const int only_rates[3] = {100, 1000, 5000};
-        lat_cost_backend = backend;
-        for (int i = 0; i < 3; i++) {
-            struct lat_result l;
-            latency(&o, only_rates[i], &l);
-            struct look_cost c0 = lat_cost[0], c1 = lat_cost[1];
-            printf("| %d/s | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %.0f | %.1f "
-                   "ms/s |\n",
-                   only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max,
-                   (double)(c1.fetches - c0.fetches) / (c1.at - c0.at),
-                   (c1.cpu_s - c0.cpu_s) * 1e3 / (c1.at - c0.at));
-        }
-        lat_cost_backend = 0;
-        stop_outboxd(relay);
-        for (int i = 0; i < 3; i++) {
-            struct lat_result l;
-            kafka_floor(&o, only_rates[i], &l);
-            printf("| %d/s, Kafka side alone | %.0f/s | %ld | %.2f ms | %.2f ms | %.2f ms | "
-                   "%.2f ms |\n",
-                   only_rates[i], l.achieved, l.n, l.p50, l.p99, l.p999, l.max);
-        }
+    if (getenv("OBX_BENCH_LATENCY_ONLY")) {
+        latency_only(&o, e.context);
         return 0;
     }
     if (getenv("OBX_BENCH_SHARDS")) {
@@ -2153,7 +2356,7 @@ int main(int argc, char **argv)
                "factor 1, acks=all); Debezium 3.6.1.Final on the embedded engine with the "
                "Outbox Event Router (bench/debezium); outboxd defaults; 200-byte payloads, 3 "
                "headers, %d keys, %d partitions.\n",
-               date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, KEYS, PARTITIONS);
+               e.date, e.cpu, sysconf(_SC_NPROCESSORS_ONLN), e.pgver, KEYS, PARTITIONS);
         peer_table(&o, rounds < 1 ? 3 : (int)rounds);
         return 0;
     }
@@ -2162,165 +2365,12 @@ int main(int argc, char **argv)
         real_kafka_table(&o, rounds < 1 ? 3 : (int)rounds);
         return 0;
     }
-    if (getenv("OBX_BENCH_DRAIN_ONLY")) { /* quick experiments: one drain vs its limit */
-        int mode = mode_of("OBX_BENCH_DRAIN_ONLY", getenv("OBX_BENCH_DRAIN_ONLY"));
-        struct pg_cost job = job_limit(&o, mode, 200);
-        struct drain_result d;
-        drain(&o, mode, o.rows, 200, false, &d, NULL, NULL);
-        printf("%s: job's limit %.0f rows/s (%.1f ms backend CPU per 1k rows, %.1f us machine "
-               "CPU per row, %.1f WAL bytes per row), drain %.0f rows/s = %.2f (%.1f ms backend "
-               "CPU per 1k rows, %.1f us "
-               "machine CPU per row, %.1f WAL bytes and %.3f dead versions per row), %.2f s "
-               "outboxd CPU per 100k\n",
-               mode_name(mode), job.rows_per_s, job.cpu_ms_per_1k, job.machine_us, job.wal_per_row,
-               d.rows_per_s, d.rows_per_s / job.rows_per_s, d.pg_cpu_ms_per_1k, d.machine_us,
-               d.wal_per_row, d.dead_per_row, d.cpu_per_100k);
+    if (getenv("OBX_BENCH_DRAIN_ONLY")) {
+        drain_only(&o, getenv("OBX_BENCH_DRAIN_ONLY"));
         return 0;
     }
-    fprintf(stderr, "obx-bench: 1+3/5 Postgres-side limit and outboxd drain, paired...\n");
-    struct paired p_mark, p_delete, p_log;
-    paired(&o, OBX_ON_SENT_MARK, 200, true, &p_mark);
-    paired(&o, OBX_ON_SENT_DELETE, 200, false, &p_delete);
-    paired(&o, OBX_ON_SENT_LOG, 200, false, &p_log);
-    struct drain_result d_mark = p_mark.first, d_4k, d_alloc;
-    struct pg_cost job_4k = job_limit(&o, OBX_ON_SENT_MARK, 4096);
-    drain(&o, OBX_ON_SENT_MARK, o.rows, 4096, false, &d_4k, NULL, NULL);
-    double purge = purge_rate(&o, 1000);
-    long allocs = -1;
-    if (o.malloc_lib)
-        drain(&o, OBX_ON_SENT_MARK, o.rows, 200, false, &d_alloc, &allocs, NULL);
-    fprintf(stderr, "obx-bench: 4/5 latency...\n");
-    pid_t relay = spawn_outboxd(&o, OBX_ON_SENT_MARK, NULL);
-    sleep(2);
-    struct lat_result lat[3];
-    static const int rates[3] = {100, 1000, 5000};
-    /* Warm the topic up: its first record waits for metadata. */
-    c = connect_db(&o);
-    exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
-    PQfinish(c);
-    sleep(2);
-    c = connect_db(&o);
-    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
-    PQfinish(c);
-    for (int i = 0; i < 3; i++)
-        latency(&o, rates[i], &lat[i]);
-    stop_outboxd(relay);
-    /* Each mode at 1,000 rows/s, then under a held horizon (the three-mode
-     * table). */
-    static const int modes[3] = {OBX_ON_SENT_MARK, OBX_ON_SENT_DELETE, OBX_ON_SENT_LOG};
-    struct lat_result lat_mode[3];
-    struct horizon_result hz[3];
-    int hz_seconds = table_horizon_seconds();
-    lat_mode[0] = lat[1];
-    for (int m = 1; m < 3; m++) {
-        relay = spawn_outboxd(&o, modes[m], NULL);
-        sleep(2);
-        c = connect_db(&o);
-        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
-        PQfinish(c);
-        size_t n;
-        struct lat_sample *s = lat_run(&o, 1000, o.latency_seconds, NULL, &n);
-        lat_summary(s, n, -1e9, 1e9, &lat_mode[m]);
-        lat_mode[m].achieved = (double)n / o.latency_seconds;
-        free(s);
-        stop_outboxd(relay);
-    }
-    struct lat_result floor_1k;
-    kafka_floor(&o, 1000, &floor_1k);
-    for (int m = 0; m < 3; m++) {
-        lat_series = m + 1;
-        horizon(&o, modes[m], hz_seconds, true, "", &hz[m]);
-    }
-    lat_series = 0;
-    /* Last, on a topic of its own: the volume it pushes through the mock
-     * (about 1 GB) would slow whatever ran after it. */
-    fprintf(stderr, "obx-bench: 2/5 Kafka-side limit...\n");
-    double kafka_machine_us = 0;
-    double kafka = kafka_limit(&o, 200, &kafka_machine_us);
-    double kafka_4k = kafka_limit(&o, 4096, NULL);
-
-    printf("outboxd benchmark, %s: %s, %ld cores; PostgreSQL %s (fsync=off), librdkafka %s "
-           "mock cluster (3 brokers, TCP_NODELAY), all on this machine; outboxd defaults "
-           "(batch %d, linger.ms 1); %d rows, 200-byte payloads, 3 headers, %d keys, %d "
-           "partitions.\n\n",
-           date, cpu, sysconf(_SC_NPROCESSORS_ONLN), pgver, rd_kafka_version_str(), BATCH, o.rows,
-           KEYS, PARTITIONS);
-    printf("| # | measurement | result |\n| --- | --- | --- |\n");
-    cost_row("0",
-             "**the job's limit**, mark (minimal SELECT + UPDATE ... WHERE id = ANY, pipelined, "
-             "1 connection; median of 3)",
-             p_mark.job, &p_mark.job_cost);
-    cost_row("0", "the job's limit, delete (minimal SELECT + DELETE ... WHERE id = ANY)",
-             p_delete.job, &p_delete.job_cost);
-    printf("| 0 | the job's limit, mark, 4 KiB payloads (TOAST) | %.0f rows/s |\n",
-           job_4k.rows_per_s);
-    cost_row("1", "outboxd's own fetch + mark statements in a plain loop, mark (median of 3)",
-             p_mark.own, &p_mark.own_cost);
-    cost_row("1", "outboxd's own statements, delete", p_delete.own, &p_delete.own_cost);
-    printf("| 1 | retention purge of sent rows (mark mode), batches of 1000 | %.0f rows/s |\n",
-           purge);
-    printf("| 2 | Kafka-side limit (bare idempotent producer, same records) | %.0f records/s |\n",
-           kafka);
-    printf("| 2 | Kafka-side limit, 4 KiB payloads | %.0f records/s |\n", kafka_4k);
-    printf("| 3 | outboxd drain, mark (median of %d) | %.0f rows/s = **%.2f x the job's limit** "
-           "(pairs %.2f-%.2f); %.0f WAL bytes/row; its backend %.1f ms CPU per 1k rows |\n",
-           PAIRS, p_mark.drain, p_mark.ratio, p_mark.ratio_min, p_mark.ratio_max,
-           p_mark.first.wal_per_row, p_mark.first.pg_cpu_ms_per_1k);
-    printf("| 3 | outboxd drain, delete (median of %d) | %.0f rows/s = **%.2f x the job's "
-           "limit** (pairs %.2f-%.2f); %.0f WAL bytes/row; its backend %.1f ms CPU per 1k rows |\n",
-           PAIRS, p_delete.drain, p_delete.ratio, p_delete.ratio_min, p_delete.ratio_max,
-           p_delete.first.wal_per_row, p_delete.first.pg_cpu_ms_per_1k);
-    double limit_4k = job_4k.rows_per_s < kafka_4k ? job_4k.rows_per_s : kafka_4k;
-    printf("| 3 | outboxd drain, mark, 4 KiB payloads | %.0f rows/s = **%.2f x the job's limit**; "
-           "%.2f x the lower of it and Kafka's |\n",
-           d_4k.rows_per_s, d_4k.rows_per_s / job_4k.rows_per_s, d_4k.rows_per_s / limit_4k);
-    for (int i = 0; i < 3; i++)
-        printf("| 4 | latency at %d events/s (achieved %.0f/s, %ld samples): commit -> consumer "
-               "| p50 %.2f ms, p99 %.2f ms, p99.9 %.2f ms, max %.2f ms |\n",
-               rates[i], lat[i].achieved, lat[i].n, lat[i].p50, lat[i].p99, lat[i].p999,
-               lat[i].max);
-    printf("| 5 | peak RSS of outboxd (drain, mark) | %.1f MB |\n", d_mark.peak_kb / 1024.0);
-    printf("| 5 | CPU per 100k rows (drain, mark) | %.2f s |\n", d_mark.cpu_per_100k);
-    if (allocs >= 0)
-        printf("| 5 | allocations per row during the drain (malloc+calloc+realloc, all "
-               "threads, librdkafka's included) | %.2f |\n",
-               (double)allocs / o.rows);
-    printf("| 5 | CPU while idle for 10 s | %.2f s |\n", d_mark.idle_cpu_s);
-
-    /* The three modes side by side. */
-    const struct paired *pm[3] = {&p_mark, &p_delete, &p_log};
-    printf("\nThe three modes (relay.on_sent), same run. Drain: median of %d, x its mode's job's "
-           "limit (log mode's: the minimal keyset SELECT alone). CPU efficiency: the machine's "
-           "CPU per row of the job's limit plus the bare producer's, over the drain's (all "
-           "processes; 1 = no overhead of its own). Dead versions: updates and deletes of "
-           "outbox.events per row relayed. p99: commit -> consumer at 1,000 rows/s, %d s. Held "
-           "horizon: %d s at 1,000 rows/s while a REPEATABLE READ snapshot is held; last minute "
-           "over first.\n\n",
-           PAIRS, o.latency_seconds, hz_seconds);
-    printf("| mode | drain | x job's limit | CPU efficiency | WAL bytes/row | dead versions/row "
-           "| relay backend CPU per 1k rows | p99 at 1,000/s | held horizon: p99 | held "
-           "horizon: backend CPU per 1k rows | n_dead_tup at its end |\n"
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
-    for (int m = 0; m < 3; m++) {
-        const struct paired *q = pm[m];
-        double eff = q->first.machine_us > 0
-                         ? (q->job_cost.machine_us + kafka_machine_us) / q->first.machine_us
-                         : 0;
-        printf("| %s | %.0f rows/s | %.2f (pairs %.2f-%.2f) | %.2f (%.1f + %.1f / %.1f us) | %.1f "
-               "| %.3f | %.1f ms | %.2f ms | %.2f -> %.2f ms (%.2f x) | %.1f -> %.1f ms (%.2f x) "
-               "| %lld |\n",
-               mode_name(modes[m]), q->drain, q->ratio, q->ratio_min, q->ratio_max, eff,
-               q->job_cost.machine_us, kafka_machine_us, q->first.machine_us, q->first.wal_per_row,
-               q->first.dead_per_row, q->first.pg_cpu_ms_per_1k, lat_mode[m].p99, hz[m].p99_first,
-               hz[m].p99_last, hz[m].p99_first > 0 ? hz[m].p99_last / hz[m].p99_first : 0,
-               hz[m].cpu_first, hz[m].cpu_last,
-               hz[m].cpu_first > 0 ? hz[m].cpu_last / hz[m].cpu_first : 0, hz[m].dead);
-    }
-    printf("\nLog mode's relay backend CPU per row: %.2f of mark mode's; its drain %.2f x mark "
-           "mode's. The Kafka side alone at 1,000 records/s (produced straight to the mock "
-           "cluster with outboxd's producer settings, read back by the same consumer, no "
-           "Postgres): p50 %.2f ms, p99 %.2f ms.\n",
-           p_log.first.pg_cpu_ms_per_1k / p_mark.first.pg_cpu_ms_per_1k, p_log.drain / p_mark.drain,
-           floor_1k.p50, floor_1k.p99);
+    static struct full_run f; /* large: off the stack */
+    full_measure(&o, &f);
+    full_print(&o, &e, &f);
     return 0;
 }
