@@ -5,7 +5,7 @@
  * the other rooms of the relay are relay_rows.c (the rows in flight and
  * their states), relay_cursor.c (the fetch cursor and the fetch in
  * flight), relay_log.c (log mode's cursor rows), relay_held.c (refused rows
- * and the keys they hold back), relay_shards.c (the slots of relay.shards
+ * and the keys they hold back), relay_owner.c (the slots of relay.shards
  * owned) and relay_drain.c (predicates: when a drain may stop, what a stall
  * waits for). Their shared state: relay_int.h.
  */
@@ -91,7 +91,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     r->cur.poll_delay = POLL_MIN_MS;
     r->cur.bytes_limit = s->batch_size;
     r->cur.top_id = r->cur.hwm = r->alone_id = r->cur.fetch_alone = NO_ID;
-    if (relay_shards_new(r) != 0) {
+    if (owner_init(&r->owner, s->shards, s->log_mode) != 0) {
         obx_relay_free(r);
         return -1;
     }
@@ -128,7 +128,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r->log.also);
     obx_free(r->log.found);
     obx_free(r->log.offs);
-    relay_shards_free(r);
+    owner_free(&r->owner);
     obx_free(r);
 }
 
@@ -257,6 +257,21 @@ static void note_offset(struct obx_relay *r, const struct slot *s)
     part_offsets_raise(&r->offs, r->topics.name[s->topic], s->partition, s->offset);
 }
 
+/* What relay_owner.c reads of the relay. */
+static struct owner_view owner_view_of(const struct obx_relay *r)
+{
+    return (struct owner_view){
+        .quiet = rows_in_use(&r->rows) == 0 && rows_to_mark(&r->rows) == 0 && !relay_uncertain(r),
+        .recovered = r->recovered,
+        .found_pending = r->set.log_mode && r->log.n_found > 0,
+        .log_unclaimed = relay_log_unclaimed(r),
+        .draining = r->draining,
+        .can_claim = r->ops->claim != NULL,
+        .state = r->state,
+        .hard_deadline = r->hard_deadline,
+    };
+}
+
 /* The fetch's arrays fit the held entries (which grow as rows are
  * refused): a key and an id for each, and each id among the exclusions. */
 static bool fetch_room_fits(struct obx_relay *r)
@@ -293,7 +308,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
                             .held_back = r->keys,
                             .held_back_ids = r->key_ids,
                             .shards = r->set.shards,
-                            .owned_slots = relay_fetch_slots(r)};
+                            .owned_slots = owner_fetch_slots(&r->owner)};
     int free_slots = r->set.max_in_flight - (int)rows_in_use(&r->rows);
     f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
     if (f->limit > r->cur.bytes_limit)
@@ -334,7 +349,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     /* A relay owning every slot reads as a relay alone: slot_of() for each
      * row cost its backend a fifth more. Not log mode's full fetch by slot,
      * whose floor is over the slots it names. */
-    if (relay_fetch_every_slot(r) && !(f->log && f->by_slot))
+    if (owner_fetch_every_slot(&r->owner) && !(f->log && f->by_slot))
         f->owned_slots = NULL;
     if (!keyset) {
         for (int i = 0; i < r->rows.cap; i++)
@@ -400,8 +415,13 @@ static void fetch_gone(struct obx_relay *r)
 /* Whether a fetch may go now. */
 static bool fetch_allowed(struct obx_relay *r, int64_t now)
 {
-    if (r->draining || !r->recovered || relay_shards_hold_fetch(r, relay_log_unclaimed(r)))
+    if (r->draining || !r->recovered)
         return false;
+    if (owner_active(&r->owner)) {
+        struct owner_view v = owner_view_of(r);
+        if (owner_hold_fetch(&r->owner, &v))
+            return false;
+    }
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending. */
     return !(r->alone_id != NO_ID ||
@@ -466,7 +486,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
                          .partitions = r->offs.partition,
                          .offsets = r->offs.offset,
                          .shards = r->set.shards,
-                         .owned_slots = relay_mark_slots(r),
+                         .owned_slots = owner_mark_slots(&r->owner),
                          .dead_ids = r->dead_ids,
                          .dead_reasons = r->dead_reasons};
     for (int i = 0; i < r->rows.cap; i++) {
@@ -487,7 +507,7 @@ static bool start_mark(struct obx_relay *r, int64_t now)
     /* A slot just taken is read by its pass from the offsets stored before:
      * ours, stored for it now, could lie above its last owner's records
      * that the pass has yet to find. Kept until the pass is done. */
-    if (relay_sharded(r) && !r->recovered)
+    if (owner_active(&r->owner) && !r->recovered)
         r->offsets_in_mark = false;
     m.n_offsets = r->offsets_in_mark ? r->offs.n : 0;
     if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
@@ -534,9 +554,9 @@ static bool start_fetch(struct obx_relay *r, int64_t now)
     return true;
 }
 
-/* ---- the slots of relay.shards: relay_shards.c decides, this sends ---- */
+/* ---- the slots of relay.shards: relay_owner.c decides, this sends ---- */
 
-/* What a call into relay_shards.c asked for (struct owner_fx). */
+/* What a call into relay_owner.c asked for (struct owner_fx). */
 static void owner_apply(struct obx_relay *r, const struct owner_fx *fx)
 {
     if (fx->taken) {
@@ -563,7 +583,8 @@ static bool start_claim(struct obx_relay *r, int64_t now)
 {
     struct owner_fx fx = {0};
     struct claim_due c;
-    bool due = relay_claim_due(r, now, &c, &fx);
+    struct owner_view v = owner_view_of(r);
+    bool due = owner_claim_due(&r->owner, &v, now, &c, &fx);
     owner_apply(r, &fx);
     if (!due)
         return false;
@@ -571,7 +592,7 @@ static bool start_claim(struct obx_relay *r, int64_t now)
         r->not_before = now + r->set.retry_backoff_ms;
         return false;
     }
-    relay_claim_sent(r, c.giving);
+    owner_claim_sent(&r->owner, c.giving);
     relay_set_state(r, OBX_RELAY_CLAIMING, c.why);
     return true;
 }
@@ -582,13 +603,14 @@ static bool give_all(struct obx_relay *r, int64_t now)
 {
     struct owner_fx fx = {0};
     const char *give = NULL;
-    enum give_all g = relay_give_all_due(r, now, &give, &fx);
+    struct owner_view v = owner_view_of(r);
+    enum give_all g = owner_give_all_due(&r->owner, &v, now, &give, &fx);
     owner_apply(r, &fx);
     if (g != GIVE_ALL_SEND)
         return g == GIVE_ALL_WAIT;
     if (r->ops->claim(r->io, r->set.shards, give, false) != 0)
         return false;
-    relay_claim_sent(r, true);
+    owner_claim_sent(&r->owner, true);
     relay_set_state(r, OBX_RELAY_CLAIMING, "slots to give back before stopping");
     return true;
 }
@@ -600,7 +622,7 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
         return;
     relay_set_state(r, OBX_RELAY_IDLE, "claim answered");
     struct owner_fx fx = {0};
-    if (!relay_claim_answered(r, c, now, &fx)) {
+    if (!owner_claim_answered(&r->owner, c, r->draining, now, &fx)) {
         r->not_before = now + r->set.retry_backoff_ms;
         relay_kick(r, now);
         return;
@@ -638,15 +660,15 @@ void relay_kick(struct obx_relay *r, int64_t now)
         return;
     if (r->draining)
         return;
-    if (relay_sharded(r) && start_claim(r, now))
+    if (owner_active(&r->owner) && start_claim(r, now))
         return;
     if (!r->recovered) {
         if (r->rows.orphans > 0 || (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded))
             return; /* the pass must see where this or a lost session's records landed */
-        if (relay_sharded(r) && !r->shard.known)
+        if (owner_active(&r->owner) && !r->owner.known)
             return; /* the pass is over the slots a claim gives */
         r->pass_unknowns = r->unknowns;
-        if (r->ops->recover(r->io, r->set.shards, relay_mark_slots(r)) == 0)
+        if (r->ops->recover(r->io, r->set.shards, owner_mark_slots(&r->owner)) == 0)
             relay_set_state(r, OBX_RELAY_RECOVERING, "recovery pass before publishing");
         else
             r->not_before = now + r->set.retry_backoff_ms;
@@ -732,7 +754,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
                  acked, awaiting, refused);
     r->offs.n = 0;
     relay_log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
-    relay_shards_lost(r);
+    owner_lost(&r->owner);
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
@@ -826,7 +848,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * fetch asks about by their transactions. So it goes up to the others'
      * (and the claim made here with it, which lets the cursor rows about
      * our slots follow theirs). */
-    if (ok && !cut && r->set.log_mode && relay_sharded(r) && r->log.others_hwm > r->cur.hwm)
+    if (ok && !cut && r->set.log_mode && owner_active(&r->owner) && r->log.others_hwm > r->cur.hwm)
         r->cur.hwm = r->log.others_hwm;
     /* Log mode: the stored cursor covers everything up to its hwm that its
      * snapshot saw, and the keyset fetch would read those rows again from
@@ -840,7 +862,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
         if (r->cur.fetch_kind == FETCH_FULL && !cut && r->cur.hwm < r->log.stored_hwm)
             r->cur.hwm = r->log.stored_hwm;
         r->cur.fetch_partial = r->cur.fetch_kind == FETCH_FULL && cut && r->log.by_slot &&
-                               relay_sharded(r) && r->cur.hwm < r->log.stored_hwm;
+                               owner_active(&r->owner) && r->cur.hwm < r->log.stored_hwm;
         ok = r->cur.hwm >= r->log.stored_hwm;
     }
     /* Cleared since this fetch was sent: what it did not return may lie
@@ -1256,7 +1278,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         unmark(r);
     } else if (r->state == OBX_RELAY_CLAIMING) {
         obx_warn("relay: claim of slots failed: %s", reason);
-        relay_claim_failed(r);
+        owner_claim_failed(&r->owner);
     } else {
         return;
     }
@@ -1631,4 +1653,27 @@ int64_t obx_relay_last_progress(const struct obx_relay *r)
 size_t obx_relay_held_back_keys(const struct obx_relay *r)
 {
     return r->held.n;
+}
+
+void obx_relay_slots(const struct obx_relay *r, struct obx_relay_slots *out)
+{
+    const struct owner *h = &r->owner;
+    *out = (struct obx_relay_slots){
+        .shards = r->set.shards,
+        .owned =
+            owner_active(&r->owner) ? h->n_owned : r->recovered, /* alone: 1 while it publishes */
+        .members = owner_active(&r->owner) ? h->members : 1,
+        .share = owner_active(&r->owner) ? h->share : 1,
+        .moves = h->moves,
+    };
+}
+
+bool obx_relay_maintains(const struct obx_relay *r)
+{
+    return !owner_active(&r->owner) || (r->owner.known && r->owner.owned[0]);
+}
+
+const char *obx_relay_owned_slots(const struct obx_relay *r)
+{
+    return owner_active(&r->owner) ? r->owner.list_text : "all";
 }

@@ -6,7 +6,7 @@
  *   relay_log.c    log mode's cursor rows (relay.on_sent = log)
  *   relay_held.c   refused rows and the keys they hold back
  *   relay_drain.c  drain, shutdown, progress and stalls
- *   relay_shards.c the slots of relay.shards this relay owns
+ *   relay_owner.c  the slots of relay.shards this relay owns
  *   relay_rows.c   the rows in flight: slots and their states
  *   relay_cursor.c the fetch cursor, the fetch in flight and whether one is due
  */
@@ -17,6 +17,7 @@
 #include "outboxd/relay.h"
 #include "relay_cursor.h"
 #include "relay_held.h"
+#include "relay_owner.h"
 #include "relay_rows.h"
 
 #include <stdbool.h>
@@ -180,40 +181,6 @@ struct log_state {
     bool by_slot;
 };
 
-/* relay.shards > 1 (relay_shards.c): the slots of relay.shards this relay
- * owns. ("Slot" alone in this code is a row in flight: these are `shard`.)
- * A claim every CLAIM_EVERY_MS reads the members and this relay's share; a
- * slot taken is recovered before its rows are fetched; a surplus slot
- * leaves the fetches at once and is given back once nothing of this relay
- * is in flight or unmarked (a quiet moment the relay makes by fetching
- * nothing meanwhile), so the next owner finds its rows marked or unsent. */
-struct shard_state {
-    bool known;    /* a claim answered in this session: `owned` holds */
-    bool *owned;   /* [set.shards] */
-    bool *leaving; /* [set.shards]: owned, to be given back */
-    bool *seen;    /* [set.shards]: scratch for an answer */
-    int n_owned, n_leaving;
-    int members, share, free, other_shards;
-    bool giving; /* the claim in flight gives `leaving` back */
-    /* Log mode: free slots to take beyond ours. A relay in log mode takes
-     * slots only with nothing in flight or unstored (its cursor then
-     * starts again from the rows about every slot it owns), so it stops
-     * fetching until then. */
-    bool want_take;
-    bool gave_all; /* the drain's last claim gave every slot back */
-    int64_t want_take_since;
-    int64_t take_again_at; /* a pause that did not become quiet: no take before */
-    int64_t next_claim_at;
-    int64_t next_quick_claim_at; /* the soonest claim that skips the wait */
-    int64_t warned_at;           /* the last warning about another relay.shards */
-    uint64_t moves;              /* slots taken or given back */
-    char *fetch_text;            /* "{0,3}": owned but not leaving, for the fetches */
-    char *mark_text;             /* "{0,3}": owned, for the stored offsets */
-    char *give_text;             /* "{5}": leaving, for the claim */
-    char *list_text;             /* "0,3": owned, for status */
-    size_t text_cap;
-};
-
 struct obx_relay {
     struct obx_relay_settings set;
     const struct obx_relay_ops *ops;
@@ -276,8 +243,8 @@ struct obx_relay {
     uint64_t dead_total;
     uint64_t fetches[2]; /* full, keyset */
 
-    struct log_state log;     /* set.log_mode only */
-    struct shard_state shard; /* set.shards > 1 only */
+    struct log_state log; /* set.log_mode only */
+    struct owner owner;   /* the slots of relay.shards owned (relay_owner.h) */
 };
 
 /* relay.c (the cycle) */
@@ -319,41 +286,9 @@ void relay_log_write_sent(struct obx_relay *r, bool restart);
 bool relay_log_ready_covers(const struct obx_relay *r, const struct slot *s);
 void relay_log_write_done(struct obx_relay *r);
 
-/* relay_shards.c (relay.shards > 1). It decides on the slots this relay
- * owns; relay.c sends the claims and applies, right after each call, what
- * else is to change (struct owner_fx). */
-struct owner_fx {
-    const char *clear_cursor; /* drop the cursor, for this reason (NULL: no) */
-    const char *want_fetch;   /* a fetch is due, for this reason (NULL: no) */
-    bool taken;               /* slots were taken: their recovery pass goes before their rows,
-                               * and log mode's cursor starts again from the rows about them */
-};
-struct claim_due {
-    const char *give; /* the slots it gives back, "{}" for none */
-    bool take;        /* it may take free slots */
-    bool giving;
-    const char *why;
-};
-bool relay_claim_due(struct obx_relay *r, int64_t now, struct claim_due *out, struct owner_fx *fx);
-void relay_claim_sent(struct obx_relay *r, bool giving);
-enum give_all { GIVE_ALL_NO, GIVE_ALL_WAIT, GIVE_ALL_SEND };
-enum give_all relay_give_all_due(struct obx_relay *r, int64_t now, const char **give,
-                                 struct owner_fx *fx);
-/* A claim's answer; false: unreadable (logged), the slots unknown. */
-bool relay_claim_answered(struct obx_relay *r, const struct obx_claim *c, int64_t now,
-                          struct owner_fx *fx);
-int relay_shards_new(struct obx_relay *r);
-void relay_shards_free(struct obx_relay *r);
-bool relay_sharded(const struct obx_relay *r);
-void relay_shards_lost(struct obx_relay *r);
-bool relay_shards_hold_fetch(const struct obx_relay *r, bool log_unclaimed);
-bool relay_shards_want_quiet(const struct obx_relay *r);
+/* relay_log.c: log mode's predicates the owner and the cycle read */
 bool relay_log_unclaimed(const struct obx_relay *r);
 bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
-void relay_claim_failed(struct obx_relay *r);
-const char *relay_fetch_slots(const struct obx_relay *r);
-bool relay_fetch_every_slot(const struct obx_relay *r);
-const char *relay_mark_slots(const struct obx_relay *r);
 
 /* relay_drain.c (drain and stall) */
 bool relay_uncertain(const struct obx_relay *r);

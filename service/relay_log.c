@@ -141,14 +141,14 @@ void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, con
 {
     struct log_state *l = &r->log;
     struct fetch_rec *f = relay_rec_of(r, seq);
-    if (!f || f->claim || !l->slot_hwm || !relay_sharded(r))
+    if (!f || f->claim || !l->slot_hwm || !owner_active(&r->owner))
         return;
     int64_t *bound = obx_calloc((size_t)r->set.shards, sizeof(*bound));
     int n = 0;
     if (bound && slot_bounds(r, bound) &&
         (f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))))
         for (int i = 0; i < r->set.shards; i++) {
-            f->about[i] = r->shard.owned[i] && bound[i] <= hwm;
+            f->about[i] = r->owner.owned[i] && bound[i] <= hwm;
             n += f->about[i];
         }
     obx_free(bound);
@@ -579,7 +579,7 @@ static bool list_also_sent(struct obx_relay *r)
 bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
 {
     const struct log_state *l = &r->log;
-    return r->set.log_mode && relay_sharded(r) && l->loaded && l->has_ready &&
+    return r->set.log_mode && owner_active(&r->owner) && l->loaded && l->has_ready &&
            l->ready_seq > l->stored_seq && l->ready_hwm > l->stored_hwm &&
            now - l->stored_at >= LOG_IDLE_WRITE_MS;
 }
@@ -597,10 +597,10 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *ou
     if (!l->has_ready || l->ready_seq <= l->stored_seq || (l->ready_seq == l->looked_seq && !idle))
         return false;
     /* Slots taken and the cursor rows about them not read yet: a claim
-     * from before is not about them (see relay_shards.c, apply_owned). */
-    if (relay_sharded(r) && !l->loaded)
+     * from before is not about them (see relay_owner.c, apply_owned). */
+    if (owner_active(&r->owner) && !l->loaded)
         return false;
-    if (!r->draining && !relay_shards_want_quiet(r) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
+    if (!r->draining && !owner_want_quiet(&r->owner) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
         rows_to_mark(&r->rows) < (size_t)r->set.batch_size)
         return false;
     size_t n_cov = 0, n_dead = 0;
@@ -628,8 +628,8 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *ou
      * partial claim: acknowledged rows of the other slots may lie below
      * the offsets, which would be stored for its slots (left lower, they
      * cost the next recovery pass a longer read, nothing more). */
-    l->offsets_in_write = !l->ready_about && (!relay_sharded(r) || restart || r->draining ||
-                                              relay_shards_want_quiet(r) || now >= l->offsets_due);
+    l->offsets_in_write = !l->ready_about && (!owner_active(&r->owner) || restart || r->draining ||
+                                              owner_want_quiet(&r->owner) || now >= l->offsets_due);
     r->offs.n = 0;
     if (l->offsets_in_write && !log_offsets_out(r, l->ready_seq, restart)) {
         obx_error("relay: out of memory building the cursor row");
@@ -659,7 +659,8 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *ou
                          .n_also = l->n_also_out,
                          .restart = restart,
                          .shards = r->set.shards,
-                         .owned_slots = l->ready_about ? l->write_about_text : relay_mark_slots(r),
+                         .owned_slots =
+                             l->ready_about ? l->write_about_text : owner_mark_slots(&r->owner),
                          .topics = r->offs.topic,
                          .partitions = r->offs.partition,
                          .offsets = r->offs.offset,
@@ -698,8 +699,8 @@ bool relay_log_unclaimed(const struct obx_relay *r)
 static void raise_for_write(struct obx_relay *r)
 {
     struct log_state *l = &r->log;
-    for (int i = 0; relay_sharded(r) && i < r->set.shards; i++)
-        if (l->write_partial ? l->write_about[i] : r->shard.owned[i])
+    for (int i = 0; owner_active(&r->owner) && i < r->set.shards; i++)
+        if (l->write_partial ? l->write_about[i] : r->owner.owned[i])
             raise_slot_hwm(l, i, l->write_hwm);
 }
 
@@ -770,7 +771,7 @@ static int compare_id(const void *a, const void *b)
  * those of rows this session has in flight (a pass that settles a
  * possibly-persisted report runs while rows are out: they are stored as
  * they are, and an entry for them would wait for a fetch that never comes,
- * holding their slots back, relay_shards.c). Returns how many are kept. */
+ * holding their slots back, relay_owner.c). Returns how many are kept. */
 static size_t keep_found(struct obx_relay *r, struct found_row *found, size_t n)
 {
     size_t n_out = 0, kept = 0;
@@ -854,8 +855,8 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     l->stored_send = 0;
     l->stored_batch = st->has_cursor ? st->batch : 0;
     l->stored_hwm = st->hwm;
-    l->by_slot = relay_sharded(r) || st->about_slots;
-    if (relay_sharded(r) && load_slot_hwm(r, st) != 0)
+    l->by_slot = owner_active(&r->owner) || st->about_slots;
+    if (owner_active(&r->owner) && load_slot_hwm(r, st) != 0)
         return -1;
     l->stored_at = r->now - LOG_IDLE_WRITE_MS; /* a claim about the slots taken goes soon */
     if (l->by_slot && st->has_cursor && st->max_hwm > l->stored_hwm)
@@ -870,7 +871,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
      * slots, the offsets are each slot's (kafka_slot_offsets), and the
      * first row stores all of ours for the slots it is about. */
     size_t n_held = l->by_slot ? 0 : st->n_held;
-    size_t n_off = relay_sharded(r) ? 0 : st->n_off;
+    size_t n_off = owner_active(&r->owner) ? 0 : st->n_off;
     for (size_t i = 0; i < n_held; i++) {
         const struct obx_log_held *h = &st->held[i];
         int64_t t = topics_index(&r->topics, h->topic);

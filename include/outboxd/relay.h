@@ -247,7 +247,7 @@ struct obx_relay_settings {
     /* relay.on_sent = log: progress is a cursor row per batch (see relay.c). */
     bool log_mode;
     /* relay.shards: above 1 the relay publishes only the rows of the slots
-     * it owns (relay_shards.c). */
+     * it owns (relay_owner.c). */
     int shards;
 };
 

@@ -1,9 +1,9 @@
 /*
- * relay_shards: several active relays (relay.shards > 1). Each key hashes
+ * relay_owner: several active relays (relay.shards > 1). Each key hashes
  * into one of relay.shards slots (outbox.slot_of, sql/008); a relay
  * publishes only the rows of the slots it holds an advisory lock for, and a
  * claim (outbox.claim_slots) every CLAIM_EVERY_MS moves slots so that each
- * relay holds its fair share. See struct shard_state in relay_int.h.
+ * relay holds its fair share. See relay_owner.h.
  *
  * Handover without loss, repeat or reorder: a relay gives a slot back only
  * when nothing of its own is in flight or unmarked (it stops fetching until
@@ -20,7 +20,7 @@
  * starts its cursor again from the rows about each slot (relay_log.c,
  * obx_relay_on_log_state).
  */
-#include "relay_int.h"
+#include "relay_owner.h"
 #include "outboxd/alloc.h"
 #include "outboxd/log.h"
 
@@ -40,9 +40,9 @@
 #define TAKE_PAUSE_MAX_MS 2000
 #define TAKE_RETRY_MS     5000
 
-bool relay_sharded(const struct obx_relay *r)
+bool owner_active(const struct owner *h)
 {
-    return r->set.shards > 1;
+    return h->shards > 1;
 }
 
 /* The slots in `in` but not in `except` (may be NULL) as text into out:
@@ -69,27 +69,27 @@ static void write_set(char *out, size_t cap, const bool *in, const bool *except,
  * does: the whole claims its fetches make must be about every slot of the
  * cursor rows it writes (mark_text), and it gives them back only once
  * nothing is in flight. */
-static bool fetch_leaving(const struct obx_relay *r)
+static bool fetch_leaving(const struct owner *h)
 {
-    return r->set.log_mode;
+    return h->log_mode;
 }
 
-static void shards_texts(struct obx_relay *r)
+static void shards_texts(struct owner *h)
 {
-    struct shard_state *h = &r->shard;
-    int n = r->set.shards;
-    write_set(h->fetch_text, h->text_cap, h->owned, fetch_leaving(r) ? NULL : h->leaving, n, true);
+    int n = h->shards;
+    write_set(h->fetch_text, h->text_cap, h->owned, fetch_leaving(h) ? NULL : h->leaving, n, true);
     write_set(h->mark_text, h->text_cap, h->owned, NULL, n, true);
     write_set(h->give_text, h->text_cap, h->leaving, NULL, n, true);
     write_set(h->list_text, h->text_cap, h->owned, NULL, n, false);
 }
 
-int relay_shards_new(struct obx_relay *r)
+int owner_init(struct owner *h, int shards, bool log_mode)
 {
-    struct shard_state *h = &r->shard;
-    if (!relay_sharded(r))
+    h->shards = shards;
+    h->log_mode = log_mode;
+    if (!owner_active(h))
         return 0;
-    size_t n = (size_t)r->set.shards;
+    size_t n = (size_t)shards;
     h->text_cap = n * 6 + 4; /* "1023," a slot, and the braces */
     h->owned = obx_calloc(n, sizeof(bool));
     h->leaving = obx_calloc(n, sizeof(bool));
@@ -102,13 +102,12 @@ int relay_shards_new(struct obx_relay *r)
         !h->list_text)
         return -1;
     h->warned_at = INT64_MIN / 2;
-    shards_texts(r);
+    shards_texts(h);
     return 0;
 }
 
-void relay_shards_free(struct obx_relay *r)
+void owner_free(struct owner *h)
 {
-    struct shard_state *h = &r->shard;
     obx_free(h->owned);
     obx_free(h->leaving);
     obx_free(h->seen);
@@ -119,83 +118,64 @@ void relay_shards_free(struct obx_relay *r)
 }
 
 /* The session ended: its locks went with it. */
-void relay_shards_lost(struct obx_relay *r)
+void owner_lost(struct owner *h)
 {
-    struct shard_state *h = &r->shard;
-    if (!relay_sharded(r))
+    if (!owner_active(h))
         return;
-    memset(h->owned, 0, (size_t)r->set.shards * sizeof(bool));
-    memset(h->leaving, 0, (size_t)r->set.shards * sizeof(bool));
+    memset(h->owned, 0, (size_t)h->shards * sizeof(bool));
+    memset(h->leaving, 0, (size_t)h->shards * sizeof(bool));
     h->n_owned = h->n_leaving = 0;
     h->members = h->share = 0;
     h->known = h->giving = h->want_take = false;
-    shards_texts(r);
-}
-
-/* Log mode: records the last pass found in Kafka of rows of our slots
- * that no cursor row covers yet; they are stored once fetched. Until then
- * the slots do not go back clean: a stored offset below them is what
- * keeps them from being published again. */
-static bool found_pending(const struct obx_relay *r)
-{
-    return r->set.log_mode && r->log.n_found > 0;
+    shards_texts(h);
 }
 
 /* No fetch may go: the slots are not known yet, some wait to be given back
  * (the relay makes a quiet moment for them), or none is owned. */
-bool relay_shards_hold_fetch(const struct obx_relay *r, bool log_unclaimed)
+bool owner_hold_fetch(const struct owner *h, const struct owner_view *v)
 {
-    const struct shard_state *h = &r->shard;
-    if (!relay_sharded(r))
+    if (!owner_active(h))
         return false;
     if (!h->known || h->n_owned == 0)
         return true;
     /* Log mode: acknowledged rows that no claim covers are stored only
      * after a fetch that makes one, so one goes (its rows are of every
      * slot owned, leaving ones too: see shards_texts). */
-    return (h->n_leaving > 0 || h->want_take) && !log_unclaimed && !found_pending(r);
+    return (h->n_leaving > 0 || h->want_take) && !v->log_unclaimed && !v->found_pending;
 }
 
 /* Slots wait to be given back or taken: what is in flight should be stored
  * at once, not after the delay that gathers acknowledgements. */
-bool relay_shards_want_quiet(const struct obx_relay *r)
+bool owner_want_quiet(const struct owner *h)
 {
-    return relay_sharded(r) && (r->shard.n_leaving > 0 || r->shard.want_take);
+    return owner_active(h) && (h->n_leaving > 0 || h->want_take);
 }
 
-/* Nothing of ours in flight, unmarked or unstored, and no report left
- * unsettled. */
-static bool quiet(const struct obx_relay *r)
+const char *owner_fetch_slots(const struct owner *h)
 {
-    return rows_in_use(&r->rows) == 0 && rows_to_mark(&r->rows) == 0 && !relay_uncertain(r);
-}
-
-const char *relay_fetch_slots(const struct obx_relay *r)
-{
-    return relay_sharded(r) ? r->shard.fetch_text : NULL;
+    return owner_active(h) ? h->fetch_text : NULL;
 }
 
 /* Whether this relay's fetches read every slot (fetch_text names them
  * all): a fetch then needs no test of each row's slot. */
-bool relay_fetch_every_slot(const struct obx_relay *r)
+bool owner_fetch_every_slot(const struct owner *h)
 {
-    const struct shard_state *h = &r->shard;
-    int fetched = h->n_owned - (fetch_leaving(r) ? 0 : h->n_leaving);
-    return relay_sharded(r) && h->known && fetched == r->set.shards;
+    int fetched = h->n_owned - (fetch_leaving(h) ? 0 : h->n_leaving);
+    return owner_active(h) && h->known && fetched == h->shards;
 }
 
-const char *relay_mark_slots(const struct obx_relay *r)
+const char *owner_mark_slots(const struct owner *h)
 {
-    return relay_sharded(r) ? r->shard.mark_text : NULL;
+    return owner_active(h) ? h->mark_text : NULL;
 }
 
 /* Whether a claim is due: the first of a session, the periodic look, or
  * the give-back once nothing of ours is in flight or unmarked; if so, what
  * it gives back and whether it may take. */
-bool relay_claim_due(struct obx_relay *r, int64_t now, struct claim_due *out, struct owner_fx *fx)
+bool owner_claim_due(struct owner *h, const struct owner_view *v, int64_t now,
+                     struct claim_due *out, struct owner_fx *fx)
 {
-    struct shard_state *h = &r->shard;
-    if (h->want_take && !quiet(r) && now - h->want_take_since > TAKE_PAUSE_MAX_MS) {
+    if (h->want_take && !v->quiet && now - h->want_take_since > TAKE_PAUSE_MAX_MS) {
         obx_warn("relay: free slots wait: nothing of ours in flight settled within %d ms (a "
                  "record waits for Kafka), so this relay publishes its own again and tries to "
                  "take them in %d s",
@@ -209,13 +189,13 @@ bool relay_claim_due(struct obx_relay *r, int64_t now, struct claim_due *out, st
      * and their next owner need not look for records of a last owner that
      * died before storing an offset (ours is a slot we took after such an
      * owner until our pass has looked). */
-    bool give = h->n_leaving > 0 && quiet(r) && r->recovered && !found_pending(r);
+    bool give = h->n_leaving > 0 && v->quiet && v->recovered && !v->found_pending;
     /* Log mode takes only when quiet (see want_take), and then at once. */
-    bool may_take = !r->set.log_mode || quiet(r);
+    bool may_take = !h->log_mode || v->quiet;
     bool quick = give || (h->want_take && may_take && now >= h->next_quick_claim_at);
-    if (!r->ops->claim || (h->known && !quick && now < h->next_claim_at))
+    if (!v->can_claim || (h->known && !quick && now < h->next_claim_at))
         return false;
-    bool take = !give && !r->draining && h->n_leaving == 0 && h->other_shards == 0 && may_take;
+    bool take = !give && !v->draining && h->n_leaving == 0 && h->other_shards == 0 && may_take;
     if (take && h->want_take)
         h->next_quick_claim_at = now + CLAIM_EVERY_MS / 5; /* a lost race does not spin */
     *out = (struct claim_due){.give = give ? h->give_text : "{}",
@@ -225,22 +205,21 @@ bool relay_claim_due(struct obx_relay *r, int64_t now, struct claim_due *out, st
     return true;
 }
 
-void relay_claim_sent(struct obx_relay *r, bool giving)
+void owner_claim_sent(struct owner *h, bool giving)
 {
-    r->shard.giving = giving;
+    h->giving = giving;
 }
 
 /* "0,3,5" into h->seen; false if it is not such a list of slots. */
-static bool parse_owned(struct obx_relay *r, const char *text)
+static bool parse_owned(struct owner *h, const char *text)
 {
-    struct shard_state *h = &r->shard;
-    memset(h->seen, 0, (size_t)r->set.shards * sizeof(bool));
+    memset(h->seen, 0, (size_t)h->shards * sizeof(bool));
     for (const char *c = text; *c;) {
         long v = 0;
         const char *start = c;
-        while (*c >= '0' && *c <= '9' && v <= r->set.shards)
+        while (*c >= '0' && *c <= '9' && v <= h->shards)
             v = v * 10 + (*c++ - '0');
-        if (c == start || v >= r->set.shards || (*c != ',' && *c != '\0'))
+        if (c == start || v >= h->shards || (*c != ',' && *c != '\0'))
             return false;
         h->seen[v] = true;
         if (*c == ',')
@@ -251,12 +230,11 @@ static bool parse_owned(struct obx_relay *r, const char *text)
 
 /* The surplus over the share leaves the fetches (the highest slots first),
  * to be given back at the next quiet moment. With `all`, every slot. */
-static void choose_leaving(struct obx_relay *r, bool all, struct owner_fx *fx)
+static void choose_leaving(struct owner *h, bool all, struct owner_fx *fx)
 {
-    struct shard_state *h = &r->shard;
     int keep = all ? 0 : h->share;
     int kept = 0;
-    for (int i = 0; i < r->set.shards; i++) {
+    for (int i = 0; i < h->shards; i++) {
         if (!h->owned[i])
             continue;
         if (kept < keep) {
@@ -278,37 +256,35 @@ static void choose_leaving(struct obx_relay *r, bool all, struct owner_fx *fx)
  * after an owner that may have died before storing one. GIVE_ALL_SEND: a
  * claim giving every slot back is to go (*give), and the drain ends at its
  * answer; GIVE_ALL_WAIT: an answer is awaited first. */
-enum give_all relay_give_all_due(struct obx_relay *r, int64_t now, const char **give,
-                                 struct owner_fx *fx)
+enum give_all owner_give_all_due(struct owner *h, const struct owner_view *v, int64_t now,
+                                 const char **give, struct owner_fx *fx)
 {
-    struct shard_state *h = &r->shard;
     if (h->gave_all) /* the drain ends at the answer */
-        return r->state == OBX_RELAY_CLAIMING && now < r->hard_deadline ? GIVE_ALL_WAIT
+        return v->state == OBX_RELAY_CLAIMING && now < v->hard_deadline ? GIVE_ALL_WAIT
                                                                         : GIVE_ALL_NO;
-    if (!relay_sharded(r) || !r->ops->claim || !h->known || h->n_owned == 0 || !quiet(r) ||
-        !r->recovered || found_pending(r))
+    if (!owner_active(h) || !v->can_claim || !h->known || h->n_owned == 0 || !v->quiet ||
+        !v->recovered || v->found_pending)
         return GIVE_ALL_NO;
     /* A look for rows, at the slots, or an empty cursor row still out:
      * its answer comes first (the rows of a fetch answered now are left). */
-    if (r->state == OBX_RELAY_FETCHING || r->state == OBX_RELAY_CLAIMING ||
-        r->state == OBX_RELAY_MARKING)
-        return now < r->hard_deadline ? GIVE_ALL_WAIT : GIVE_ALL_NO;
-    if (r->state != OBX_RELAY_IDLE)
+    if (v->state == OBX_RELAY_FETCHING || v->state == OBX_RELAY_CLAIMING ||
+        v->state == OBX_RELAY_MARKING)
+        return now < v->hard_deadline ? GIVE_ALL_WAIT : GIVE_ALL_NO;
+    if (v->state != OBX_RELAY_IDLE)
         return GIVE_ALL_NO;
     h->gave_all = true;
-    choose_leaving(r, true, fx);
-    shards_texts(r);
+    choose_leaving(h, true, fx);
+    shards_texts(h);
     *give = h->give_text;
     return GIVE_ALL_SEND;
 }
 
 /* The answer's slots against what we held: given back, taken, or (never
  * expected: a lock goes only with the session) gone. */
-static void apply_owned(struct obx_relay *r, struct owner_fx *fx)
+static void apply_owned(struct owner *h, struct owner_fx *fx)
 {
-    struct shard_state *h = &r->shard;
     int taken = 0, given = 0, gone = 0;
-    for (int i = 0; i < r->set.shards; i++) {
+    for (int i = 0; i < h->shards; i++) {
         if (h->seen[i] && !h->owned[i])
             taken++;
         else if (!h->seen[i] && h->owned[i] && h->leaving[i])
@@ -320,7 +296,7 @@ static void apply_owned(struct obx_relay *r, struct owner_fx *fx)
             h->leaving[i] = false;
     }
     h->n_owned = h->n_leaving = 0;
-    for (int i = 0; i < r->set.shards; i++) {
+    for (int i = 0; i < h->shards; i++) {
         h->n_owned += h->owned[i];
         h->n_leaving += h->leaving[i];
     }
@@ -333,23 +309,22 @@ static void apply_owned(struct obx_relay *r, struct owner_fx *fx)
     if (given > 0)
         obx_event(OBX_LOG_INFO, "slots_given_back",
                   "relay: gave %d slots back; holds %d of %d (%d relays)", given, h->n_owned,
-                  r->set.shards, h->members);
+                  h->shards, h->members);
     if (taken > 0) {
-        shards_texts(r);
+        shards_texts(h);
         obx_event(OBX_LOG_INFO, "slots_taken",
                   "relay: took %d slots; holds %s (%d of %d, %d relays); recovering them first",
-                  taken, h->list_text, h->n_owned, r->set.shards, h->members);
+                  taken, h->list_text, h->n_owned, h->shards, h->members);
         fx->clear_cursor = "slots taken";
         fx->taken = true;
     }
 }
 
-bool relay_claim_answered(struct obx_relay *r, const struct obx_claim *c, int64_t now,
+bool owner_claim_answered(struct owner *h, const struct obx_claim *c, bool draining, int64_t now,
                           struct owner_fx *fx)
 {
-    struct shard_state *h = &r->shard;
     h->giving = false;
-    if (!parse_owned(r, c->owned ? c->owned : "")) {
+    if (!parse_owned(h, c->owned ? c->owned : "")) {
         obx_error("relay: the claim of slots answered an unreadable list: %.64s", c->owned);
         h->known = false;
         return false;
@@ -358,8 +333,8 @@ bool relay_claim_answered(struct obx_relay *r, const struct obx_claim *c, int64_
     h->share = c->share;
     h->free = c->free;
     h->other_shards = c->other_shards;
-    apply_owned(r, fx);
-    bool want = r->set.log_mode && h->other_shards == 0 && h->n_leaving == 0 && !r->draining &&
+    apply_owned(h, fx);
+    bool want = h->log_mode && h->other_shards == 0 && h->n_leaving == 0 && !draining &&
                 h->n_owned < h->share && h->free > 0 && now >= h->take_again_at;
     if (want && !h->want_take)
         h->want_take_since = now;
@@ -369,45 +344,23 @@ bool relay_claim_answered(struct obx_relay *r, const struct obx_claim *c, int64_
             obx_error("relay: another relay of this outbox runs with relay.shards = %d, this one "
                       "with %d: a key would have two owners, so this relay gives its slots back "
                       "and publishes nothing until every relay has the same value",
-                      h->other_shards, r->set.shards);
+                      h->other_shards, h->shards);
             h->warned_at = now;
         }
-        choose_leaving(r, true, fx);
+        choose_leaving(h, true, fx);
     } else if (h->n_owned - h->n_leaving > h->share) {
-        choose_leaving(r, false, fx);
+        choose_leaving(h, false, fx);
     }
     h->known = true;
     h->next_claim_at = now + CLAIM_EVERY_MS;
-    shards_texts(r);
+    shards_texts(h);
     return true;
 }
 
 /* A claim that failed may have moved locks before it did (advisory locks
  * are not undone with the statement): the next one reads them again. */
-void relay_claim_failed(struct obx_relay *r)
+void owner_claim_failed(struct owner *h)
 {
-    r->shard.known = false;
-    r->shard.giving = false;
-}
-
-void obx_relay_slots(const struct obx_relay *r, struct obx_relay_slots *out)
-{
-    const struct shard_state *h = &r->shard;
-    *out = (struct obx_relay_slots){
-        .shards = r->set.shards,
-        .owned = relay_sharded(r) ? h->n_owned : r->recovered, /* alone: 1 while it publishes */
-        .members = relay_sharded(r) ? h->members : 1,
-        .share = relay_sharded(r) ? h->share : 1,
-        .moves = h->moves,
-    };
-}
-
-bool obx_relay_maintains(const struct obx_relay *r)
-{
-    return !relay_sharded(r) || (r->shard.known && r->shard.owned[0]);
-}
-
-const char *obx_relay_owned_slots(const struct obx_relay *r)
-{
-    return relay_sharded(r) ? r->shard.list_text : "all";
+    h->known = false;
+    h->giving = false;
 }
