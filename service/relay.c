@@ -15,11 +15,25 @@
 
 #include <string.h>
 
-/* Which moves are possible: allowed[from] is a bit set of destinations. */
+/* The cycle's own, used before they are defined. */
+static void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
+static void relay_slot_release(struct obx_relay *r, struct slot *s);
+static void relay_ignore_fetch(struct obx_relay *r, const char *why);
+static int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
+static void relay_stop(struct obx_relay *r, const char *why);
+static void relay_kick(struct obx_relay *r, int64_t now);
+static void relay_after_release(struct obx_relay *r);
+static void relay_release_parked_of(struct obx_relay *r, uint64_t h);
+static void relay_release_all_parked(struct obx_relay *r);
+static bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
+static void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
+static void relay_progress(struct obx_relay *r, int64_t now);
+
 /* The error about log mode's rows in flight that cannot be stored, at most
  * this often. */
 #define FULL_WARN_MS 60000
-#define BIT(s)       (1u << (s))
+/* Which moves are possible: allowed[from] is a bit set of destinations. */
+#define BIT(s) (1u << (s))
 static const unsigned allowed[] = {
     [OBX_RELAY_WAIT_PG] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_STOPPED),
     [OBX_RELAY_RECOVERING] = BIT(OBX_RELAY_IDLE) | BIT(OBX_RELAY_WAIT_PG) | BIT(OBX_RELAY_STOPPED),
@@ -33,7 +47,7 @@ static const unsigned allowed[] = {
 };
 
 /* The one place the state changes. Refuses impossible moves (a bug). */
-void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why)
+static void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why)
 {
     if (!(allowed[r->state] & BIT(to))) {
         OBX_BUG("relay: refused state change %s -> %s (%s)", obx_relay_state_name(r->state),
@@ -132,7 +146,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r);
 }
 
-void relay_slot_release(struct obx_relay *r, struct slot *s)
+static void relay_slot_release(struct obx_relay *r, struct slot *s)
 {
     if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
         relay_log_settle(r, s, false); /* back unsent, or held */
@@ -229,7 +243,7 @@ static void batch_refused(struct obx_relay *r, struct slot *s, const char *key, 
 
 /* A fetch in flight, alone or beside the mark, was sent before `why`: its
  * answer is set aside and its rows fetched again. */
-void relay_ignore_fetch(struct obx_relay *r, const char *why)
+static void relay_ignore_fetch(struct obx_relay *r, const char *why)
 {
     if (r->state != OBX_RELAY_FETCHING && r->cur.fetch_ride != RIDE_ON_MARK)
         return;
@@ -239,12 +253,12 @@ void relay_ignore_fetch(struct obx_relay *r, const char *why)
 }
 
 /* Failpoint `id`, through the ops (the relay reads no global). */
-int relay_failpoint(struct obx_relay *r, enum obx_fp_id id)
+static int relay_failpoint(struct obx_relay *r, enum obx_fp_id id)
 {
     return r->ops->failpoint ? r->ops->failpoint(r->io, (int)id) : 0;
 }
 
-void relay_stop(struct obx_relay *r, const char *why)
+static void relay_stop(struct obx_relay *r, const char *why)
 {
     relay_set_state(r, OBX_RELAY_STOPPED, why);
     if (r->state == OBX_RELAY_STOPPED)
@@ -636,7 +650,7 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
 }
 
 /* Decides what the relay does next. Called after every event. */
-void relay_kick(struct obx_relay *r, int64_t now)
+static void relay_kick(struct obx_relay *r, int64_t now)
 {
     if (r->state == OBX_RELAY_STOPPED)
         return;
@@ -694,7 +708,7 @@ void relay_kick(struct obx_relay *r, int64_t now)
 
 /* The fetched rows after a released one must not run ahead of it: the next
  * fetch is a full one, and one already sent is ignored. */
-void relay_after_release(struct obx_relay *r)
+static void relay_after_release(struct obx_relay *r)
 {
     relay_ignore_fetch(r, "rows released");
     cursor_full_fetch_due(&r->cur, "rows released");
@@ -1491,7 +1505,7 @@ static struct obx_row *row_copy(const struct obx_row *row)
 }
 
 /* The rows parked behind key hash h go back unsent, to be fetched again. */
-void relay_release_parked_of(struct obx_relay *r, uint64_t h)
+static void relay_release_parked_of(struct obx_relay *r, uint64_t h)
 {
     int32_t i;
     bool any = false;
@@ -1505,7 +1519,7 @@ void relay_release_parked_of(struct obx_relay *r, uint64_t h)
 
 /* Every parked row goes back unsent: the relay stops handing rows to Kafka
  * (shutdown, fatal error, session lost). */
-void relay_release_all_parked(struct obx_relay *r)
+static void relay_release_all_parked(struct obx_relay *r)
 {
     if (!r->set.one_per_key)
         return;
@@ -1516,7 +1530,7 @@ void relay_release_all_parked(struct obx_relay *r)
 
 /* Parks row `row` of slot s behind its key's record at Kafka. false: no
  * memory for it (the caller leaves it for a later fetch). */
-bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
+static bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
 {
     struct obx_row *copy = row_copy(row);
     if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, rows_index(&r->rows, s)) != 0) {
@@ -1530,7 +1544,7 @@ bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
 
 /* Key hash h has no record at Kafka any more, the last one delivered: its
  * first parked row goes now, if the relay may publish. */
-void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
+static void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
 {
     if (!r->recovered || r->draining || r->state == OBX_RELAY_WAIT_PG) {
         relay_release_parked_of(r, h); /* fetched again once it may */
@@ -1565,7 +1579,7 @@ void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
 
 /* ---- shutdown, fatal errors, progress and stalls ---- */
 
-void relay_progress(struct obx_relay *r, int64_t now)
+static void relay_progress(struct obx_relay *r, int64_t now)
 {
     r->last_progress = now;
     if (r->stalled_ms > 0) {

@@ -247,20 +247,6 @@ struct obx_relay {
     struct owner owner;   /* the slots of relay.shards owned (relay_owner.h) */
 };
 
-/* relay.c (the cycle) */
-void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
-void relay_slot_release(struct obx_relay *r, struct slot *s);
-void relay_ignore_fetch(struct obx_relay *r, const char *why);
-int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
-void relay_stop(struct obx_relay *r, const char *why);
-void relay_kick(struct obx_relay *r, int64_t now);
-void relay_after_release(struct obx_relay *r);
-/* Rows parked behind their key's record at Kafka (set.one_per_key). */
-void relay_release_parked_of(struct obx_relay *r, uint64_t h);
-void relay_release_all_parked(struct obx_relay *r);
-bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
-void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
-
 /* relay_log.c (log mode) */
 struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq);
 uint64_t relay_rec_push(struct obx_relay *r);
@@ -295,8 +281,5 @@ bool relay_uncertain(const struct obx_relay *r);
 bool relay_drain_over(const struct obx_relay *r, int64_t now);
 /* What the relay is waiting for, for the stall report. */
 void relay_describe_wait(const struct obx_relay *r, int64_t now, char *why, size_t len);
-
-/* relay.c: progress was made now (a stall ends) */
-void relay_progress(struct obx_relay *r, int64_t now);
 
 #endif
