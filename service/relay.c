@@ -16,6 +16,7 @@
 #include <string.h>
 
 /* The cycle's own, used before they are defined. */
+static bool fetch_room_fits(struct obx_relay *r);
 static void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
 static void relay_slot_release(struct obx_relay *r, struct slot *s);
 static void relay_ignore_fetch(struct obx_relay *r, const char *why);
@@ -160,6 +161,12 @@ static void relay_slot_release(struct obx_relay *r, struct slot *s)
  * rules of held rows. */
 static void held_apply(struct obx_relay *r, const struct held_fx *fx)
 {
+    /* The fetch's arrays grow with the entries now, not while a mark holds
+     * r->ids (start_mark); failing, the next fetch waits (build_fetch). */
+    if (!fetch_room_fits(r))
+        obx_error("relay: out of memory for the fetch's %zu held-back keys; fetching once there "
+                  "is",
+                  r->held.n);
     for (size_t i = 0; r->set.log_mode && i < fx->n_lifted; i++)
         relay_lift(r, r->held.lifted[i]);
     if (fx->hold && r->set.log_mode)
@@ -534,8 +541,10 @@ static bool start_mark(struct obx_relay *r, int64_t now)
      * mark changes: marked rows lie at or below hwm.) */
     struct obx_fetch f;
     int rc = 1;
-    if (r->ops->mark_fetch && !r->set.log_mode && m.n_dead == 0 && fetch_allowed(r, now) &&
-        build_fetch(r, now, &f, true))
+    /* Only with the fetch's arrays grown already: build_fetch must not move
+     * r->ids, which holds the mark's ids. */
+    if (r->ops->mark_fetch && !r->set.log_mode && m.n_dead == 0 && r->fetch_room >= r->held.cap &&
+        fetch_allowed(r, now) && build_fetch(r, now, &f, true))
         rc = r->ops->mark_fetch(r->io, &m, &f);
     if (rc < 0)
         return false;

@@ -241,6 +241,29 @@ static void test_failed_row_holds_its_key(void **state)
     assert_int_equal(c->f.produced_ids[4], 4);
 }
 
+/* The first row held grows the fetch's arrays of held keys while an
+ * acknowledged row waits for its mark: the mark carries that row's id (a
+ * build of the fetch that rides along once grew them under it, and the mark
+ * read its ids from the freed array). */
+static void test_first_hold_under_a_waiting_mark(void **state)
+{
+    struct ctx *c = *state;
+    c->snapshot = "100:100:";
+    ready(c, 0);
+    fetched_snap(c, (const int64_t[]){1, 2}, 2, 0, 0, 0); /* 1:k1 2:k2 */
+    look(c, 1);
+    assert_int_equal(c->f.fetches, 2);   /* a look is out */
+    report(c, 0, OBX_DELIVERED, 2);      /* row 1 waits for a mark behind it */
+    report(c, 1, OBX_DELIVERY_RETRY, 3); /* row 2: the first entry held */
+    assert_int_equal(obx_relay_held_back_keys(c->r), 1);
+    int marks = c->f.marks;
+    fetched_snap(c, NULL, 0, 0, 0, 4); /* the look answers */
+    obx_relay_tick(c->r, 600);         /* after the failed row's back-off: the mark goes */
+    assert_int_equal(c->f.marks, marks + 1);
+    assert_int_equal(c->f.n_marked, 1);
+    assert_int_equal(c->f.marked[0], 1);
+}
+
 /* A row whose delivery is unknown holds its key back too; when the
  * recovery pass finds it in Kafka (and marks it), the full fetch after the
  * pass passes its place without it, and its key goes on. */
@@ -400,6 +423,7 @@ static void test_batch_refused_as_a_fetch_goes(void **state)
     X(test_reject_then_transient_failure)                                                          \
     X(test_reject_dead_letter)                                                                     \
     X(test_failed_row_holds_its_key)                                                               \
+    X(test_first_hold_under_a_waiting_mark)                                                        \
     X(test_uncertain_row_found_frees_its_key)                                                      \
     X(test_held_row_behind_another_not_dropped)                                                    \
     X(test_batch_refused_rows_go_alone)                                                            \
