@@ -8,7 +8,7 @@
 static const char *const state_names[SLOT_STATES] = {"free", "produced",     "acked", "marking",
                                                      "dead", "dead_marking", "parked"};
 
-const char *rows_state_name(enum slot_state s)
+static const char *rows_state_name(enum slot_state s)
 {
     return (unsigned)s < SLOT_STATES ? state_names[s] : "?";
 }

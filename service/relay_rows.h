@@ -82,8 +82,6 @@ static inline int32_t rows_index(const struct rows *rs, const struct slot *s)
     return (int32_t)(s - rs->slot);
 }
 
-const char *rows_state_name(enum slot_state s);
-
 /* Topic names seen so far; slots, held entries and offsets refer to them
  * by index. */
 struct topics {
