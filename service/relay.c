@@ -130,21 +130,82 @@ void obx_relay_free(struct obx_relay *r)
     part_offsets_free(&r->offs);
     obx_free(r->batch);
     obx_keycount_free(&r->busy_keys);
-    relay_log_reset(r);
-    obx_free(r->log.recs);
-    obx_free(r->log.ready_snap);
-    obx_free(r->log.stored_snap);
-    obx_free(r->log.write_snap);
-    obx_free(r->log.write_about_text);
-    obx_free(r->log.write_about);
-    obx_free(r->log.held);
-    obx_free(r->log.held_out);
-    obx_free(r->log.also_out);
-    obx_free(r->log.also);
-    obx_free(r->log.found);
-    obx_free(r->log.offs);
+    log_free(&r->log);
     owner_free(&r->owner);
     obx_free(r);
+}
+
+/* A possibly-persisted report is not yet settled by a recovery pass. Until
+ * it is, nothing is marked: a mark raises the stored offset of each of its
+ * partitions past the record it confirms, and the pass reads each partition
+ * from that offset on, so a record acknowledged after the uncertain one
+ * would move the pass past it, and a row that did land would be published
+ * again. The pass marks what it finds itself. */
+static bool relay_uncertain(const struct obx_relay *r)
+{
+    return r->unknowns != r->settled;
+}
+
+/* What relay_drain.c reads of the relay. */
+static struct drain_view drain_view_of(const struct obx_relay *r)
+{
+    return (struct drain_view){
+        .state = r->state,
+        .state_since = r->state_since,
+        .in_use = rows_in_use(&r->rows),
+        .to_mark = rows_to_mark(&r->rows),
+        .n_outstanding = r->n_outstanding,
+        .uncertain = relay_uncertain(r),
+        .log_mode = r->set.log_mode,
+        .log_claim_due = log_claim_due(&r->log),
+        .drain_deadline = r->drain_deadline,
+        .hard_deadline = r->hard_deadline,
+    };
+}
+
+static bool relay_drain_over(const struct obx_relay *r, int64_t now)
+{
+    struct drain_view v = drain_view_of(r);
+    return drain_over(&v, now);
+}
+
+static void relay_describe_wait(const struct obx_relay *r, int64_t now, char *why, size_t len)
+{
+    struct drain_view v = drain_view_of(r);
+    drain_describe_wait(&v, now, why, len);
+}
+
+/* What relay_log.c reads of the relay. */
+static struct log_view log_view_of(const struct obx_relay *r)
+{
+    return (struct log_view){
+        .rows = &r->rows,
+        .topics = &r->topics,
+        .owner = &r->owner,
+        .shards = r->set.shards,
+        .batch_size = (size_t)r->set.batch_size,
+        .draining = r->draining,
+        .now = r->now,
+    };
+}
+
+/* Log mode: slot `s` no longer waits for Kafka: `acked` (acknowledged or
+ * to be dead-lettered) or not (back unsent, or held: it leaves its fetch). */
+static void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked)
+{
+    if (!r->set.log_mode || s->orphan || s->seq == 0)
+        return;
+    log_settle(&r->log, s->seq, s->id, acked, r->now);
+    if (!acked)
+        s->seq = 0;
+}
+
+/* Log mode, with slots: a claim waits no longer for more rows. */
+static bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
+{
+    struct log_view v = log_view_of(r);
+    v.now = now;
+    return r->set.log_mode && log_idle_write_due(&r->log, &v);
 }
 
 static void relay_slot_release(struct obx_relay *r, struct slot *s)
@@ -168,9 +229,9 @@ static void held_apply(struct obx_relay *r, const struct held_fx *fx)
                   "is",
                   r->held.n);
     for (size_t i = 0; r->set.log_mode && i < fx->n_lifted; i++)
-        relay_lift(r, r->held.lifted[i]);
+        log_lift(&r->log, r->held.lifted[i]);
     if (fx->hold && r->set.log_mode)
-        relay_hold(r, fx->hold_id, fx->hold_topic, fx->hold_key, fx->hold_key_len);
+        log_hold(&r->log, fx->hold_id, fx->hold_topic, fx->hold_key, fx->hold_key_len);
     if (fx->clear_cursor)
         cursor_clear(&r->cur, fx->clear_cursor);
     if (fx->want_fetch)
@@ -285,7 +346,7 @@ static struct owner_view owner_view_of(const struct obx_relay *r)
         .quiet = rows_in_use(&r->rows) == 0 && rows_to_mark(&r->rows) == 0 && !relay_uncertain(r),
         .recovered = r->recovered,
         .found_pending = r->set.log_mode && r->log.n_found > 0,
-        .log_unclaimed = relay_log_unclaimed(r),
+        .log_unclaimed = r->set.log_mode && log_unclaimed(&r->log, &r->rows),
         .draining = r->draining,
         .can_claim = r->ops->claim != NULL,
         .state = r->state,
@@ -356,7 +417,7 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         f->snapshot = r->cur.snap;
     } else if (r->log.has_stored) {
         /* Everything the stored cursor does not cover, but what is in flight. */
-        if (!relay_log_held_out(r))
+        if (!log_held_out(&r->log, &r->topics))
             return false;
         f->log = true;
         f->by_slot = r->log.by_slot;
@@ -421,7 +482,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
             alone = NULL;
     r->cur.fetch_alone = alone ? alone->id : NO_ID;
     r->cur.fetch_due = FETCH_NOT_DUE;
-    r->log.fetch_send_no = ++r->log.sends;
+    log_fetch_sent(&r->log);
 }
 
 /* The fetch in flight (alone or beside a mark) will not answer: fetch
@@ -478,7 +539,9 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
 {
     struct obx_mark m;
     bool restart;
-    if (!relay_log_write_build(r, now, &m, &restart))
+    struct log_view v = log_view_of(r);
+    v.now = now;
+    if (!log_write_build(&r->log, &v, r->dead_ids, r->dead_reasons, &r->offs, &m, &restart))
         return false;
     if (relay_failpoint(r, OBX_FP_ACK_AFTER) != 0) {
         r->not_before = now + r->set.retry_backoff_ms;
@@ -486,10 +549,10 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
     }
     if (r->ops->mark(r->io, &m) != 0)
         return false;
-    relay_log_write_sent(r, restart);
+    log_write_sent(&r->log, restart);
     for (int i = 0; i < r->rows.cap; i++) {
         struct slot *s = &r->rows.slot[i];
-        if ((s->state == SLOT_ACKED || s->state == SLOT_DEAD) && relay_log_ready_covers(r, s))
+        if ((s->state == SLOT_ACKED || s->state == SLOT_DEAD) && log_ready_covers(&r->log, s))
             rows_move(&r->rows, s, s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING);
     }
     relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
@@ -588,12 +651,9 @@ static void owner_apply(struct obx_relay *r, const struct owner_fx *fx)
          * every slot now owned, and this relay's cursor starts from them.
          * Mark and delete mode read cursor rows too if log mode left any
          * (cursor_advance: the highest hwm of them). */
-        if (r->set.log_mode || r->log.has_stored)
-            r->log.loaded = false;
         /* A claim made before is not about the slots taken: none may be
          * stored with them (relay_log.c refuses writes until the reload). */
-        r->log.has_ready = false;
-        relay_claims_drop_from(r, 0);
+        log_slots_taken(&r->log, r->set.log_mode || r->log.has_stored);
     }
     if (fx->clear_cursor)
         cursor_clear(&r->cur, fx->clear_cursor);
@@ -650,8 +710,7 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
         relay_kick(r, now);
         return;
     }
-    if (c->cursor_hwm > r->log.others_hwm)
-        r->log.others_hwm = c->cursor_hwm;
+    log_others_seen(&r->log, c->cursor_hwm);
     owner_apply(r, &fx);
     if (rows_in_use(&r->rows) == 0)
         relay_progress(r, now); /* nothing waits: a relay with no slot is not stalled */
@@ -698,7 +757,7 @@ static void relay_kick(struct obx_relay *r, int64_t now)
         return;
     }
     if (r->set.log_mode && rows_in_use(&r->rows) == (size_t)r->set.max_in_flight &&
-        relay_log_unclaimed(r) && now - r->full_warned_at >= FULL_WARN_MS) {
+        log_unclaimed(&r->log, &r->rows) && now - r->full_warned_at >= FULL_WARN_MS) {
         /* Known limit of log mode (a cursor row cannot say "part of a
          * transaction"): every slot holds an acknowledged row that no claim
          * covers, so none can be stored and no fetch can go. */
@@ -776,13 +835,53 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
                  "confirmed by its id",
                  acked, awaiting, refused);
     r->offs.n = 0;
-    relay_log_reset(r); /* in any mode: a relay in log mode may have taken over meanwhile */
+    log_reset(&r->log); /* in any mode: a relay in log mode may have taken over meanwhile */
     owner_lost(&r->owner);
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
     r->recovered = false;
     relay_set_state(r, OBX_RELAY_WAIT_PG, "postgres connection lost");
     relay_kick(r, now);
+}
+
+int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
+{
+    /* Mark and delete mode after log mode read the stored cursor too (and
+     * never write one): their full fetch leaves the rows it covers alone.
+     * The records found, whether the session begins or a pass settled a
+     * possibly-persisted report: rows in flight now are not among them
+     * (found rows are only taken when fetched). */
+    struct found_row *found = NULL;
+    if (st->n_found > 0 && !(found = obx_calloc(st->n_found, sizeof(*found))))
+        return -1;
+    for (size_t i = 0; i < st->n_found; i++) {
+        int64_t t = topics_index(&r->topics, st->found[i].topic);
+        if (t < 0) {
+            obx_free(found);
+            return -1;
+        }
+        found[i] = (struct found_row){st->found[i].id, (uint32_t)t, st->found[i].partition,
+                                      st->found[i].offset};
+    }
+    log_found_set(&r->log, &r->rows, found, st->n_found);
+    if (r->log.loaded)
+        return 0; /* the cursor is this session's own */
+    /* The topics of the held keys, then of the offsets, as indexes. */
+    size_t n = st->n_held + st->n_off;
+    uint32_t *topic = n > 0 ? obx_calloc(n, sizeof(*topic)) : NULL;
+    int rc = n > 0 && !topic ? -1 : 0;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        int64_t t = topics_index(&r->topics, i < st->n_held ? st->held[i].topic
+                                                            : st->off_topics[i - st->n_held]);
+        rc = t < 0 ? -1 : 0;
+        topic[i] = (uint32_t)t;
+    }
+    struct log_view v = log_view_of(r);
+    if (rc == 0)
+        rc = log_load(&r->log, &v, st, topic, topic ? topic + st->n_held : NULL, r->held.entry,
+                      r->held.n);
+    obx_free(topic);
+    return rc;
 }
 
 void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
@@ -984,7 +1083,7 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapsho
     *seq = 0;
     if (!r->set.log_mode)
         return true;
-    *seq = relay_rec_push(r);
+    *seq = log_rec_push(&r->log);
     if (*seq == 0) { /* no record, no rows: they are fetched again */
         obx_error("relay: out of memory recording a fetch");
         cursor_full_fetch_due(&r->cur, "out of memory");
@@ -993,9 +1092,11 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapsho
         return false;
     }
     if (r->cur.state == CURSOR_HELD)
-        relay_rec_claim(r, *seq, r->cur.hwm, r->cur.snap);
-    else if (r->cur.fetch_partial)
-        relay_rec_claim_partial(r, *seq, r->cur.hwm, snapshot);
+        log_rec_claim(&r->log, *seq, r->cur.hwm, r->cur.snap);
+    else if (r->cur.fetch_partial) {
+        struct log_view v = log_view_of(r);
+        log_rec_claim_partial(&r->log, &v, *seq, r->cur.hwm, snapshot);
+    }
     return true;
 }
 
@@ -1031,10 +1132,7 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
         s->created_us = row->created_us;
         s->has_key_slot = row->has_slot && row->slot >= 0 && row->slot < r->set.shards;
         s->key_slot = s->has_key_slot ? row->slot : 0;
-        struct fetch_rec *rec = seq ? relay_rec_of(r, seq) : NULL;
-        s->seq = rec ? seq : 0;
-        if (rec)
-            rec->pending++; /* settled as it is delivered, held or released */
+        s->seq = seq && log_rec_add_row(&r->log, seq) ? seq : 0;
         r->batch[i] = s;
         taken = i + 1;
     }
@@ -1046,7 +1144,7 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
 static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
 {
     struct found_row fr;
-    if (!r->set.log_mode || r->log.n_found == 0 || !relay_take_found(r, id, &fr))
+    if (!r->set.log_mode || r->log.n_found == 0 || !log_take_found(&r->log, id, &fr))
         return false;
     relay_log_settle(r, s, true);
     rows_move(&r->rows, s, SLOT_ACKED);
@@ -1184,7 +1282,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     size_t taken = take_slots(r, rows, n_take, seq);
     /* Rows fetched and not taken: the claim above does not hold. */
     if (seq && r->cur.gen != gen_at_claim)
-        relay_claims_drop_from(r, seq);
+        log_claims_drop_from(&r->log, seq);
     /* A full batch means more rows are likely waiting (a batch of
      * relay.batch_size, or of what the byte budget allows, is one). */
     if (n_take < n || (!r->cur.caught_up && r->cur.fetch_limit >= r->cur.bytes_limit))
@@ -1192,7 +1290,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
     if (r->set.log_mode)
-        relay_recs_settle(r); /* a fetch that handed nothing out settles at once */
+        log_recs_settle(&r->log, r->now); /* a fetch that handed nothing out settles at once */
     if (produced > 0 && relay_failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced,
@@ -1204,8 +1302,10 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
 static void mark_done(struct obx_relay *r, int64_t now)
 {
     size_t marked = 0, dead = 0;
-    if (r->set.log_mode)
-        relay_log_write_done(r);
+    if (r->set.log_mode) {
+        struct log_view v = log_view_of(r);
+        log_write_done(&r->log, &v);
+    }
     for (int i = 0; i < r->rows.cap; i++) {
         struct slot *s = &r->rows.slot[i];
         if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
@@ -1296,8 +1396,10 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
         obx_warn("relay: mark failed: %s", reason);
         if (r->cur.fetch_ride == RIDE_ON_MARK) /* and the fetch beside it */
             fetch_gone(r);
-        if (r->set.log_mode)
-            relay_log_write_failed(r);
+        if (r->set.log_mode) {
+            struct log_view v = log_view_of(r);
+            log_write_failed(&r->log, &v);
+        }
         unmark(r);
     } else if (r->state == OBX_RELAY_CLAIMING) {
         obx_warn("relay: claim of slots failed: %s", reason);

@@ -1,11 +1,13 @@
 /*
- * relay_int: the relay's state and the functions its rooms share (internal
- * to service/; include/outboxd/relay.h is the relay's interface).
+ * relay_int: the relay's state, struct obx_relay, which relay.c alone reads
+ * whole; each room below has its own struct in it and a header of its own
+ * (internal to service/; include/outboxd/relay.h is the relay's interface).
  *
- *   relay.c        the cycle: fetch, produce, delivery reports, mark
- *   relay_log.c    log mode's cursor rows (relay.on_sent = log)
+ *   relay.c        the cycle: fetch, produce, delivery reports, mark; every
+ *                  entry point; the only writer of this struct
+ *   relay_log.c    log mode's records, claims and cursor rows (relay.on_sent = log)
  *   relay_held.c   refused rows and the keys they hold back
- *   relay_drain.c  drain, shutdown, progress and stalls
+ *   relay_drain.c  when a drain may stop, what a stall waits for
  *   relay_owner.c  the slots of relay.shards this relay owns
  *   relay_rows.c   the rows in flight: slots and their states
  *   relay_cursor.c the fetch cursor, the fetch in flight and whether one is due
@@ -16,7 +18,9 @@
 #include "outboxd/keycount.h"
 #include "outboxd/relay.h"
 #include "relay_cursor.h"
+#include "relay_drain.h"
 #include "relay_held.h"
+#include "relay_log.h"
 #include "relay_owner.h"
 #include "relay_rows.h"
 
@@ -43,143 +47,6 @@
  * xmin horizon every one of those versions stays, and each upsert walked
  * them all. */
 #define OFFSETS_STORE_MS 1000
-
-/* ---- log mode (relay.on_sent = log) ----
- *
- * Nothing is written per row. What is published is what the newest cursor
- * row covers: every row with an id up to its hwm whose writer its snapshot
- * saw committed, but the rows of its held keys. The relay stores a cursor
- * row once every row handed out up to some fetch has been acknowledged:
- * that fetch's own cursor (hwm and snapshot) is then a true claim. So every
- * fetch has a record: how many of its rows are still pending (with Kafka,
- * or parked), and its cursor if that made a claim (a fetch after which the
- * cursor did not hold makes none, and a row going back unsent takes the
- * claims of its fetch and the later ones away). The oldest records are
- * dropped as their rows settle, and the newest claim among them is `ready`:
- * the next cursor row stores it and frees the slots of the rows it covers.
- * Acknowledged rows of later fetches keep their slots until a later row.
- *
- * Refused rows and the rows of their keys behind them are `held`: the
- * cursor rows name them until a claim made after they went on is stored.
- * Each partition's stored offset is where the recovery pass starts reading:
- * below the lowest offset of an acknowledged row a cursor row does not
- * cover yet, so the pass finds every record the cursor does not account for
- * (records of a partition are acknowledged in offset order). */
-struct fetch_rec {
-    size_t pending;   /* rows handed out and not yet settled */
-    bool claim;       /* the cursor after this fetch holds */
-    uint64_t send_no; /* which fetch sent (for held keys going on) */
-    int64_t hwm;
-    char *snap; /* owned when claim */
-    /* A partial claim (with slots, relay.c, cursor_advance): about these
-     * slots only ([set.shards], owned; NULL: every slot owned), and
-     * "{1,5}" for the cursor row. */
-    bool *about;
-    char *about_text;
-};
-
-struct held_rule {
-    uint32_t topic;
-    char *key; /* owned; NULL = the row alone */
-    size_t key_len;
-    int64_t from_id;
-    uint64_t hash;      /* obx_keycount_hash of topic and key */
-    bool lifted;        /* the refused row went on (delivered, dead-lettered, gone) */
-    uint64_t lift_send; /* fetches sent when it was lifted */
-};
-
-/* A row of a held key published since it was held: the cursor rows list
- * it while a rule that leaves it out lives (a later rule of the same key,
- * after a second refusal, included). */
-struct also_row {
-    int64_t id;
-    uint64_t hash; /* of its topic and key; 0: not known (read back at start) */
-    uint32_t topic;
-};
-
-struct found_row { /* a record the recovery pass found for an uncovered row */
-    int64_t id;
-    uint32_t topic;
-    int32_t partition;
-    int64_t offset;
-};
-
-struct log_offset { /* a partition's offset as stored (or to be stored) */
-    uint32_t topic;
-    int32_t partition;
-    int64_t stored;  /* -1: none yet */
-    int64_t covered; /* scratch while a write is built: highest offset it covers */
-    int64_t below;   /* ... lowest offset of an acknowledged row it does not cover */
-};
-
-struct log_state {
-    struct fetch_rec *recs; /* ring of fetch records, oldest at head */
-    size_t cap_recs, rec_head, n_recs;
-    uint64_t head_seq; /* seq of recs[rec_head] */
-    uint64_t next_seq;
-    uint64_t sends;         /* fetches sent */
-    uint64_t fetch_send_no; /* the fetch in flight's */
-
-    bool has_ready; /* the newest claim with nothing pending up to it */
-    uint64_t ready_seq, ready_send;
-    int64_t ready_hwm;
-    char *ready_snap;
-    bool *ready_about; /* a partial claim's slots (owned; NULL: every slot owned) */
-    char *ready_about_text;
-
-    /* The stored cursor (loaded, or written by us). A partial claim's row
-     * moves stored_seq, stored_batch, stored_at and writes, and slot_hwm
-     * for its slots; stored_send, stored_hwm and stored_snap stay the last
-     * whole one's. */
-    bool has_stored;
-    uint64_t stored_seq; /* 0: loaded at the start of the session */
-    uint64_t stored_send;
-    int64_t stored_batch, stored_hwm;
-    char *stored_snap;
-    uint64_t writes; /* since the table was last emptied */
-
-    uint64_t write_seq; /* the claim the write in flight stores */
-    uint64_t write_send;
-    int64_t write_hwm;
-    char *write_snap;
-    bool write_partial;     /* about some slots only: stored_hwm and stored_snap stay */
-    bool *write_about;      /* then its slots ([set.shards]) */
-    char *write_about_text; /* ... as its cursor row names them */
-    /* With slots: the highest hwm of the cursor rows about each slot
-     * ([set.shards]; loaded with the cursor, raised by each row written or
-     * perhaps written: a write that failed may have committed).
-     * A partial claim is about the slots where it, and every claim that
-     * may yet be stored, is at or below its hwm, so no cursor row about a
-     * slot covers less than the one before it. */
-    int64_t *slot_hwm;
-    bool partial_told;     /* logged since the cursor was loaded */
-    uint64_t looked_seq;   /* the ready claim last found to cover nothing */
-    int64_t ready_since;   /* when the ready claim last moved past the stored one */
-    int64_t stored_at;     /* when this relay last stored (or loaded) the cursor */
-    int64_t others_hwm;    /* with slots: about the highest hwm of any cursor row */
-    bool offsets_in_write; /* the write in flight stores the offsets */
-    int64_t offsets_due;   /* with slots: when they go with a write again */
-
-    struct held_rule *held;
-    size_t n_held, cap_held;
-    struct also_row *also;
-    size_t n_also, cap_also;
-    struct obx_log_held *held_out; /* for the fetch and the write */
-    int64_t *also_out;
-    size_t cap_held_out, cap_also_out, n_also_out, n_held_out;
-
-    struct found_row *found; /* sorted by id */
-    size_t n_found;
-
-    struct log_offset *offs;
-    size_t n_offs, cap_offs;
-    bool restart_next; /* the write in flight empties the table */
-    bool loaded;       /* this session has read the stored cursor */
-    /* Cursor rows are about slots (relay.shards above 1, or written so
-     * before): the full fetch tests each row against the newest row about
-     * its own slot, and stored_hwm is the highest of any row's. */
-    bool by_slot;
-};
 
 struct obx_relay {
     struct obx_relay_settings set;
@@ -246,40 +113,5 @@ struct obx_relay {
     struct log_state log; /* set.log_mode only */
     struct owner owner;   /* the slots of relay.shards owned (relay_owner.h) */
 };
-
-/* relay_log.c (log mode) */
-struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq);
-uint64_t relay_rec_push(struct obx_relay *r);
-void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
-void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap);
-void relay_log_write_failed(struct obx_relay *r);
-void relay_recs_settle(struct obx_relay *r);
-void relay_claims_drop_from(struct obx_relay *r, uint64_t seq);
-void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked);
-void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len);
-void relay_lift(struct obx_relay *r, int64_t id);
-bool relay_take_found(struct obx_relay *r, int64_t id, struct found_row *out);
-void relay_log_reset(struct obx_relay *r);
-bool relay_log_held_out(struct obx_relay *r);
-/* Log mode: a cursor row for the ready claim, covering the acknowledged
- * rows of the fetches up to it (a partial claim's: those of its slots up
- * to its hwm), and dead-lettering the refused ones among them. True: one
- * is due, in *m (valid until the next call into relay_log.c); once it is
- * sent, relay_log_write_sent(), and the rows it covers
- * (relay_log_ready_covers) are in it. */
-bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *m, bool *restart);
-void relay_log_write_sent(struct obx_relay *r, bool restart);
-bool relay_log_ready_covers(const struct obx_relay *r, const struct slot *s);
-void relay_log_write_done(struct obx_relay *r);
-
-/* relay_log.c: log mode's predicates the owner and the cycle read */
-bool relay_log_unclaimed(const struct obx_relay *r);
-bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now);
-
-/* relay_drain.c (drain and stall) */
-bool relay_uncertain(const struct obx_relay *r);
-bool relay_drain_over(const struct obx_relay *r, int64_t now);
-/* What the relay is waiting for, for the stall report. */
-void relay_describe_wait(const struct obx_relay *r, int64_t now, char *why, size_t len);
 
 #endif

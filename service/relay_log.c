@@ -1,10 +1,11 @@
 /*
  * relay_log: log mode (relay.on_sent = log): the records of the fetches, the
  * claims they make, the held keys the cursor rows name, and the cursor row
- * itself. See relay_int.h for the state, relay.c for the cycle.
+ * itself. See relay_log.h for the state, relay.c for the cycle.
  */
-#include "relay_int.h"
+#include "relay_log.h"
 #include "outboxd/alloc.h"
+#include "outboxd/keycount.h"
 #include "outboxd/log.h"
 
 #include <stdint.h>
@@ -33,19 +34,15 @@ static void ready_about_free(struct log_state *l)
     l->ready_about_text = NULL;
 }
 
-struct fetch_rec *relay_rec_of(struct obx_relay *r, uint64_t seq)
+struct fetch_rec *log_rec_of(struct log_state *l, uint64_t seq)
 {
-    struct log_state *l = &r->log;
     if (seq < l->head_seq || seq - l->head_seq >= l->n_recs)
         return NULL;
     return &l->recs[(l->rec_head + (seq - l->head_seq)) % l->cap_recs];
 }
 
-/* A record for the fetch just answered; its seq, or 0 out of memory (then
- * the rows are not taken: see on_fetched). */
-uint64_t relay_rec_push(struct obx_relay *r)
+uint64_t log_rec_push(struct log_state *l)
 {
-    struct log_state *l = &r->log;
     /* The newest record has nothing pending (its fetch handed nothing out,
      * or all of it settled) while an older one waits: this fetch takes its
      * place, with its own claim if it makes one. So a row that waits long
@@ -53,7 +50,7 @@ uint64_t relay_rec_push(struct obx_relay *r)
      * hands rows out behind it, not one per look for new rows. */
     if (l->n_recs > 1) {
         uint64_t back_seq = l->head_seq + l->n_recs - 1;
-        struct fetch_rec *back = relay_rec_of(r, back_seq);
+        struct fetch_rec *back = log_rec_of(l, back_seq);
         if (back && back->pending == 0) {
             rec_unclaim(back);
             *back = (struct fetch_rec){.send_no = l->fetch_send_no};
@@ -80,6 +77,14 @@ uint64_t relay_rec_push(struct obx_relay *r)
     return seq;
 }
 
+bool log_rec_add_row(struct log_state *l, uint64_t seq)
+{
+    struct fetch_rec *f = log_rec_of(l, seq);
+    if (f)
+        f->pending++; /* settled as it is delivered, held or released */
+    return f != NULL;
+}
+
 /* A cursor row about slot `slot` up to `hwm` is stored. */
 static void raise_slot_hwm(struct log_state *l, int slot, int64_t hwm)
 {
@@ -88,9 +93,9 @@ static void raise_slot_hwm(struct log_state *l, int slot, int64_t hwm)
 }
 
 /* The fetch `seq` made a claim: its cursor (hwm, snap). */
-void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap)
+void log_rec_claim(struct log_state *l, uint64_t seq, int64_t hwm, const char *snap)
 {
-    struct fetch_rec *f = relay_rec_of(r, seq);
+    struct fetch_rec *f = log_rec_of(l, seq);
     if (!f || f->claim)
         return;
     f->snap = obx_strdup(snap);
@@ -101,11 +106,11 @@ void relay_rec_claim(struct obx_relay *r, uint64_t seq, int64_t hwm, const char 
 /* Raises bound[] to `hwm` for the slots of a claim about `about` (NULL:
  * every slot owned, a whole claim: false, as no partial claim may follow
  * one that is still to be stored). */
-static bool bound_by(const struct obx_relay *r, int64_t *bound, const bool *about, int64_t hwm)
+static bool bound_by(int shards, int64_t *bound, const bool *about, int64_t hwm)
 {
     if (!about)
         return false;
-    for (int i = 0; i < r->set.shards; i++)
+    for (int i = 0; i < shards; i++)
         if (about[i] && bound[i] < hwm)
             bound[i] = hwm;
     return true;
@@ -115,16 +120,15 @@ static bool bound_by(const struct obx_relay *r, int64_t *bound, const bool *abou
  * or may yet be: loaded, written (or perhaps written) by this relay, and
  * every claim not dropped. False if a whole claim is among them. Claims
  * are made as a fetch is answered, never while a write is in flight. */
-static bool slot_bounds(const struct obx_relay *r, int64_t *bound)
+static bool slot_bounds(const struct log_state *l, int shards, int64_t *bound)
 {
-    const struct log_state *l = &r->log;
-    memcpy(bound, l->slot_hwm, (size_t)r->set.shards * sizeof(*bound));
+    memcpy(bound, l->slot_hwm, (size_t)shards * sizeof(*bound));
     if (l->has_ready && l->ready_seq > l->stored_seq &&
-        !bound_by(r, bound, l->ready_about, l->ready_hwm))
+        !bound_by(shards, bound, l->ready_about, l->ready_hwm))
         return false;
     for (size_t i = 0; i < l->n_recs; i++) {
         const struct fetch_rec *f = &l->recs[(l->rec_head + i) % l->cap_recs];
-        if (f->claim && !bound_by(r, bound, f->about, f->hwm))
+        if (f->claim && !bound_by(shards, bound, f->about, f->hwm))
             return false;
     }
     return true;
@@ -137,18 +141,18 @@ static bool slot_bounds(const struct obx_relay *r, int64_t *bound)
  * than the one before it). Without it, rows of slots far behind the
  * others' cursor rows (taken from a relay that stopped or froze) could
  * never be stored once they filled relay.max_in_flight. */
-void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, const char *snap)
+void log_rec_claim_partial(struct log_state *l, const struct log_view *v, uint64_t seq, int64_t hwm,
+                           const char *snap)
 {
-    struct log_state *l = &r->log;
-    struct fetch_rec *f = relay_rec_of(r, seq);
-    if (!f || f->claim || !l->slot_hwm || !owner_active(&r->owner))
+    struct fetch_rec *f = log_rec_of(l, seq);
+    if (!f || f->claim || !l->slot_hwm || !owner_active(v->owner))
         return;
-    int64_t *bound = obx_calloc((size_t)r->set.shards, sizeof(*bound));
+    int64_t *bound = obx_calloc((size_t)v->shards, sizeof(*bound));
     int n = 0;
-    if (bound && slot_bounds(r, bound) &&
-        (f->about = obx_calloc((size_t)r->set.shards, sizeof(*f->about))))
-        for (int i = 0; i < r->set.shards; i++) {
-            f->about[i] = r->owner.owned[i] && bound[i] <= hwm;
+    if (bound && slot_bounds(l, v->shards, bound) &&
+        (f->about = obx_calloc((size_t)v->shards, sizeof(*f->about))))
+        for (int i = 0; i < v->shards; i++) {
+            f->about[i] = v->owner->owned[i] && bound[i] <= hwm;
             n += f->about[i];
         }
     obx_free(bound);
@@ -160,7 +164,7 @@ void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, con
     }
     size_t len = 0;
     f->about_text[len++] = '{';
-    for (int i = 0; i < r->set.shards; i++)
+    for (int i = 0; i < v->shards; i++)
         if (f->about[i])
             len += (size_t)snprintf(f->about_text + len, cap - len, "%s%d", len > 1 ? "," : "", i);
     f->about_text[len++] = '}';
@@ -179,9 +183,8 @@ void relay_rec_claim_partial(struct obx_relay *r, uint64_t seq, int64_t hwm, con
 /* Records whose rows have all settled leave the ring, oldest first; the
  * newest claim among them becomes ready (but a partial one behind a whole
  * one not yet stored, which is dropped). */
-void relay_recs_settle(struct obx_relay *r)
+void log_recs_settle(struct log_state *l, int64_t now)
 {
-    struct log_state *l = &r->log;
     while (l->n_recs > 0) {
         struct fetch_rec *f = &l->recs[l->rec_head];
         if (f->pending > 0)
@@ -192,7 +195,7 @@ void relay_recs_settle(struct obx_relay *r)
             rec_unclaim(f);
         if (f->claim) {
             if (!l->has_ready || l->ready_seq <= l->stored_seq)
-                l->ready_since = r->now;
+                l->ready_since = now;
             obx_free(l->ready_snap);
             ready_about_free(l);
             l->ready_snap = f->snap;
@@ -214,11 +217,10 @@ void relay_recs_settle(struct obx_relay *r)
 
 /* The claims of fetch `seq` and of every later one no longer hold: a row of
  * that fetch is unsent again without being held. */
-void relay_claims_drop_from(struct obx_relay *r, uint64_t seq)
+void log_claims_drop_from(struct log_state *l, uint64_t seq)
 {
-    struct log_state *l = &r->log;
     for (uint64_t s = seq < l->head_seq ? l->head_seq : seq; s < l->head_seq + l->n_recs; s++) {
-        struct fetch_rec *f = relay_rec_of(r, s);
+        struct fetch_rec *f = log_rec_of(l, s);
         if (!f)
             break;
         rec_unclaim(f);
@@ -227,27 +229,41 @@ void relay_claims_drop_from(struct obx_relay *r, uint64_t seq)
 
 /* Whether row `id` is refused and held: the cursor rows leave it (and its
  * key's later rows) out, so the claims that count it as handed out hold. */
-static bool held_now(const struct obx_relay *r, int64_t id)
+static bool held_now(const struct log_state *l, int64_t id)
 {
-    for (size_t i = 0; i < r->log.n_held; i++)
-        if (r->log.held[i].from_id == id && !r->log.held[i].lifted)
+    for (size_t i = 0; i < l->n_held; i++)
+        if (l->held[i].from_id == id && !l->held[i].lifted)
             return true;
     return false;
 }
 
-/* Slot `s` no longer waits for Kafka: `acked` (acknowledged or to be dead-
- * lettered) or not (back unsent, or held). */
-void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked)
+void log_settle(struct log_state *l, uint64_t seq, int64_t id, bool acked, int64_t now)
 {
-    if (!r->set.log_mode || s->orphan || s->seq == 0)
-        return;
-    struct fetch_rec *f = relay_rec_of(r, s->seq);
-    if (!acked && !held_now(r, s->id))
-        relay_claims_drop_from(r, s->seq);
+    struct fetch_rec *f = log_rec_of(l, seq);
+    if (!acked && !held_now(l, id))
+        log_claims_drop_from(l, seq);
     if (f && f->pending > 0)
         f->pending--;
-    s->seq = acked ? s->seq : 0;
-    relay_recs_settle(r);
+    log_recs_settle(l, now);
+}
+
+void log_fetch_sent(struct log_state *l)
+{
+    l->fetch_send_no = ++l->sends;
+}
+
+void log_slots_taken(struct log_state *l, bool reload)
+{
+    if (reload)
+        l->loaded = false;
+    l->has_ready = false; /* log_write_build refuses writes until the reload */
+    log_claims_drop_from(l, 0);
+}
+
+void log_others_seen(struct log_state *l, int64_t hwm)
+{
+    if (hwm > l->others_hwm)
+        l->others_hwm = hwm;
 }
 
 static void rule_free(struct held_rule *h)
@@ -304,9 +320,8 @@ static bool also_add(struct log_state *l, int64_t id, uint64_t hash, uint32_t to
 
 /* Log mode: row `id` of `topic` (key or NULL) is refused or waits: the
  * cursor leaves it and its key's later rows out until it goes on. */
-void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key, size_t key_len)
+void log_hold(struct log_state *l, int64_t id, uint32_t topic, const char *key, size_t key_len)
 {
-    struct log_state *l = &r->log;
     for (size_t i = 0; i < l->n_held; i++)
         if (l->held[i].from_id == id && !l->held[i].lifted)
             return;
@@ -317,7 +332,7 @@ void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key
             obx_error("relay: out of memory holding row %lld out of the cursor; stopping the "
                       "cursor until it is delivered",
                       (long long)id);
-            relay_claims_drop_from(r, 0);
+            log_claims_drop_from(l, 0);
             return;
         }
         l->held = g;
@@ -326,7 +341,7 @@ void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key
     char *copy = NULL;
     if (key && !(copy = obx_malloc(key_len ? key_len : 1))) {
         obx_error("relay: out of memory holding row %lld out of the cursor", (long long)id);
-        relay_claims_drop_from(r, 0);
+        log_claims_drop_from(l, 0);
         return;
     }
     if (key)
@@ -342,9 +357,8 @@ void relay_hold(struct obx_relay *r, int64_t id, uint32_t topic, const char *key
 
 /* Row `id` went on (delivered, dead-lettered or gone): its key's rows may be
  * fetched, and the rule goes once a claim made after this is stored. */
-void relay_lift(struct obx_relay *r, int64_t id)
+void log_lift(struct log_state *l, int64_t id)
 {
-    struct log_state *l = &r->log;
     for (size_t i = 0; i < l->n_held; i++) {
         if (l->held[i].from_id == id && !l->held[i].lifted) {
             l->held[i].lifted = true;
@@ -354,9 +368,8 @@ void relay_lift(struct obx_relay *r, int64_t id)
 }
 
 /* A found row for `id`, removed from the list; false if none. */
-bool relay_take_found(struct obx_relay *r, int64_t id, struct found_row *out)
+bool log_take_found(struct log_state *l, int64_t id, struct found_row *out)
 {
-    struct log_state *l = &r->log;
     size_t lo = 0, hi = l->n_found;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
@@ -375,9 +388,8 @@ bool relay_take_found(struct obx_relay *r, int64_t id, struct found_row *out)
 
 /* The session's log state starts again from what the next recovery pass
  * reads: claims, held keys, found rows and stored offsets are forgotten. */
-void relay_log_reset(struct obx_relay *r)
+void log_reset(struct log_state *l)
 {
-    struct log_state *l = &r->log;
     for (size_t i = 0; i < l->n_recs; i++)
         rec_unclaim(&l->recs[(l->rec_head + i) % l->cap_recs]);
     l->n_recs = 0;
@@ -399,9 +411,9 @@ void relay_log_reset(struct obx_relay *r)
 
 /* The held keys and the rows of them published, in log.held_out and
  * log.also_out (`extra` more ids of room in also_out). false: no memory. */
-static bool log_held_out_room(struct obx_relay *r, size_t extra, uint64_t claim_send)
+static bool log_held_out_room(struct log_state *l, const struct topics *topics, size_t extra,
+                              uint64_t claim_send)
 {
-    struct log_state *l = &r->log;
     size_t n_also = extra + l->n_also;
     if (l->n_held > l->cap_held_out) {
         struct obx_log_held *h = obx_realloc(l->held_out, l->n_held * sizeof(*h));
@@ -424,16 +436,16 @@ static bool log_held_out_room(struct obx_relay *r, size_t extra, uint64_t claim_
         if (h->lifted && claim_send > h->lift_send)
             continue; /* the claim written with these covers its rows */
         l->held_out[l->n_held_out++] =
-            (struct obx_log_held){r->topics.name[h->topic], h->key, h->key_len, h->from_id};
+            (struct obx_log_held){topics->name[h->topic], h->key, h->key_len, h->from_id};
     }
     for (size_t i = 0; i < l->n_also; i++)
         l->also_out[l->n_also_out++] = l->also[i].id;
     return true;
 }
 
-bool relay_log_held_out(struct obx_relay *r)
+bool log_held_out(struct log_state *l, const struct topics *topics)
 {
-    if (log_held_out_room(r, 0, 0))
+    if (log_held_out_room(l, topics, 0, 0))
         return true;
     obx_error("relay: out of memory building the fetch");
     return false;
@@ -454,9 +466,8 @@ bool relay_log_held_out(struct obx_relay *r)
 /* The stored offset entry of (topic, partition), added if new; NULL out of
  * memory (that partition's offset then lags, which costs the recovery pass
  * a longer read and nothing else). */
-static struct log_offset *log_offset_of(struct obx_relay *r, uint32_t topic, int32_t partition)
+static struct log_offset *log_offset_of(struct log_state *l, uint32_t topic, int32_t partition)
 {
-    struct log_state *l = &r->log;
     for (size_t i = 0; i < l->n_offs; i++)
         if (l->offs[i].topic == topic && l->offs[i].partition == partition)
             return &l->offs[i];
@@ -478,18 +489,18 @@ static struct log_offset *log_offset_of(struct obx_relay *r, uint32_t topic, int
  * (those that moved, or all with `all`): below the lowest acknowledged row
  * the write does not cover (nor any record the recovery pass found), else
  * the highest it covers. */
-static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
+static bool log_offsets_out(struct log_state *l, const struct log_view *v, uint64_t upto, bool all,
+                            struct part_offsets *out)
 {
-    struct log_state *l = &r->log;
     for (size_t i = 0; i < l->n_offs; i++) {
         l->offs[i].covered = -1;
         l->offs[i].below = INT64_MAX;
     }
-    for (int i = 0; i < r->rows.cap; i++) {
-        const struct slot *s = &r->rows.slot[i];
+    for (int i = 0; i < v->rows->cap; i++) {
+        const struct slot *s = &v->rows->slot[i];
         if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_MARKING) || s->offset < 0)
             continue;
-        struct log_offset *o = log_offset_of(r, s->topic, s->partition);
+        struct log_offset *o = log_offset_of(l, s->topic, s->partition);
         if (!o)
             continue;
         if (s->seq <= upto) {
@@ -500,20 +511,20 @@ static bool log_offsets_out(struct obx_relay *r, uint64_t upto, bool all)
         }
     }
     for (size_t i = 0; i < l->n_found; i++) {
-        struct log_offset *o = log_offset_of(r, l->found[i].topic, l->found[i].partition);
+        struct log_offset *o = log_offset_of(l, l->found[i].topic, l->found[i].partition);
         if (o && l->found[i].offset < o->below)
             o->below = l->found[i].offset;
     }
-    r->offs.n = 0;
+    out->n = 0;
     for (size_t i = 0; i < l->n_offs; i++) {
         struct log_offset *o = &l->offs[i];
-        int64_t v = o->below != INT64_MAX ? o->below - 1 : o->covered;
-        if (v < o->stored)
-            v = o->stored; /* never back: see the comment on log mode */
-        o->covered = v;    /* what this write stores */
-        if (v < 0 || (!all && v == o->stored))
+        int64_t at = o->below != INT64_MAX ? o->below - 1 : o->covered;
+        if (at < o->stored)
+            at = o->stored; /* never back: see the comment on log mode */
+        o->covered = at;    /* what this write stores */
+        if (at < 0 || (!all && at == o->stored))
             continue;
-        if (part_offsets_add(&r->offs, r->topics.name[o->topic], o->partition, v) != 0)
+        if (part_offsets_add(out, v->topics->name[o->topic], o->partition, at) != 0)
             return false;
     }
     return true;
@@ -533,11 +544,10 @@ static bool ready_covers(const struct log_state *l, const struct slot *s)
  * cover without listing it (a row whose slot its fetch did not say): the
  * row would be published by the cursor and in neither Kafka nor
  * outbox.dead_letters. Such a row waits for a whole claim. */
-static bool partial_leaves_dead(const struct obx_relay *r)
+static bool partial_leaves_dead(const struct log_state *l, const struct rows *rows)
 {
-    const struct log_state *l = &r->log;
-    for (int i = 0; l->ready_about && i < r->rows.cap; i++) {
-        const struct slot *s = &r->rows.slot[i];
+    for (int i = 0; l->ready_about && i < rows->cap; i++) {
+        const struct slot *s = &rows->slot[i];
         if (s->state == SLOT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot &&
             s->id <= l->ready_hwm)
             return true;
@@ -550,15 +560,14 @@ static bool partial_leaves_dead(const struct obx_relay *r)
  * out, so the cursor row lists them (l->also_out). A hash may match another
  * key: listing a row that is covered anyway changes nothing. False with no
  * memory. */
-static bool list_also_sent(struct obx_relay *r)
+static bool list_also_sent(struct log_state *l, const struct rows *rows)
 {
-    struct log_state *l = &r->log;
-    for (int i = 0; i < r->rows.cap && l->n_held > 0; i++) {
-        const struct slot *s = &r->rows.slot[i];
+    for (int i = 0; i < rows->cap && l->n_held > 0; i++) {
+        const struct slot *s = &rows->slot[i];
         if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
             continue;
         struct also_row a = {s->id, s->log_hash, s->topic};
-        if (!a.hash && !held_now(r, s->id) && !lifted_rule_of(l, s->id))
+        if (!a.hash && !held_now(l, s->id) && !lifted_rule_of(l, s->id))
             continue; /* no key: only a rule of the row itself leaves it out */
         if (!also_needed(l, &a))
             continue;
@@ -576,48 +585,48 @@ static bool list_also_sent(struct obx_relay *r)
  * and a slot no relay writes for would hold it back for everyone. */
 #define LOG_IDLE_WRITE_MS 1000
 
-bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
+bool log_idle_write_due(const struct log_state *l, const struct log_view *v)
 {
-    const struct log_state *l = &r->log;
-    return r->set.log_mode && owner_active(&r->owner) && l->loaded && l->has_ready &&
-           l->ready_seq > l->stored_seq && l->ready_hwm > l->stored_hwm &&
-           now - l->stored_at >= LOG_IDLE_WRITE_MS;
+    return owner_active(v->owner) && l->loaded && l->has_ready && l->ready_seq > l->stored_seq &&
+           l->ready_hwm > l->stored_hwm && v->now - l->stored_at >= LOG_IDLE_WRITE_MS;
 }
 
-bool relay_log_ready_covers(const struct obx_relay *r, const struct slot *s)
+bool log_ready_covers(const struct log_state *l, const struct slot *s)
 {
-    return ready_covers(&r->log, s);
+    return ready_covers(l, s);
 }
 
-bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *out,
-                           bool *restart_out)
+bool log_write_build(struct log_state *l, const struct log_view *v, int64_t *dead_ids,
+                     const char **dead_reasons, struct part_offsets *offs, struct obx_mark *out,
+                     bool *restart_out)
 {
-    struct log_state *l = &r->log;
-    bool idle = relay_log_idle_write_due(r, now);
+    int64_t now = v->now;
+    bool idle = log_idle_write_due(l, v);
     if (!l->has_ready || l->ready_seq <= l->stored_seq || (l->ready_seq == l->looked_seq && !idle))
         return false;
     /* Slots taken and the cursor rows about them not read yet: a claim
      * from before is not about them (see relay_owner.c, apply_owned). */
-    if (owner_active(&r->owner) && !l->loaded)
+    if (owner_active(v->owner) && !l->loaded)
         return false;
-    if (!r->draining && !owner_want_quiet(&r->owner) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
-        rows_to_mark(&r->rows) < (size_t)r->set.batch_size)
+    if (!v->draining && !owner_want_quiet(v->owner) && now - l->ready_since < LOG_WRITE_DELAY_MS &&
+        rows_to_mark(v->rows) < v->batch_size)
         return false;
     size_t n_cov = 0, n_dead = 0;
-    for (int i = 0; i < r->rows.cap; i++) {
-        const struct slot *s = &r->rows.slot[i];
+    for (int i = 0; i < v->rows->cap; i++) {
+        const struct slot *s = &v->rows->slot[i];
         if (!ready_covers(l, s))
             continue;
         if (s->state == SLOT_ACKED)
             n_cov++;
         else if (s->state == SLOT_DEAD)
-            r->dead_reasons[n_dead] = s->reason, r->dead_ids[n_dead++] = s->id;
+            dead_reasons[n_dead] = s->reason, dead_ids[n_dead++] = s->id;
     }
-    if ((n_cov + n_dead == 0 && !rule_to_drop(l) && !idle) || partial_leaves_dead(r)) {
+    if ((n_cov + n_dead == 0 && !rule_to_drop(l) && !idle) || partial_leaves_dead(l, v->rows)) {
         l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
         return false;
     }
-    if (!log_held_out_room(r, n_cov + n_dead, l->ready_send) || !list_also_sent(r)) {
+    if (!log_held_out_room(l, v->topics, n_cov + n_dead, l->ready_send) ||
+        !list_also_sent(l, v->rows)) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
@@ -628,10 +637,10 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *ou
      * partial claim: acknowledged rows of the other slots may lie below
      * the offsets, which would be stored for its slots (left lower, they
      * cost the next recovery pass a longer read, nothing more). */
-    l->offsets_in_write = !l->ready_about && (!owner_active(&r->owner) || restart || r->draining ||
-                                              owner_want_quiet(&r->owner) || now >= l->offsets_due);
-    r->offs.n = 0;
-    if (l->offsets_in_write && !log_offsets_out(r, l->ready_seq, restart)) {
+    l->offsets_in_write = !l->ready_about && (!owner_active(v->owner) || restart || v->draining ||
+                                              owner_want_quiet(v->owner) || now >= l->offsets_due);
+    offs->n = 0;
+    if (l->offsets_in_write && !log_offsets_out(l, v, l->ready_seq, restart, offs)) {
         obx_error("relay: out of memory building the cursor row");
         return false;
     }
@@ -640,7 +649,7 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *ou
     obx_free(l->write_about);
     l->write_about_text = NULL;
     l->write_about = NULL;
-    size_t about_size = (size_t)r->set.shards * sizeof(*l->write_about);
+    size_t about_size = (size_t)v->shards * sizeof(*l->write_about);
     if (!(l->write_snap = obx_strdup(l->ready_snap)) ||
         (l->ready_about && (!(l->write_about_text = obx_strdup(l->ready_about_text)) ||
                             !(l->write_about = obx_malloc(about_size))))) {
@@ -658,24 +667,23 @@ bool relay_log_write_build(struct obx_relay *r, int64_t now, struct obx_mark *ou
                          .also_sent = l->also_out,
                          .n_also = l->n_also_out,
                          .restart = restart,
-                         .shards = r->set.shards,
+                         .shards = v->shards,
                          .owned_slots =
-                             l->ready_about ? l->write_about_text : owner_mark_slots(&r->owner),
-                         .topics = r->offs.topic,
-                         .partitions = r->offs.partition,
-                         .offsets = r->offs.offset,
-                         .n_offsets = r->offs.n,
-                         .dead_ids = r->dead_ids,
-                         .dead_reasons = r->dead_reasons,
+                             l->ready_about ? l->write_about_text : owner_mark_slots(v->owner),
+                         .topics = offs->topic,
+                         .partitions = offs->partition,
+                         .offsets = offs->offset,
+                         .n_offsets = offs->n,
+                         .dead_ids = dead_ids,
+                         .dead_reasons = dead_reasons,
                          .n_dead = n_dead};
     *out = m;
     *restart_out = restart;
     return true;
 }
 
-void relay_log_write_sent(struct obx_relay *r, bool restart)
+void log_write_sent(struct log_state *l, bool restart)
 {
-    struct log_state *l = &r->log;
     l->write_seq = l->ready_seq;
     l->write_send = l->ready_send;
     l->write_hwm = l->ready_hwm;
@@ -683,48 +691,47 @@ void relay_log_write_sent(struct obx_relay *r, bool restart)
     l->restart_next = restart;
 }
 
-/* Every row in flight is acknowledged and no claim can store them (the
- * fetches that handed them out made none, or partial ones about other
- * slots): only a fetch that makes one can. */
-bool relay_log_unclaimed(const struct obx_relay *r)
+bool log_claim_due(const struct log_state *l)
 {
-    const struct log_state *l = &r->log;
-    return r->set.log_mode && rows_to_mark(&r->rows) > 0 &&
-           rows_in_use(&r->rows) == rows_to_mark(&r->rows) &&
-           !(l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq);
+    return l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq;
+}
+
+/* The fetches that handed the rows out made no claim, or partial ones
+ * about other slots: only a fetch that makes one can store them. */
+bool log_unclaimed(const struct log_state *l, const struct rows *rows)
+{
+    return rows_to_mark(rows) > 0 && rows_in_use(rows) == rows_to_mark(rows) && !log_claim_due(l);
 }
 
 /* The cursor row in flight is stored, or may be: slot_hwm of its slots
  * (a partial one's, or every slot owned) rises to its hwm. */
-static void raise_for_write(struct obx_relay *r)
+static void raise_for_write(struct log_state *l, const struct log_view *v)
 {
-    struct log_state *l = &r->log;
-    for (int i = 0; owner_active(&r->owner) && i < r->set.shards; i++)
-        if (l->write_partial ? l->write_about[i] : r->owner.owned[i])
+    for (int i = 0; owner_active(v->owner) && i < v->shards; i++)
+        if (l->write_partial ? l->write_about[i] : v->owner->owned[i])
             raise_slot_hwm(l, i, l->write_hwm);
 }
 
 /* The cursor row in flight failed, and may have committed all the same
  * (its answer lost): later partial claims about its slots stay at or above
  * its hwm, as if it had. */
-void relay_log_write_failed(struct obx_relay *r)
+void log_write_failed(struct log_state *l, const struct log_view *v)
 {
-    raise_for_write(r);
+    raise_for_write(l, v);
 }
 
 /* The cursor row in flight committed: it is the stored cursor now. */
-void relay_log_write_done(struct obx_relay *r)
+void log_write_done(struct log_state *l, const struct log_view *v)
 {
-    struct log_state *l = &r->log;
     l->has_stored = true;
     l->stored_batch++;
     l->stored_seq = l->write_seq;
-    l->stored_at = r->now;
+    l->stored_at = v->now;
     l->writes = l->restart_next ? 1 : l->writes + 1;
     /* A partial claim's row is about some slots, below the stored hwm: the
      * claims after it still start from the one before. It covers no held
      * key of the other slots, and stored no offsets. */
-    raise_for_write(r);
+    raise_for_write(l, v);
     if (l->write_partial)
         return;
     l->stored_send = l->write_send;
@@ -735,7 +742,7 @@ void relay_log_write_done(struct obx_relay *r)
     if (l->offsets_in_write) {
         for (size_t i = 0; i < l->n_offs; i++)
             l->offs[i].stored = l->offs[i].covered;
-        l->offsets_due = r->now + LOG_SLOT_OFFSETS_MS;
+        l->offsets_due = v->now + LOG_SLOT_OFFSETS_MS;
     }
     /* A held key whose refused row went on before a fetch that the stored
      * claim comes from (or an earlier one) is covered by that claim. */
@@ -772,15 +779,13 @@ static int compare_id(const void *a, const void *b)
  * possibly-persisted report runs while rows are out: they are stored as
  * they are, and an entry for them would wait for a fetch that never comes,
  * holding their slots back, relay_owner.c). Returns how many are kept. */
-static size_t keep_found(struct obx_relay *r, struct found_row *found, size_t n)
+static size_t keep_found(const struct rows *rows, struct found_row *found, size_t n)
 {
     size_t n_out = 0, kept = 0;
-    int64_t *out =
-        rows_in_use(&r->rows) > 0 ? obx_calloc(rows_in_use(&r->rows), sizeof(*out)) : NULL;
-    for (int i = 0; out && i < r->rows.cap; i++)
-        if (r->rows.slot[i].state != SLOT_FREE && !r->rows.slot[i].orphan &&
-            n_out < rows_in_use(&r->rows))
-            out[n_out++] = r->rows.slot[i].id;
+    int64_t *out = rows_in_use(rows) > 0 ? obx_calloc(rows_in_use(rows), sizeof(*out)) : NULL;
+    for (int i = 0; out && i < rows->cap; i++)
+        if (rows->slot[i].state != SLOT_FREE && !rows->slot[i].orphan && n_out < rows_in_use(rows))
+            out[n_out++] = rows->slot[i].id;
     if (n_out > 1)
         qsort(out, n_out, sizeof(*out), compare_id);
     for (size_t i = 0; i < n; i++) {
@@ -797,10 +802,8 @@ static size_t keep_found(struct obx_relay *r, struct found_row *found, size_t n)
 /* With slots: the highest hwm of the cursor rows about each slot (rows
  * about no slots, or about slots of another count, are counted for every
  * slot). 0, or -1 out of memory. */
-static int load_slot_hwm(struct obx_relay *r, const struct obx_log_state *st)
+static int load_slot_hwm(struct log_state *l, int n, const struct obx_log_state *st)
 {
-    struct log_state *l = &r->log;
-    int n = r->set.shards;
     if (!(l->slot_hwm = obx_calloc((size_t)n, sizeof(*l->slot_hwm))))
         return -1;
     int64_t every = INT64_MIN;
@@ -819,46 +822,35 @@ static int load_slot_hwm(struct obx_relay *r, const struct obx_log_state *st)
     return 0;
 }
 
-int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
+void log_found_set(struct log_state *l, const struct rows *rows, struct found_row *found, size_t n)
 {
-    struct log_state *l = &r->log;
-    /* Mark and delete mode after log mode read the stored cursor too (and
-     * never write one): their full fetch leaves the rows it covers alone. */
-    /* The records found, whether the session begins or a pass settled a
-     * possibly-persisted report: rows in flight now are not among them
-     * (found rows are only taken when fetched). */
-    struct found_row *found = NULL;
-    if (st->n_found > 0 && !(found = obx_calloc(st->n_found, sizeof(*found))))
-        return -1;
-    for (size_t i = 0; i < st->n_found; i++) {
-        int64_t t = topics_index(&r->topics, st->found[i].topic);
-        if (t < 0) {
-            obx_free(found);
-            return -1;
-        }
-        found[i] = (struct found_row){st->found[i].id, (uint32_t)t, st->found[i].partition,
-                                      st->found[i].offset};
-    }
-    if (st->n_found > 1)
-        qsort(found, st->n_found, sizeof(*found), compare_found);
-    size_t n_found = keep_found(r, found, st->n_found);
+    if (n > 1)
+        qsort(found, n, sizeof(*found), compare_found);
+    size_t kept = keep_found(rows, found, n);
     obx_free(l->found);
     l->found = found;
-    l->n_found = n_found;
-    if (l->loaded)
-        return 0; /* the cursor is this session's own */
-    relay_log_reset(r);
-    l->found = found; /* log_reset forgot them */
+    l->n_found = kept;
+}
+
+int log_load(struct log_state *l, const struct log_view *v, const struct obx_log_state *st,
+             const uint32_t *held_topic, const uint32_t *off_topic, const struct held_back *back,
+             size_t n_back)
+{
+    struct found_row *found = l->found;
+    size_t n_found = l->n_found;
+    l->found = NULL;
+    log_reset(l);
+    l->found = found; /* log_reset forgets them */
     l->n_found = n_found;
     l->has_stored = st->has_cursor;
     l->stored_seq = 0;
     l->stored_send = 0;
     l->stored_batch = st->has_cursor ? st->batch : 0;
     l->stored_hwm = st->hwm;
-    l->by_slot = owner_active(&r->owner) || st->about_slots;
-    if (owner_active(&r->owner) && load_slot_hwm(r, st) != 0)
+    l->by_slot = owner_active(v->owner) || st->about_slots;
+    if (owner_active(v->owner) && load_slot_hwm(l, v->shards, st) != 0)
         return -1;
-    l->stored_at = r->now - LOG_IDLE_WRITE_MS; /* a claim about the slots taken goes soon */
+    l->stored_at = v->now - LOG_IDLE_WRITE_MS; /* a claim about the slots taken goes soon */
     if (l->by_slot && st->has_cursor && st->max_hwm > l->stored_hwm)
         l->stored_hwm = st->max_hwm; /* see cursor_advance */
     l->writes = 0;                   /* the next write empties the table when it is due */
@@ -871,14 +863,11 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
      * slots, the offsets are each slot's (kafka_slot_offsets), and the
      * first row stores all of ours for the slots it is about. */
     size_t n_held = l->by_slot ? 0 : st->n_held;
-    size_t n_off = owner_active(&r->owner) ? 0 : st->n_off;
+    size_t n_off = owner_active(v->owner) ? 0 : st->n_off;
     for (size_t i = 0; i < n_held; i++) {
         const struct obx_log_held *h = &st->held[i];
-        int64_t t = topics_index(&r->topics, h->topic);
-        if (t < 0)
-            return -1;
         size_t before = l->n_held;
-        relay_hold(r, h->from_id, (uint32_t)t, h->key, h->key_len);
+        log_hold(l, h->from_id, held_topic[i], h->key, h->key_len);
         if (l->n_held == before)
             return -1;
         /* Lifted at once: the first claim of this session (from a full
@@ -892,8 +881,7 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
         if (!also_add(l, st->also_sent[i], 0, 0))
             return -1;
     for (size_t i = 0; i < n_off; i++) {
-        int64_t t = topics_index(&r->topics, st->off_topics[i]);
-        struct log_offset *o = t < 0 ? NULL : log_offset_of(r, (uint32_t)t, st->off_partitions[i]);
+        struct log_offset *o = log_offset_of(l, off_topic[i], st->off_partitions[i]);
         if (!o)
             return -1;
         o->stored = st->off_offsets[i];
@@ -901,13 +889,30 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     /* Rows refused or failed in an earlier session of this process are
      * still held back (their entries outlive a lost session): the cursor
      * rows of this one must leave them out too. */
-    for (size_t i = 0; i < r->held.n; i++) {
-        const struct held_back *b = &r->held.entry[i];
+    for (size_t i = 0; i < n_back; i++) {
+        const struct held_back *b = &back[i];
         size_t before = l->n_held;
-        relay_hold(r, b->id, b->topic, b->key, b->key_len);
-        if (l->n_held == before && !held_now(r, b->id))
+        log_hold(l, b->id, b->topic, b->key, b->key_len);
+        if (l->n_held == before && !held_now(l, b->id))
             return -1;
     }
     l->loaded = true;
     return 0;
+}
+
+void log_free(struct log_state *l)
+{
+    log_reset(l);
+    obx_free(l->recs);
+    obx_free(l->ready_snap);
+    obx_free(l->stored_snap);
+    obx_free(l->write_snap);
+    obx_free(l->write_about_text);
+    obx_free(l->write_about);
+    obx_free(l->held);
+    obx_free(l->held_out);
+    obx_free(l->also_out);
+    obx_free(l->also);
+    obx_free(l->found);
+    obx_free(l->offs);
 }

@@ -17,8 +17,8 @@
  * row, and a relay also takes slots only when quiet: its cursor rows are
  * about every slot it owns (sql/009; a partial claim's, about some of them
  * only), so the claims of its fetches must be too, and after a take it
- * starts its cursor again from the rows about each slot (relay_log.c,
- * obx_relay_on_log_state).
+ * starts its cursor again from the rows about each slot (relay.c,
+ * obx_relay_on_log_state; relay_log.c, log_load).
  */
 #include "relay_owner.h"
 #include "outboxd/alloc.h"
