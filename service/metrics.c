@@ -213,7 +213,7 @@ static void render_rows(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_rows_in_flight_limit", "gauge", "relay.max_in_flight.",
            (double)g->in_flight_limit);
     simple(out, "outboxd_keys_held_back", "gauge",
-           "Keys whose later rows wait behind a refused, failed or unsettled row.",
+           "Keys whose later rows wait behind a refused, failed or unresolved row.",
            (double)g->keys_held_back);
     simple(out, "outboxd_slots", "gauge", "relay.shards: the slots the keys hash into.",
            (double)g->slots);

@@ -426,7 +426,7 @@ static void try_lock(struct obx_pg *pg)
     pg->repairing = false;
     change_state(pg, OBX_PG_LOCKING, "try the relay lock");
     /* With relay.shards above 1 the relays hold it shared, each publishing
-     * the slots it owns: a relay alone (relay.shards = 1) and they exclude
+     * the slots it owns: a single relay (relay.shards = 1) and they exclude
      * each other. */
     send_setup_statement(pg, pg->shards > 1 ? "SELECT pg_try_advisory_lock_shared(" OBX_RELAY_LOCK
                                               ")"

@@ -293,7 +293,7 @@ int obx_recovery_start(struct obx_recovery *rec, int shards, const char *owned_s
     rec->aborted = false;
     atomic_store(&rec->cancel, false);
     /* The stored cursor first, in every mode: after log mode, mark and
-     * delete mode leave the rows it covers alone. Then the plan. */
+     * delete mode leave the rows it covers untouched. Then the plan. */
     if (obx_pg_send(rec->pg, obx_store_sql_log_state(), 0, NULL, 0, on_state_result, rec) != 0)
         return -1;
     set_step(rec, STEP_PLAN, "plan sent");

@@ -18,7 +18,7 @@
 /* The cycle's own, used before they are defined. */
 static bool fetch_room_fits(struct obx_relay *r);
 static void relay_set_state(struct obx_relay *r, enum obx_relay_state to, const char *why);
-static void relay_slot_release(struct obx_relay *r, struct slot *s);
+static void relay_seat_release(struct obx_relay *r, struct seat *s);
 static void relay_ignore_fetch(struct obx_relay *r, const char *why);
 static int relay_failpoint(struct obx_relay *r, enum obx_fp_id id);
 static void relay_stop(struct obx_relay *r, const char *why);
@@ -26,7 +26,7 @@ static void relay_kick(struct obx_relay *r, int64_t now);
 static void relay_after_release(struct obx_relay *r);
 static void relay_release_parked_of(struct obx_relay *r, uint64_t h);
 static void relay_release_all_parked(struct obx_relay *r);
-static bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row);
+static bool relay_park(struct obx_relay *r, struct seat *s, const struct obx_row *row);
 static void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now);
 static void relay_progress(struct obx_relay *r, int64_t now);
 
@@ -135,7 +135,7 @@ void obx_relay_free(struct obx_relay *r)
     obx_free(r);
 }
 
-/* A possibly-persisted report is not yet settled by a recovery pass. Until
+/* A possibly-persisted report is not yet resolved by a recovery pass. Until
  * it is, nothing is marked: a mark raises the stored offset of each of its
  * partitions past the record it confirms, and the pass reads each partition
  * from that offset on, so a record acknowledged after the uncertain one
@@ -143,7 +143,7 @@ void obx_relay_free(struct obx_relay *r)
  * again. The pass marks what it finds itself. */
 static bool relay_uncertain(const struct obx_relay *r)
 {
-    return r->unknowns != r->settled;
+    return r->unknowns != r->resolved;
 }
 
 /* What relay_drain.c reads of the relay. */
@@ -157,7 +157,7 @@ static struct drain_view drain_view_of(const struct obx_relay *r)
         .n_outstanding = r->n_outstanding,
         .uncertain = relay_uncertain(r),
         .log_mode = r->set.log_mode,
-        .log_claim_due = log_claim_due(&r->log),
+        .log_checkpoint_due = log_checkpoint_due(&r->log),
         .drain_deadline = r->drain_deadline,
         .hard_deadline = r->hard_deadline,
     };
@@ -189,9 +189,9 @@ static struct log_view log_view_of(const struct obx_relay *r)
     };
 }
 
-/* Log mode: slot `s` no longer waits for Kafka: `acked` (acknowledged or
+/* Log mode: seat `s` no longer waits for Kafka: `acked` (acknowledged or
  * to be dead-lettered) or not (back unsent, or held: it leaves its fetch). */
-static void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked)
+static void relay_log_settle(struct obx_relay *r, struct seat *s, bool acked)
 {
     if (!r->set.log_mode || s->orphan || s->seq == 0)
         return;
@@ -200,7 +200,7 @@ static void relay_log_settle(struct obx_relay *r, struct slot *s, bool acked)
         s->seq = 0;
 }
 
-/* Log mode, with slots: a claim waits no longer for more rows. */
+/* Log mode, with slots: a checkpoint waits no longer for more rows. */
 static bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
 {
     struct log_view v = log_view_of(r);
@@ -208,9 +208,9 @@ static bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
     return r->set.log_mode && log_idle_write_due(&r->log, &v);
 }
 
-static void relay_slot_release(struct obx_relay *r, struct slot *s)
+static void relay_seat_release(struct obx_relay *r, struct seat *s)
 {
-    if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
+    if (s->state == SEAT_PRODUCED || s->state == SEAT_PARKED)
         relay_log_settle(r, s, false); /* back unsent, or held */
     rows_release(&r->rows, s);
 }
@@ -218,7 +218,7 @@ static void relay_slot_release(struct obx_relay *r, struct slot *s)
 /* ---- refused rows: relay_held.c keeps the entries, this applies the rest ---- */
 
 /* What a call into relay_held.c asked for (struct held_fx), applied right
- * after it: before a slot is released, whose log-mode settle reads the
+ * after it: before a seat is released, whose log-mode settle reads the
  * rules of held rows. */
 static void held_apply(struct obx_relay *r, const struct held_fx *fx)
 {
@@ -250,8 +250,8 @@ static void held_goes_on(struct obx_relay *r, int64_t id, bool delivered)
     held_apply(r, &fx);
 }
 
-/* A row Kafka refused for good: apply relay.on_reject. `s` is its slot. */
-static void row_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+/* A row Kafka refused for good: apply relay.on_reject. `s` is its seat. */
+static void row_refused(struct obx_relay *r, struct seat *s, const char *key, size_t key_len,
                         const char *reason, int64_t now)
 {
     if (r->set.on_reject == OBX_ON_REJECT_DEAD_LETTER) {
@@ -260,9 +260,9 @@ static void row_refused(struct obx_relay *r, struct slot *s, const char *key, si
                   (long long)s->id, r->topics.name[s->topic], reason);
         s->reason = obx_strdup(reason ? reason : "refused by Kafka");
         if (s->reason) {
-            if (s->state == SLOT_PRODUCED || s->state == SLOT_PARKED)
+            if (s->state == SEAT_PRODUCED || s->state == SEAT_PARKED)
                 relay_log_settle(r, s, true);
-            rows_move(&r->rows, s, SLOT_DEAD);
+            rows_move(&r->rows, s, SEAT_DEAD);
             held_goes_on(r, s->id, false); /* refused alone too: its key goes on */
             return;
         }
@@ -275,12 +275,12 @@ static void row_refused(struct obx_relay *r, struct slot *s, const char *key, si
     struct held_fx fx = {0};
     held_refused(&r->held, s->id, s->topic, key, key_len, now, &fx);
     held_apply(r, &fx);
-    relay_slot_release(r, s);
+    relay_seat_release(r, s);
     cursor_want_fetch(&r->cur, "row refused");
 }
 
 /* Row `s`'s topic refused it, or `s` itself was refused (`topic` false). */
-static void refused_as(struct obx_relay *r, struct slot *s, bool topic, const char *key,
+static void refused_as(struct obx_relay *r, struct seat *s, bool topic, const char *key,
                        size_t key_len, const char *reason, int64_t now)
 {
     if (!topic || r->set.on_reject != OBX_ON_REJECT_RETRY || r->set.log_mode) {
@@ -291,25 +291,25 @@ static void refused_as(struct obx_relay *r, struct slot *s, bool topic, const ch
     bool behind = held_topic_refused(&r->held, s->id, s->topic, r->topics.name[s->topic], key,
                                      key_len, reason, now, &fx);
     held_apply(r, &fx);
-    relay_slot_release(r, s);
+    relay_seat_release(r, s);
     if (behind) /* below hwm, fetched again by a full fetch once the topic goes on */
         cursor_clear(&r->cur, "row refused");
     else
         cursor_want_fetch(&r->cur, "topic refused");
 }
 
-static void batch_refused(struct obx_relay *r, struct slot *s, const char *key, size_t key_len,
+static void batch_refused(struct obx_relay *r, struct seat *s, const char *key, size_t key_len,
                           const char *reason, int64_t now)
 {
     struct held_fx fx = {0};
     held_batch_refused(&r->held, s->id, s->topic, r->topics.name[s->topic], key, key_len, reason,
                        now, &fx);
     held_apply(r, &fx);
-    relay_slot_release(r, s);
+    relay_seat_release(r, s);
     cursor_want_fetch(&r->cur, "batch refused");
 }
 
-/* A fetch in flight, alone or beside the mark, was sent before `why`: its
+/* A fetch in flight, on its own or beside the mark, was sent before `why`: its
  * answer is set aside and its rows fetched again. */
 static void relay_ignore_fetch(struct obx_relay *r, const char *why)
 {
@@ -333,8 +333,8 @@ static void relay_stop(struct obx_relay *r, const char *why)
         r->ops->stopped(r->io, r->exit_code);
 }
 
-/* Adds slot `s`'s offset to the per-partition maxima waiting to be stored. */
-static void note_offset(struct obx_relay *r, const struct slot *s)
+/* Adds seat `s`'s offset to the per-partition maxima waiting to be stored. */
+static void note_offset(struct obx_relay *r, const struct seat *s)
 {
     part_offsets_raise(&r->offs, r->topics.name[s->topic], s->partition, s->offset);
 }
@@ -346,7 +346,7 @@ static struct owner_view owner_view_of(const struct obx_relay *r)
         .quiet = rows_in_use(&r->rows) == 0 && rows_to_mark(&r->rows) == 0 && !relay_uncertain(r),
         .recovered = r->recovered,
         .found_pending = r->set.log_mode && r->log.n_found > 0,
-        .log_unclaimed = r->set.log_mode && log_unclaimed(&r->log, &r->rows),
+        .log_waits_checkpoint = r->set.log_mode && log_waits_checkpoint(&r->log, &r->rows),
         .draining = r->draining,
         .can_claim = r->ops->claim != NULL,
         .state = r->state,
@@ -377,7 +377,7 @@ static bool fetch_room_fits(struct obx_relay *r)
     return true;
 }
 
-/* Fills `f` for the next fetch; false if none can go (no free slot, or
+/* Fills `f` for the next fetch; false if none can go (no free seat, or
  * `keyset_only` and it would be a full one). Arrays are the relay's. */
 static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, bool keyset_only)
 {
@@ -391,8 +391,8 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
                             .held_back_ids = r->key_ids,
                             .shards = r->set.shards,
                             .owned_slots = owner_fetch_slots(&r->owner)};
-    int free_slots = r->set.max_in_flight - (int)rows_in_use(&r->rows);
-    f->limit = free_slots < r->set.batch_size ? free_slots : r->set.batch_size;
+    int free_seats = r->set.max_in_flight - (int)rows_in_use(&r->rows);
+    f->limit = free_seats < r->set.batch_size ? free_seats : r->set.batch_size;
     if (f->limit > r->cur.bytes_limit)
         f->limit = r->cur.bytes_limit;
     if (f->limit <= 0)
@@ -402,11 +402,11 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
     f->max_row_bytes = f->limit == 1 ? r->set.max_payload : r->set.fetch_max_bytes / f->limit;
     if (f->max_row_bytes > r->set.max_payload)
         f->max_row_bytes = r->set.max_payload;
-    /* The keyset fetch whenever the cursor holds, caught up or not: it
+    /* The keyset fetch whenever the cursor is valid, caught up or not: it
      * starts from hwm, where a full fetch walks the unsent-row index from
      * its lowest entry, past every row marked or deleted since the last
      * vacuum (and a held xmin horizon keeps them all). */
-    bool keyset = r->cur.state == CURSOR_HELD;
+    bool keyset = r->cur.state == CURSOR_VALID;
     for (size_t i = 0; i < r->held.n && keyset; i++)
         keyset = r->held.entry[i].retry_at > now; /* a due one lies below hwm */
     if (keyset_only && !keyset)
@@ -428,15 +428,15 @@ static bool build_fetch(struct obx_relay *r, int64_t now, struct obx_fetch *f, b
         f->also_sent = r->log.also_out;
         f->n_also = r->log.n_also_out;
     }
-    /* A relay owning every slot reads as a relay alone: slot_of() for each
+    /* A relay owning every slot reads as a single relay: slot_of() for each
      * row cost its backend a fifth more. Not log mode's full fetch by slot,
      * whose floor is over the slots it names. */
     if (owner_fetch_every_slot(&r->owner) && !(f->log && f->by_slot))
         f->owned_slots = NULL;
     if (!keyset) {
         for (int i = 0; i < r->rows.cap; i++)
-            if (r->rows.slot[i].state != SLOT_FREE)
-                r->ids[f->n_exclude++] = r->rows.slot[i].id;
+            if (r->rows.seat[i].state != SEAT_FREE)
+                r->ids[f->n_exclude++] = r->rows.seat[i].id;
     }
     for (size_t i = 0; i < r->held.n; i++) {
         const struct held_back *b = &r->held.entry[i];
@@ -468,14 +468,14 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->cur.fetch_max_ex = max_ex;
     r->cur.fetch_sent_at = now;
     /* As the full fetch's held-back keys say, for the entries drop_settled
-     * looks at (a keyset fetch settles none). */
+     * looks at (a keyset fetch drops none). */
     for (size_t i = 0; i < r->held.n && !f->keyset; i++) {
         struct held_back *e = &r->held.entry[i];
         e->behind_at_fetch = !e->alone && e->retry_at <= now && held_behind_another(&r->held, e);
     }
     const struct held_back *alone =
         r->held.n > 0 && !f->keyset ? held_due_alone(&r->held, now) : NULL;
-    /* One taken from the answer before (its slot is in the exclusions)
+    /* One taken from the answer before (its seat is in the exclusions)
      * is on its way: this fetch's answer without it says nothing. */
     for (size_t i = 0; alone && i < f->n_exclude; i++)
         if (f->exclude[i] == alone->id)
@@ -485,7 +485,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     log_fetch_sent(&r->log);
 }
 
-/* The fetch in flight (alone or beside a mark) will not answer: fetch
+/* The fetch in flight (on its own or beside a mark) will not answer: fetch
  * again, and a full fetch, whatever went wrong. */
 static void fetch_gone(struct obx_relay *r)
 {
@@ -510,7 +510,7 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
              (r->n_outstanding > 0 && r->held.n > 0 && held_due_alone(&r->held, now)));
 }
 
-/* Whether a fetch should go now (beside a mark, or alone). */
+/* Whether a fetch should go now (beside a mark, or on its own). */
 static bool fetch_wanted(struct obx_relay *r, int64_t now)
 {
     return r->cur.fetch_due == FETCH_DUE && fetch_allowed(r, now);
@@ -551,15 +551,15 @@ static bool start_log_write(struct obx_relay *r, int64_t now)
         return false;
     log_write_sent(&r->log, restart);
     for (int i = 0; i < r->rows.cap; i++) {
-        struct slot *s = &r->rows.slot[i];
-        if ((s->state == SLOT_ACKED || s->state == SLOT_DEAD) && log_ready_covers(&r->log, s))
-            rows_move(&r->rows, s, s->state == SLOT_ACKED ? SLOT_MARKING : SLOT_DEAD_MARKING);
+        struct seat *s = &r->rows.seat[i];
+        if ((s->state == SEAT_ACKED || s->state == SEAT_DEAD) && log_ready_covers(&r->log, s))
+            rows_move(&r->rows, s, s->state == SEAT_ACKED ? SEAT_MARKING : SEAT_DEAD_MARKING);
     }
     relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to store in the cursor");
     return true;
 }
 
-/* Marks every ACKED slot and dead-letters every DEAD one, in one
+/* Marks every ACKED seat and dead-letters every DEAD one, in one
  * statement (perhaps with the next fetch). Returns true if it was sent. */
 static bool start_mark(struct obx_relay *r, int64_t now)
 {
@@ -574,11 +574,11 @@ static bool start_mark(struct obx_relay *r, int64_t now)
                          .dead_ids = r->dead_ids,
                          .dead_reasons = r->dead_reasons};
     for (int i = 0; i < r->rows.cap; i++) {
-        struct slot *s = &r->rows.slot[i];
-        if (s->state == SLOT_ACKED) {
+        struct seat *s = &r->rows.seat[i];
+        if (s->state == SEAT_ACKED) {
             r->ids[m.n_ids++] = s->id;
             note_offset(r, s);
-        } else if (s->state == SLOT_DEAD) {
+        } else if (s->state == SEAT_DEAD) {
             r->dead_reasons[m.n_dead] = s->reason;
             r->dead_ids[m.n_dead++] = s->id;
         }
@@ -617,17 +617,17 @@ static bool start_mark(struct obx_relay *r, int64_t now)
     } else if (r->ops->mark(r->io, &m) != 0) {
         return false;
     }
-    rows_move_all(&r->rows, SLOT_ACKED, SLOT_MARKING);
-    rows_move_all(&r->rows, SLOT_DEAD, SLOT_DEAD_MARKING);
+    rows_move_all(&r->rows, SEAT_ACKED, SEAT_MARKING);
+    rows_move_all(&r->rows, SEAT_DEAD, SEAT_DEAD_MARKING);
     relay_set_state(r, OBX_RELAY_MARKING, "acknowledged rows to mark");
     return true;
 }
 
-/* Puts slots of a mark that did not (surely) commit back to be marked again. */
+/* Puts seats of a mark that did not (surely) commit back to be marked again. */
 static void unmark(struct obx_relay *r)
 {
-    rows_move_all(&r->rows, SLOT_MARKING, SLOT_ACKED);
-    rows_move_all(&r->rows, SLOT_DEAD_MARKING, SLOT_DEAD);
+    rows_move_all(&r->rows, SEAT_MARKING, SEAT_ACKED);
+    rows_move_all(&r->rows, SEAT_DEAD_MARKING, SEAT_DEAD);
 }
 
 static bool start_fetch(struct obx_relay *r, int64_t now)
@@ -651,7 +651,7 @@ static void owner_apply(struct obx_relay *r, const struct owner_fx *fx)
          * every slot now owned, and this relay's cursor starts from them.
          * Mark and delete mode read cursor rows too if log mode left any
          * (cursor_advance: the highest hwm of them). */
-        /* A claim made before is not about the slots taken: none may be
+        /* A checkpoint made before is not about the slots taken: none may be
          * stored with them (relay_log.c refuses writes until the reload). */
         log_slots_taken(&r->log, r->set.log_mode || r->log.has_stored);
     }
@@ -757,9 +757,9 @@ static void relay_kick(struct obx_relay *r, int64_t now)
         return;
     }
     if (r->set.log_mode && rows_in_use(&r->rows) == (size_t)r->set.max_in_flight &&
-        log_unclaimed(&r->log, &r->rows) && now - r->full_warned_at >= FULL_WARN_MS) {
+        log_waits_checkpoint(&r->log, &r->rows) && now - r->full_warned_at >= FULL_WARN_MS) {
         /* Known limit of log mode (a cursor row cannot say "part of a
-         * transaction"): every slot holds an acknowledged row that no claim
+         * transaction"): every seat holds an acknowledged row that no checkpoint
          * covers, so none can be stored and no fetch can go. */
         obx_event(OBX_LOG_ERROR, "log_in_flight_full",
                   "relay: all %d rows in flight are acknowledged but cannot be stored: more "
@@ -816,16 +816,16 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
      * pass, they would start it above records it has to find. */
     size_t acked = 0, refused = 0, awaiting = 0;
     for (int i = 0; i < r->rows.cap; i++) {
-        struct slot *s = &r->rows.slot[i];
-        if (s->state == SLOT_PRODUCED && !s->orphan) {
+        struct seat *s = &r->rows.seat[i];
+        if (s->state == SEAT_PRODUCED && !s->orphan) {
             rows_orphan(&r->rows, s);
             awaiting++;
-        } else if (s->state != SLOT_FREE && s->state != SLOT_PRODUCED) {
-            if (s->state == SLOT_DEAD || s->state == SLOT_DEAD_MARKING)
+        } else if (s->state != SEAT_FREE && s->state != SEAT_PRODUCED) {
+            if (s->state == SEAT_DEAD || s->state == SEAT_DEAD_MARKING)
                 refused++;
             else
                 acked++;
-            relay_slot_release(r, s);
+            relay_seat_release(r, s);
         }
     }
     if (acked + awaiting + refused > 0)
@@ -847,8 +847,8 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
 int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
 {
     /* Mark and delete mode after log mode read the stored cursor too (and
-     * never write one): their full fetch leaves the rows it covers alone.
-     * The records found, whether the session begins or a pass settled a
+     * never write one): their full fetch leaves the rows it covers untouched.
+     * The records found, whether the session begins or a pass resolved a
      * possibly-persisted report: rows in flight now are not among them
      * (found rows are only taken when fetched). */
     struct found_row *found = NULL;
@@ -894,7 +894,7 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
         /* A possibly-persisted report that came during the pass may be of
          * a record the pass read past before it landed: one more pass. */
         r->recovered = r->unknowns == r->pass_unknowns;
-        r->settled = r->pass_unknowns;
+        r->resolved = r->pass_unknowns;
         cursor_full_fetch_due(&r->cur,
                               "recovery pass done"); /* it may have marked rows, or left some */
         relay_progress(r, now);
@@ -904,13 +904,13 @@ void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now)
     relay_kick(r, now);
 }
 
-/* Frees the slots of batch rows [from, to) that were not handed to Kafka;
+/* Frees the seats of batch rows [from, to) that were not handed to Kafka;
  * a fetch already sent must not run ahead of them. */
 static void release_rest(struct obx_relay *r, size_t from, size_t to)
 {
     for (size_t j = from; j < to; j++)
         if (r->batch[j])
-            relay_slot_release(r, r->batch[j]);
+            relay_seat_release(r, r->batch[j]);
     relay_ignore_fetch(r, "rows given back");
     cursor_clear(&r->cur, "rows released"); /* they are below hwm now */
 }
@@ -932,7 +932,7 @@ static bool keep_snapshot(struct obx_relay *r, const char *snapshot)
 
 /* The fetch in flight brought `n` rows in id order, of which the first
  * `n_take` were taken (the rest are left: see withheld()). Moves the cursor
- * on, or clears it when the rows taken do not cover everything it claims. */
+ * on, or clears it when the rows taken do not cover everything the fetch returned. */
 static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size_t n, size_t n_take,
                            const char *snapshot)
 {
@@ -968,7 +968,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * snapshot saw may put the cursor anywhere above: the rows of our slots
      * up to there that it did not see are late ones, which the next keyset
      * fetch asks about by their transactions. So it goes up to the others'
-     * (and the claim made here with it, which lets the cursor rows about
+     * (and the checkpoint made here with it, which lets the cursor rows about
      * our slots follow theirs). */
     if (ok && !cut && r->set.log_mode && owner_active(&r->owner) && r->log.others_hwm > r->cur.hwm)
         r->cur.hwm = r->log.others_hwm;
@@ -976,7 +976,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
      * snapshot saw, and the keyset fetch would read those rows again from
      * a lower hwm. A full fetch that every uncovered row came back from may
      * take the stored hwm; one cut below it holds no cursor (the next one
-     * is a full fetch again). With slots it makes a partial claim: about
+     * is a full fetch again). With slots it makes a partial checkpoint: about
      * the owned slots whose cursor rows are all at or below its hwm (a slot
      * taken far behind the others, relay_log.c). */
     r->cur.fetch_partial = false;
@@ -993,9 +993,9 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     ok = ok && r->cur.fetch_gen == r->cur.gen;
     r->cur.fetch_partial = r->cur.fetch_partial && r->cur.fetch_gen == r->cur.gen && snapshot;
     enum cursor_state next =
-        ok && snapshot && keep_snapshot(r, snapshot) ? CURSOR_HELD : CURSOR_NONE;
+        ok && snapshot && keep_snapshot(r, snapshot) ? CURSOR_VALID : CURSOR_NONE;
     if (next != r->cur.state)
-        obx_debug("relay: cursor %s", next == CURSOR_HELD
+        obx_debug("relay: cursor %s", next == CURSOR_VALID
                                           ? "taken: keyset fetches from here"
                                           : "not taken: the next fetch is a full one");
     r->cur.state = next;
@@ -1075,7 +1075,7 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
     return n_take;
 }
 
-/* Log mode: the fetch's record (*seq), with its claim if the cursor holds
+/* Log mode: the fetch's record (*seq), with its checkpoint if the cursor is valid
  * (or a partial one, see cursor_advance); *seq 0 outside log mode. False
  * with no memory for it: the fetch is then set aside. */
 static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapshot, int64_t now)
@@ -1091,21 +1091,21 @@ static bool record_fetch(struct obx_relay *r, uint64_t *seq, const char *snapsho
         relay_kick(r, now);
         return false;
     }
-    if (r->cur.state == CURSOR_HELD)
-        log_rec_claim(&r->log, *seq, r->cur.hwm, r->cur.snap);
+    if (r->cur.state == CURSOR_VALID)
+        log_rec_checkpoint(&r->log, *seq, r->cur.hwm, r->cur.snap);
     else if (r->cur.fetch_partial) {
         struct log_view v = log_view_of(r);
-        log_rec_claim_partial(&r->log, &v, *seq, r->cur.hwm, snapshot);
+        log_rec_checkpoint_partial(&r->log, &v, *seq, r->cur.hwm, snapshot);
     }
     return true;
 }
 
-/* Takes a slot for each of the first n_take rows (r->batch[i], NULL for a
+/* Takes a seat for each of the first n_take rows (r->batch[i], NULL for a
  * row not taken) before any goes to Kafka, so that the next statement can
  * go to Postgres now (its exclusions, or the cursor, cover these rows) and
  * run while we hand the rows to Kafka. Returns how many entries of r->batch
  * were filled. */
-static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t n_take,
+static size_t take_seats(struct obx_relay *r, const struct obx_row *rows, size_t n_take,
                          uint64_t seq)
 {
     size_t taken = 0;
@@ -1123,10 +1123,10 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
             cursor_clear(&r->cur, "row held back"); /* fetched, not taken: below hwm */
             continue;                               /* a refused row of its key comes first */
         }
-        struct slot *s = rows_take(&r->rows, row->id, (uint32_t)topic);
-        if (!s) { /* cannot happen: the fetch limit was the free slot count */
-            obx_error("relay: no free slot for row %lld", (long long)row->id);
-            cursor_clear(&r->cur, "no free slot");
+        struct seat *s = rows_take(&r->rows, row->id, (uint32_t)topic);
+        if (!s) { /* cannot happen: the fetch limit was the free seat count */
+            obx_error("relay: no free seat for row %lld", (long long)row->id);
+            cursor_clear(&r->cur, "no free seat");
             break;
         }
         s->created_us = row->created_us;
@@ -1141,13 +1141,13 @@ static size_t take_slots(struct obx_relay *r, const struct obx_row *rows, size_t
 
 /* Log mode: a row a run before this one published (the recovery pass found
  * its record) is taken as acknowledged. True if it was. */
-static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
+static bool found_published(struct obx_relay *r, struct seat *s, int64_t id)
 {
     struct found_row fr;
     if (!r->set.log_mode || r->log.n_found == 0 || !log_take_found(&r->log, id, &fr))
         return false;
     relay_log_settle(r, s, true);
-    rows_move(&r->rows, s, SLOT_ACKED);
+    rows_move(&r->rows, s, SEAT_ACKED);
     s->partition = fr.partition;
     s->offset = fr.offset;
     if (r->held.n > 0)
@@ -1157,7 +1157,7 @@ static bool found_published(struct obx_relay *r, struct slot *s, int64_t id)
 
 /* set.one_per_key: a row of a key with a record at Kafka waits behind it
  * (parked, produced once that one is delivered). True if it waits. */
-static bool waits_for_its_key(struct obx_relay *r, struct slot *s, const struct obx_row *row)
+static bool waits_for_its_key(struct obx_relay *r, struct seat *s, const struct obx_row *row)
 {
     if (!r->set.one_per_key || !row->key)
         return false;
@@ -1168,7 +1168,7 @@ static bool waits_for_its_key(struct obx_relay *r, struct slot *s, const struct 
         return true;
     /* No memory to keep it: a fetch after the report brings it again. A
      * fetch on its way may bring the key's later rows without it. */
-    relay_slot_release(r, s);
+    relay_seat_release(r, s);
     relay_after_release(r);
     r->key_waits = true;
     return true;
@@ -1179,7 +1179,7 @@ static bool waits_for_its_key(struct obx_relay *r, struct slot *s, const struct 
 static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t i, size_t taken,
                           int64_t due_alone_id, size_t *produced, int64_t now)
 {
-    struct slot *s = r->batch[i];
+    struct seat *s = r->batch[i];
     bool alone = row->id == due_alone_id;
     if (alone && r->n_outstanding > 0) {
         /* Rows before it are still out: it and the rest wait for the
@@ -1229,11 +1229,11 @@ static size_t produce_taken(struct obx_relay *r, const struct obx_row *rows, siz
     size_t produced = 0;
     for (size_t i = 0; i < taken; i++) {
         const struct obx_row *row = &rows[i];
-        struct slot *s = r->batch[i];
+        struct seat *s = r->batch[i];
         if (!s)
             continue;
         if (r->held.n > 0 && held_holds(&r->held, row->id, s->topic, row->key, row->key_len)) {
-            relay_slot_release(r, s); /* its key was refused earlier in this batch */
+            relay_seat_release(r, s); /* its key was refused earlier in this batch */
             cursor_clear(&r->cur, "row held back");
             continue;
         }
@@ -1267,8 +1267,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     int64_t due_alone_id = alone_of_fetch(r, rows, n);
     if (r->held.n > 0 && r->cur.fetch_kind == FETCH_FULL) {
         struct held_fx fx = {0};
-        held_drop_settled(&r->held, rows, n, n >= (size_t)r->cur.fetch_limit, r->cur.fetch_sent_at,
-                          &fx);
+        held_drop_gone(&r->held, rows, n, n >= (size_t)r->cur.fetch_limit, r->cur.fetch_sent_at,
+                       &fx);
         held_apply(r, &fx);
     }
     size_t n_take = rows_to_take(r, rows, n);
@@ -1276,13 +1276,13 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     uint64_t seq;
     if (!record_fetch(r, &seq, snapshot, now))
         return;
-    uint64_t gen_at_claim = r->cur.gen;
+    uint64_t gen_at_checkpoint = r->cur.gen;
     r->cur.caught_up = n < (size_t)r->cur.fetch_limit;
     schedule_look(r, n, now);
-    size_t taken = take_slots(r, rows, n_take, seq);
-    /* Rows fetched and not taken: the claim above does not hold. */
-    if (seq && r->cur.gen != gen_at_claim)
-        log_claims_drop_from(&r->log, seq);
+    size_t taken = take_seats(r, rows, n_take, seq);
+    /* Rows fetched and not taken: the checkpoint above does not hold. */
+    if (seq && r->cur.gen != gen_at_checkpoint)
+        log_checkpoints_drop_from(&r->log, seq);
     /* A full batch means more rows are likely waiting (a batch of
      * relay.batch_size, or of what the byte budget allows, is one). */
     if (n_take < n || (!r->cur.caught_up && r->cur.fetch_limit >= r->cur.bytes_limit))
@@ -1290,7 +1290,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
     if (r->set.log_mode)
-        log_recs_settle(&r->log, r->now); /* a fetch that handed nothing out settles at once */
+        log_recs_retire(&r->log, r->now); /* a fetch that handed nothing out leaves at once */
     if (produced > 0 && relay_failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced,
@@ -1307,13 +1307,13 @@ static void mark_done(struct obx_relay *r, int64_t now)
         log_write_done(&r->log, &v);
     }
     for (int i = 0; i < r->rows.cap; i++) {
-        struct slot *s = &r->rows.slot[i];
-        if (s->state == SLOT_MARKING || s->state == SLOT_DEAD_MARKING) {
-            if (s->state == SLOT_MARKING)
+        struct seat *s = &r->rows.seat[i];
+        if (s->state == SEAT_MARKING || s->state == SEAT_DEAD_MARKING) {
+            if (s->state == SEAT_MARKING)
                 marked++;
             else
                 dead++;
-            relay_slot_release(r, s);
+            relay_seat_release(r, s);
         }
     }
     r->marked_total += marked;
@@ -1418,7 +1418,7 @@ void obx_relay_on_query_failed(struct obx_relay *r, const char *reason, int64_t 
  * restart). Until it is delivered (or found in Kafka), later rows of its key
  * wait: one fetched meanwhile, or already in a fetch on its way, would land
  * before it. */
-static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery outcome,
+static void not_delivered(struct obx_relay *r, struct seat *s, enum obx_delivery outcome,
                           const char *key, size_t key_len, const char *reason, int64_t now)
 {
     struct held_back *b = r->held.n > 0 ? held_find(&r->held, s->id) : NULL;
@@ -1450,7 +1450,7 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
         obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,
                  reason ? reason : "unknown error");
     }
-    relay_slot_release(r, s);
+    relay_seat_release(r, s);
     cursor_full_fetch_due(&r->cur,
                           "row not delivered"); /* unsent below hwm: a full fetch finds it */
     r->not_before = now + r->set.retry_backoff_ms;
@@ -1458,7 +1458,7 @@ static void not_delivered(struct obx_relay *r, struct slot *s, enum obx_delivery
 
 /* A report for a row handed out by a session that is gone: the next one's
  * recovery pass finds the record if it landed. */
-static void orphan_reported(struct obx_relay *r, struct slot *s, int64_t now)
+static void orphan_reported(struct obx_relay *r, struct seat *s, int64_t now)
 {
     if (s->key_hash && obx_keycount_remove(&r->busy_keys, s->key_hash) == 0)
         relay_release_parked_of(r, s->key_hash);
@@ -1473,7 +1473,7 @@ static void orphan_reported(struct obx_relay *r, struct slot *s, int64_t now)
     struct held_back *b = r->held.n > 0 ? held_find(&r->held, s->id) : NULL;
     if (b && b->retry_at > now)
         b->retry_at = now;
-    relay_slot_release(r, s);
+    relay_seat_release(r, s);
     relay_kick(r, now);
 }
 
@@ -1481,9 +1481,9 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
                            int32_t partition, int64_t offset, const char *key, size_t key_len,
                            const char *reason, int64_t now)
 {
-    struct slot *s = opaque;
+    struct seat *s = opaque;
     r->now = now;
-    if (!s || s->state != SLOT_PRODUCED) {
+    if (!s || s->state != SEAT_PRODUCED) {
         obx_error("relay: delivery report for an unknown or finished row");
         return;
     }
@@ -1507,7 +1507,7 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
     switch (outcome) {
     case OBX_DELIVERED:
         relay_log_settle(r, s, true);
-        rows_move(&r->rows, s, SLOT_ACKED);
+        rows_move(&r->rows, s, SEAT_ACKED);
         s->partition = partition;
         s->offset = offset;
         if (s->created_us > 0 && r->ops->acked)
@@ -1621,7 +1621,7 @@ static void relay_release_parked_of(struct obx_relay *r, uint64_t h)
     int32_t i;
     bool any = false;
     while ((i = obx_keycount_unpark(&r->busy_keys, h)) >= 0) {
-        relay_slot_release(r, &r->rows.slot[i]);
+        relay_seat_release(r, &r->rows.seat[i]);
         any = true;
     }
     if (any)
@@ -1635,13 +1635,13 @@ static void relay_release_all_parked(struct obx_relay *r)
     if (!r->set.one_per_key)
         return;
     for (int i = 0; i < r->rows.cap; i++)
-        if (r->rows.slot[i].state == SLOT_PARKED)
-            relay_release_parked_of(r, r->rows.slot[i].key_hash);
+        if (r->rows.seat[i].state == SEAT_PARKED)
+            relay_release_parked_of(r, r->rows.seat[i].key_hash);
 }
 
-/* Parks row `row` of slot s behind its key's record at Kafka. false: no
+/* Parks row `row` of seat s behind its key's record at Kafka. false: no
  * memory for it (the caller leaves it for a later fetch). */
-static bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row *row)
+static bool relay_park(struct obx_relay *r, struct seat *s, const struct obx_row *row)
 {
     struct obx_row *copy = row_copy(row);
     if (!copy || obx_keycount_park(&r->busy_keys, s->key_hash, rows_index(&r->rows, s)) != 0) {
@@ -1649,7 +1649,7 @@ static bool relay_park(struct obx_relay *r, struct slot *s, const struct obx_row
         return false;
     }
     s->parked = copy;
-    rows_move(&r->rows, s, SLOT_PARKED);
+    rows_move(&r->rows, s, SEAT_PARKED);
     return true;
 }
 
@@ -1664,9 +1664,9 @@ static void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
     int32_t i = obx_keycount_unpark(&r->busy_keys, h);
     if (i < 0)
         return;
-    struct slot *p = &r->rows.slot[i];
+    struct seat *p = &r->rows.seat[i];
     const char *reason = NULL;
-    rows_move(&r->rows, p, SLOT_PRODUCED);
+    rows_move(&r->rows, p, SEAT_PRODUCED);
     enum obx_produce_result pr = r->ops->produce(r->producer, p->parked, p, &reason);
     if (pr == OBX_PRODUCE_OK) {
         obx_free(p->parked);
@@ -1676,7 +1676,7 @@ static void relay_produce_parked(struct obx_relay *r, uint64_t h, int64_t now)
         return;
     }
     if (pr == OBX_PRODUCE_BUSY) {
-        relay_slot_release(r, p);
+        relay_seat_release(r, p);
         r->not_before = now + 100;
     } else {
         refused_as(r, p, pr == OBX_PRODUCE_TOPIC_REFUSED, p->parked->key, p->parked->key_len,

@@ -4,7 +4,7 @@
 
 void cursor_clear(struct cursor *c, const char *why)
 {
-    if (c->state == CURSOR_HELD)
+    if (c->state == CURSOR_VALID)
         obx_debug("relay: cursor dropped (%s): the next fetch is a full one", why);
     c->state = CURSOR_NONE;
     c->gen++;

@@ -16,8 +16,8 @@
 /* What the next fetch may be (see struct cursor). Moves
  * are logged at debug level with their reason. */
 enum cursor_state {
-    CURSOR_NONE, /* a full fetch, which excludes what is in flight and takes a cursor */
-    CURSOR_HELD, /* a keyset fetch from hwm and snap */
+    CURSOR_NONE,  /* a full fetch, which excludes what is in flight and takes a cursor */
+    CURSOR_VALID, /* a keyset fetch from hwm and snap */
 };
 /* The fetch in flight: its kind and whether it rides on the mark in flight
  * (one statement) or goes alone, both set when it is sent (the state moves
@@ -46,7 +46,7 @@ enum fetch_due {
 };
 
 struct cursor {
-    /* The fetch cursor. While it holds, every unsent row with an id up to
+    /* The fetch cursor. While it is valid, every unsent row with an id up to
      * `hwm` whose transaction is visible in snapshot `snap` has been handed
      * out by this session (or is held back behind a refused row, or waits
      * as a refused row itself), and no row in flight lies above `hwm`. The

@@ -38,7 +38,7 @@ bool drain_over(const struct drain_view *v, int64_t now)
      * fetches made none, a row went back unsent): what is acknowledged is
      * in Kafka, and the next start's pass finds it. */
     if (v->log_mode && v->state == OBX_RELAY_IDLE && v->n_outstanding == 0 &&
-        v->in_use == v->to_mark && !v->log_claim_due)
+        v->in_use == v->to_mark && !v->log_checkpoint_due)
         return true;
     if (now < v->drain_deadline)
         return false;

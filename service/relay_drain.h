@@ -12,15 +12,15 @@
 
 struct drain_view {
     enum obx_relay_state state;
-    int64_t state_since;    /* when the state last changed */
-    size_t in_use;          /* rows in flight */
-    size_t to_mark;         /* ... of them acknowledged or dead, waiting for the mark */
-    size_t n_outstanding;   /* ... handed to Kafka, report pending */
-    bool uncertain;         /* a possibly-persisted report waits for a recovery pass */
-    bool log_mode;          /* relay.on_sent = log */
-    bool log_claim_due;     /* log mode: a claim newer than the stored cursor waits */
-    int64_t drain_deadline; /* stop waiting for deliveries */
-    int64_t hard_deadline;  /* stop, whatever is in flight */
+    int64_t state_since;     /* when the state last changed */
+    size_t in_use;           /* rows in flight */
+    size_t to_mark;          /* ... of them acknowledged or dead, waiting for the mark */
+    size_t n_outstanding;    /* ... handed to Kafka, report pending */
+    bool uncertain;          /* a possibly-persisted report waits for a recovery pass */
+    bool log_mode;           /* relay.on_sent = log */
+    bool log_checkpoint_due; /* log mode: a checkpoint newer than the stored cursor waits */
+    int64_t drain_deadline;  /* stop waiting for deliveries */
+    int64_t hard_deadline;   /* stop, whatever is in flight */
 };
 
 /* During a drain: whether to stop now. */

@@ -99,8 +99,8 @@ struct held_back *held_due_alone(struct held *h, int64_t now)
     return best;
 }
 
-void held_drop_settled(struct held *h, const struct obx_row *rows, size_t n, bool full,
-                       int64_t fetch_sent_at, struct held_fx *fx)
+void held_drop_gone(struct held *h, const struct obx_row *rows, size_t n, bool full,
+                    int64_t fetch_sent_at, struct held_fx *fx)
 {
     for (size_t i = 0; i < h->n;) {
         const struct held_back *b = &h->entry[i];

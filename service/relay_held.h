@@ -51,7 +51,7 @@ struct held_back *held_find(struct held *h, int64_t id);
 /* True if row `id` of `topic` and `key` must wait behind an earlier
  * refused row of its key, or of its topic when the topic refused it. */
 bool held_holds(const struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len);
-/* Row `id` was delivered (logged) or is gone (dead-lettered, settled): its
+/* Row `id` was delivered (logged) or is gone (dead-lettered, or no longer unsent): its
  * entry goes, and its key with it. */
 void held_release(struct held *h, int64_t id, struct held_fx *fx);
 void held_drop(struct held *h, int64_t id, struct held_fx *fx);
@@ -67,8 +67,8 @@ struct held_back *held_due_alone(struct held *h, int64_t now);
  * is no longer unsent (the recovery pass found it in Kafka and marked it,
  * or another relay published it): its key goes on. `rows` are the
  * answer's n rows, `full`: it had as many as it asked for. */
-void held_drop_settled(struct held *h, const struct obx_row *rows, size_t n, bool full,
-                       int64_t fetch_sent_at, struct held_fx *fx);
+void held_drop_gone(struct held *h, const struct obx_row *rows, size_t n, bool full,
+                    int64_t fetch_sent_at, struct held_fx *fx);
 /* Row `id` was refused or failed: retry it later, holding back its key
  * meanwhile. */
 void held_hold_back(struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len,

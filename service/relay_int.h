@@ -9,7 +9,7 @@
  *   relay_held.c   refused rows and the keys they hold back
  *   relay_drain.c  when a drain may stop, what a stall waits for
  *   relay_owner.c  the slots of relay.shards this relay owns
- *   relay_rows.c   the rows in flight: slots and their states
+ *   relay_rows.c   the rows in flight: their seats and states
  *   relay_cursor.c the fetch cursor, the fetch in flight and whether one is due
  */
 #ifndef OUTBOXD_RELAY_INT_H
@@ -57,7 +57,7 @@ struct obx_relay {
 
     struct rows rows; /* the rows in flight (relay_rows.h) */
 
-    struct topics topics; /* topic names; slots refer to them by index */
+    struct topics topics; /* topic names; seats refer to them by index */
 
     struct held held; /* refused rows and the keys they hold back (relay_held.h) */
 
@@ -75,7 +75,7 @@ struct obx_relay {
     int64_t *key_ids;
     size_t fetch_room; /* the held.cap they fit */
 
-    struct slot **batch; /* slots of the rows of the fetch being produced */
+    struct seat **batch; /* seats of the rows of the fetch being produced */
 
     struct cursor cur; /* the fetch cursor and the fetch in flight (relay_cursor.h) */
 
@@ -91,7 +91,7 @@ struct obx_relay {
     bool recovered;         /* the start-up recovery pass has succeeded */
     uint64_t unknowns;      /* possibly-persisted reports so far */
     uint64_t pass_unknowns; /* ... when the recovery pass in flight started */
-    uint64_t settled;       /* ... when the last successful pass started */
+    uint64_t resolved;      /* ... when the last successful pass started */
     int64_t not_before;     /* back-off: no statement before this time */
 
     int64_t now; /* time of the event being handled */

@@ -1,6 +1,6 @@
 /*
  * relay_log: log mode (relay.on_sent = log): the records of the fetches, the
- * claims they make, the held keys the cursor rows name, and the cursor row
+ * checkpoints they make, the held keys the cursor rows name, and the cursor row
  * itself. See relay_log.h for the state, relay.c for the cycle.
  */
 #include "relay_log.h"
@@ -13,10 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Forgets the claim of record `f`, if it made one. */
-static void rec_unclaim(struct fetch_rec *f)
+/* Forgets the checkpoint of record `f`, if it made one. */
+static void rec_drop_checkpoint(struct fetch_rec *f)
 {
-    f->claim = false;
+    f->checkpoint = false;
     obx_free(f->snap);
     f->snap = NULL;
     obx_free(f->about);
@@ -25,7 +25,7 @@ static void rec_unclaim(struct fetch_rec *f)
     f->about_text = NULL;
 }
 
-/* The ready claim is gone (written, replaced, or forgotten). */
+/* The ready checkpoint is gone (written, replaced, or forgotten). */
 static void ready_about_free(struct log_state *l)
 {
     obx_free(l->ready_about);
@@ -45,14 +45,14 @@ uint64_t log_rec_push(struct log_state *l)
 {
     /* The newest record has nothing pending (its fetch handed nothing out,
      * or all of it settled) while an older one waits: this fetch takes its
-     * place, with its own claim if it makes one. So a row that waits long
+     * place, with its own checkpoint if it makes one. So a row that waits long
      * (a partition Kafka cannot take) costs one record per fetch that
      * hands rows out behind it, not one per look for new rows. */
     if (l->n_recs > 1) {
         uint64_t back_seq = l->head_seq + l->n_recs - 1;
         struct fetch_rec *back = log_rec_of(l, back_seq);
         if (back && back->pending == 0) {
-            rec_unclaim(back);
+            rec_drop_checkpoint(back);
             *back = (struct fetch_rec){.send_no = l->fetch_send_no};
             return back_seq;
         }
@@ -92,19 +92,19 @@ static void raise_slot_hwm(struct log_state *l, int slot, int64_t hwm)
         l->slot_hwm[slot] = hwm;
 }
 
-/* The fetch `seq` made a claim: its cursor (hwm, snap). */
-void log_rec_claim(struct log_state *l, uint64_t seq, int64_t hwm, const char *snap)
+/* The fetch `seq` made a checkpoint: its cursor (hwm, snap). */
+void log_rec_checkpoint(struct log_state *l, uint64_t seq, int64_t hwm, const char *snap)
 {
     struct fetch_rec *f = log_rec_of(l, seq);
-    if (!f || f->claim)
+    if (!f || f->checkpoint)
         return;
     f->snap = obx_strdup(snap);
-    f->claim = f->snap != NULL; /* no memory: no claim, which is always safe */
+    f->checkpoint = f->snap != NULL; /* no memory: no checkpoint, which is always safe */
     f->hwm = hwm;
 }
 
-/* Raises bound[] to `hwm` for the slots of a claim about `about` (NULL:
- * every slot owned, a whole claim: false, as no partial claim may follow
+/* Raises bound[] to `hwm` for the slots of a checkpoint about `about` (NULL:
+ * every slot owned, a whole checkpoint: false, as no partial checkpoint may follow
  * one that is still to be stored). */
 static bool bound_by(int shards, int64_t *bound, const bool *about, int64_t hwm)
 {
@@ -118,7 +118,7 @@ static bool bound_by(int shards, int64_t *bound, const bool *about, int64_t hwm)
 
 /* For each slot, the highest hwm of a cursor row about it that is stored
  * or may yet be: loaded, written (or perhaps written) by this relay, and
- * every claim not dropped. False if a whole claim is among them. Claims
+ * every checkpoint not dropped. False if a whole checkpoint is among them. Checkpoints
  * are made as a fetch is answered, never while a write is in flight. */
 static bool slot_bounds(const struct log_state *l, int shards, int64_t *bound)
 {
@@ -128,7 +128,7 @@ static bool slot_bounds(const struct log_state *l, int shards, int64_t *bound)
         return false;
     for (size_t i = 0; i < l->n_recs; i++) {
         const struct fetch_rec *f = &l->recs[(l->rec_head + i) % l->cap_recs];
-        if (f->claim && !bound_by(shards, bound, f->about, f->hwm))
+        if (f->checkpoint && !bound_by(shards, bound, f->about, f->hwm))
             return false;
     }
     return true;
@@ -136,16 +136,16 @@ static bool slot_bounds(const struct log_state *l, int shards, int64_t *bound)
 
 /* The fetch `seq`, a full one cut below the stored hwm, handed out every
  * uncovered row of the owned slots up to `hwm` that its snapshot saw: a
- * claim about those of them whose cursor rows and claims are all at or
+ * checkpoint about those of them whose cursor rows and checkpoints are all at or
  * below `hwm` (about the others, a cursor row at `hwm` would cover less
  * than the one before it). Without it, rows of slots far behind the
  * others' cursor rows (taken from a relay that stopped or froze) could
  * never be stored once they filled relay.max_in_flight. */
-void log_rec_claim_partial(struct log_state *l, const struct log_view *v, uint64_t seq, int64_t hwm,
-                           const char *snap)
+void log_rec_checkpoint_partial(struct log_state *l, const struct log_view *v, uint64_t seq,
+                                int64_t hwm, const char *snap)
 {
     struct fetch_rec *f = log_rec_of(l, seq);
-    if (!f || f->claim || !l->slot_hwm || !owner_active(v->owner))
+    if (!f || f->checkpoint || !l->slot_hwm || !owner_active(v->owner))
         return;
     int64_t *bound = obx_calloc((size_t)v->shards, sizeof(*bound));
     int n = 0;
@@ -159,7 +159,7 @@ void log_rec_claim_partial(struct log_state *l, const struct log_view *v, uint64
     /* "{" and up to five characters a slot (1023,) and "}" */
     size_t cap = 2 + (size_t)n * 5 + 1;
     if (n == 0 || !(f->about_text = obx_malloc(cap)) || !(f->snap = obx_strdup(snap))) {
-        rec_unclaim(f); /* none, or no memory: no claim, which is always safe */
+        rec_drop_checkpoint(f); /* none, or no memory: no checkpoint, which is always safe */
         return;
     }
     size_t len = 0;
@@ -169,31 +169,32 @@ void log_rec_claim_partial(struct log_state *l, const struct log_view *v, uint64
             len += (size_t)snprintf(f->about_text + len, cap - len, "%s%d", len > 1 ? "," : "", i);
     f->about_text[len++] = '}';
     f->about_text[len] = '\0';
-    f->claim = true;
+    f->checkpoint = true;
     f->hwm = hwm;
     if (!l->partial_told) {
         l->partial_told = true;
-        obx_event(OBX_LOG_INFO, "log_partial_claims",
+        obx_event(OBX_LOG_INFO, "log_partial_checkpoints",
                   "relay: slots %s lag behind the cursor (up to %lld, stored %lld): their rows "
                   "are stored as they catch up",
                   f->about_text, (long long)hwm, (long long)l->stored_hwm);
     }
 }
 
-/* Records whose rows have all settled leave the ring, oldest first; the
- * newest claim among them becomes ready (but a partial one behind a whole
+/* Records whose rows have all settled retire from the ring, oldest first; the
+ * newest checkpoint among them becomes ready (but a partial one behind a whole
  * one not yet stored, which is dropped). */
-void log_recs_settle(struct log_state *l, int64_t now)
+void log_recs_retire(struct log_state *l, int64_t now)
 {
     while (l->n_recs > 0) {
         struct fetch_rec *f = &l->recs[l->rec_head];
         if (f->pending > 0)
             break;
-        /* A partial claim does not replace a whole one not yet stored:
+        /* A partial checkpoint does not replace a whole one not yet stored:
          * that one covers the rows of every slot handed out before it. */
-        if (f->claim && f->about && l->has_ready && !l->ready_about && l->ready_seq > l->stored_seq)
-            rec_unclaim(f);
-        if (f->claim) {
+        if (f->checkpoint && f->about && l->has_ready && !l->ready_about &&
+            l->ready_seq > l->stored_seq)
+            rec_drop_checkpoint(f);
+        if (f->checkpoint) {
             if (!l->has_ready || l->ready_seq <= l->stored_seq)
                 l->ready_since = now;
             obx_free(l->ready_snap);
@@ -215,20 +216,20 @@ void log_recs_settle(struct log_state *l, int64_t now)
     }
 }
 
-/* The claims of fetch `seq` and of every later one no longer hold: a row of
+/* The checkpoints of fetch `seq` and of every later one no longer hold: a row of
  * that fetch is unsent again without being held. */
-void log_claims_drop_from(struct log_state *l, uint64_t seq)
+void log_checkpoints_drop_from(struct log_state *l, uint64_t seq)
 {
     for (uint64_t s = seq < l->head_seq ? l->head_seq : seq; s < l->head_seq + l->n_recs; s++) {
         struct fetch_rec *f = log_rec_of(l, s);
         if (!f)
             break;
-        rec_unclaim(f);
+        rec_drop_checkpoint(f);
     }
 }
 
 /* Whether row `id` is refused and held: the cursor rows leave it (and its
- * key's later rows) out, so the claims that count it as handed out hold. */
+ * key's later rows) out, so the checkpoints that count it as handed out hold. */
 static bool held_now(const struct log_state *l, int64_t id)
 {
     for (size_t i = 0; i < l->n_held; i++)
@@ -241,10 +242,10 @@ void log_settle(struct log_state *l, uint64_t seq, int64_t id, bool acked, int64
 {
     struct fetch_rec *f = log_rec_of(l, seq);
     if (!acked && !held_now(l, id))
-        log_claims_drop_from(l, seq);
+        log_checkpoints_drop_from(l, seq);
     if (f && f->pending > 0)
         f->pending--;
-    log_recs_settle(l, now);
+    log_recs_retire(l, now);
 }
 
 void log_fetch_sent(struct log_state *l)
@@ -257,7 +258,7 @@ void log_slots_taken(struct log_state *l, bool reload)
     if (reload)
         l->loaded = false;
     l->has_ready = false; /* log_write_build refuses writes until the reload */
-    log_claims_drop_from(l, 0);
+    log_checkpoints_drop_from(l, 0);
 }
 
 void log_others_seen(struct log_state *l, int64_t hwm)
@@ -293,7 +294,7 @@ static bool lifted_rule_of(const struct log_state *l, int64_t id)
     return false;
 }
 
-/* Whether a rule went on before the ready claim's fetch was sent: the next
+/* Whether a rule went on before the ready checkpoint's fetch was sent: the next
  * cursor row drops it, worth writing even if it covers no new row. */
 static bool rule_to_drop(const struct log_state *l)
 {
@@ -332,7 +333,7 @@ void log_hold(struct log_state *l, int64_t id, uint32_t topic, const char *key, 
             obx_error("relay: out of memory holding row %lld out of the cursor; stopping the "
                       "cursor until it is delivered",
                       (long long)id);
-            log_claims_drop_from(l, 0);
+            log_checkpoints_drop_from(l, 0);
             return;
         }
         l->held = g;
@@ -341,7 +342,7 @@ void log_hold(struct log_state *l, int64_t id, uint32_t topic, const char *key, 
     char *copy = NULL;
     if (key && !(copy = obx_malloc(key_len ? key_len : 1))) {
         obx_error("relay: out of memory holding row %lld out of the cursor", (long long)id);
-        log_claims_drop_from(l, 0);
+        log_checkpoints_drop_from(l, 0);
         return;
     }
     if (key)
@@ -356,7 +357,7 @@ void log_hold(struct log_state *l, int64_t id, uint32_t topic, const char *key, 
 }
 
 /* Row `id` went on (delivered, dead-lettered or gone): its key's rows may be
- * fetched, and the rule goes once a claim made after this is stored. */
+ * fetched, and the rule goes once a checkpoint made after this is stored. */
 void log_lift(struct log_state *l, int64_t id)
 {
     for (size_t i = 0; i < l->n_held; i++) {
@@ -387,11 +388,11 @@ bool log_take_found(struct log_state *l, int64_t id, struct found_row *out)
 }
 
 /* The session's log state starts again from what the next recovery pass
- * reads: claims, held keys, found rows and stored offsets are forgotten. */
+ * reads: checkpoints, held keys, found rows and stored offsets are forgotten. */
 void log_reset(struct log_state *l)
 {
     for (size_t i = 0; i < l->n_recs; i++)
-        rec_unclaim(&l->recs[(l->rec_head + i) % l->cap_recs]);
+        rec_drop_checkpoint(&l->recs[(l->rec_head + i) % l->cap_recs]);
     l->n_recs = 0;
     l->has_ready = false;
     ready_about_free(l);
@@ -412,7 +413,7 @@ void log_reset(struct log_state *l)
 /* The held keys and the rows of them published, in log.held_out and
  * log.also_out (`extra` more ids of room in also_out). false: no memory. */
 static bool log_held_out_room(struct log_state *l, const struct topics *topics, size_t extra,
-                              uint64_t claim_send)
+                              uint64_t checkpoint_send)
 {
     size_t n_also = extra + l->n_also;
     if (l->n_held > l->cap_held_out) {
@@ -433,8 +434,8 @@ static bool log_held_out_room(struct log_state *l, const struct topics *topics, 
     l->n_held_out = 0;
     for (size_t i = 0; i < l->n_held; i++) {
         const struct held_rule *h = &l->held[i];
-        if (h->lifted && claim_send > h->lift_send)
-            continue; /* the claim written with these covers its rows */
+        if (h->lifted && checkpoint_send > h->lift_send)
+            continue; /* the checkpoint written with these covers its rows */
         l->held_out[l->n_held_out++] =
             (struct obx_log_held){topics->name[h->topic], h->key, h->key_len, h->from_id};
     }
@@ -457,7 +458,7 @@ bool log_held_out(struct log_state *l, const struct topics *topics)
  * them is waiting already (or the relay drains): a row per 100 ms at most
  * when rows trickle in, a few hundred bytes of WAL each, and the one
  * connection is left to the fetches in between. What a row does not cover
- * yet keeps its slot, and a crash meanwhile costs the recovery pass a
+ * yet keeps its seat, and a crash meanwhile costs the recovery pass a
  * longer read of Kafka, nothing else. */
 #define LOG_WRITE_DELAY_MS 100
 /* How often a relay with slots stores its offsets with its cursor rows. */
@@ -497,8 +498,8 @@ static bool log_offsets_out(struct log_state *l, const struct log_view *v, uint6
         l->offs[i].below = INT64_MAX;
     }
     for (int i = 0; i < v->rows->cap; i++) {
-        const struct slot *s = &v->rows->slot[i];
-        if (s->orphan || (s->state != SLOT_ACKED && s->state != SLOT_MARKING) || s->offset < 0)
+        const struct seat *s = &v->rows->seat[i];
+        if (s->orphan || (s->state != SEAT_ACKED && s->state != SEAT_MARKING) || s->offset < 0)
             continue;
         struct log_offset *o = log_offset_of(l, s->topic, s->partition);
         if (!o)
@@ -530,9 +531,9 @@ static bool log_offsets_out(struct log_state *l, const struct log_view *v, uint6
     return true;
 }
 
-/* Whether the ready claim covers the row in flight in `s`: handed out up
- * to it, and of a slot a partial claim is about, at or below its hwm. */
-static bool ready_covers(const struct log_state *l, const struct slot *s)
+/* Whether the ready checkpoint covers the row in flight in `s`: handed out up
+ * to it, and of a slot a partial checkpoint is about, at or below its hwm. */
+static bool ready_covers(const struct log_state *l, const struct seat *s)
 {
     if (s->orphan || s->seq > l->ready_seq)
         return false;
@@ -540,15 +541,15 @@ static bool ready_covers(const struct log_state *l, const struct slot *s)
            (s->has_key_slot && l->ready_about[s->key_slot] && s->id <= l->ready_hwm);
 }
 
-/* A refused row to dead-letter that a partial claim's cursor row could
+/* A refused row to dead-letter that a partial checkpoint's cursor row could
  * cover without listing it (a row whose slot its fetch did not say): the
  * row would be published by the cursor and in neither Kafka nor
- * outbox.dead_letters. Such a row waits for a whole claim. */
+ * outbox.dead_letters. Such a row waits for a whole checkpoint. */
 static bool partial_leaves_dead(const struct log_state *l, const struct rows *rows)
 {
     for (int i = 0; l->ready_about && i < rows->cap; i++) {
-        const struct slot *s = &rows->slot[i];
-        if (s->state == SLOT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot &&
+        const struct seat *s = &rows->seat[i];
+        if (s->state == SEAT_DEAD && !s->orphan && s->seq <= l->ready_seq && !s->has_key_slot &&
             s->id <= l->ready_hwm)
             return true;
     }
@@ -556,15 +557,15 @@ static bool partial_leaves_dead(const struct log_state *l, const struct rows *ro
 }
 
 /* Acknowledged rows of held keys (and dead letters, done with too) that
- * the ready claim covers: published, though a rule leaves their key's rows
+ * the ready checkpoint covers: published, though a rule leaves their key's rows
  * out, so the cursor row lists them (l->also_out). A hash may match another
  * key: listing a row that is covered anyway changes nothing. False with no
  * memory. */
 static bool list_also_sent(struct log_state *l, const struct rows *rows)
 {
     for (int i = 0; i < rows->cap && l->n_held > 0; i++) {
-        const struct slot *s = &rows->slot[i];
-        if ((s->state != SLOT_ACKED && s->state != SLOT_DEAD) || !ready_covers(l, s))
+        const struct seat *s = &rows->seat[i];
+        if ((s->state != SEAT_ACKED && s->state != SEAT_DEAD) || !ready_covers(l, s))
             continue;
         struct also_row a = {s->id, s->log_hash, s->topic};
         if (!a.hash && !held_now(l, s->id) && !lifted_rule_of(l, s->id))
@@ -579,7 +580,7 @@ static bool list_also_sent(struct log_state *l, const struct rows *rows)
 }
 
 /* With slots, a relay whose slots have nothing acknowledged still stores
- * its claim this often once newer rows exist: the floor of every slot's
+ * its checkpoint this often once newer rows exist: the floor of every slot's
  * cursor (sql/009, outbox.log_floor) bounds what the reclaim of partitions,
  * the compaction of cursor rows and the reads of uncovered rows look at,
  * and a slot no relay writes for would hold it back for everyone. */
@@ -591,7 +592,7 @@ bool log_idle_write_due(const struct log_state *l, const struct log_view *v)
            l->ready_hwm > l->stored_hwm && v->now - l->stored_at >= LOG_IDLE_WRITE_MS;
 }
 
-bool log_ready_covers(const struct log_state *l, const struct slot *s)
+bool log_ready_covers(const struct log_state *l, const struct seat *s)
 {
     return ready_covers(l, s);
 }
@@ -604,7 +605,7 @@ bool log_write_build(struct log_state *l, const struct log_view *v, int64_t *dea
     bool idle = log_idle_write_due(l, v);
     if (!l->has_ready || l->ready_seq <= l->stored_seq || (l->ready_seq == l->looked_seq && !idle))
         return false;
-    /* Slots taken and the cursor rows about them not read yet: a claim
+    /* Slots taken and the cursor rows about them not read yet: a checkpoint
      * from before is not about them (see relay_owner.c, apply_owned). */
     if (owner_active(v->owner) && !l->loaded)
         return false;
@@ -613,16 +614,16 @@ bool log_write_build(struct log_state *l, const struct log_view *v, int64_t *dea
         return false;
     size_t n_cov = 0, n_dead = 0;
     for (int i = 0; i < v->rows->cap; i++) {
-        const struct slot *s = &v->rows->slot[i];
+        const struct seat *s = &v->rows->seat[i];
         if (!ready_covers(l, s))
             continue;
-        if (s->state == SLOT_ACKED)
+        if (s->state == SEAT_ACKED)
             n_cov++;
-        else if (s->state == SLOT_DEAD)
+        else if (s->state == SEAT_DEAD)
             dead_reasons[n_dead] = s->reason, dead_ids[n_dead++] = s->id;
     }
     if ((n_cov + n_dead == 0 && !rule_to_drop(l) && !idle) || partial_leaves_dead(l, v->rows)) {
-        l->looked_seq = l->ready_seq; /* nothing to store until the claim moves */
+        l->looked_seq = l->ready_seq; /* nothing to store until the checkpoint moves */
         return false;
     }
     if (!log_held_out_room(l, v->topics, n_cov + n_dead, l->ready_send) ||
@@ -634,7 +635,7 @@ bool log_write_build(struct log_state *l, const struct log_view *v, int64_t *dea
     /* With slots the offsets are rows of kafka_slot_offsets, one per slot
      * and partition, updated: once a second is enough (as mark mode's),
      * and at once before slots move or the relay stops. Not with a
-     * partial claim: acknowledged rows of the other slots may lie below
+     * partial checkpoint: acknowledged rows of the other slots may lie below
      * the offsets, which would be stored for its slots (left lower, they
      * cost the next recovery pass a longer read, nothing more). */
     l->offsets_in_write = !l->ready_about && (!owner_active(v->owner) || restart || v->draining ||
@@ -691,16 +692,17 @@ void log_write_sent(struct log_state *l, bool restart)
     l->restart_next = restart;
 }
 
-bool log_claim_due(const struct log_state *l)
+bool log_checkpoint_due(const struct log_state *l)
 {
     return l->has_ready && l->ready_seq > l->stored_seq && l->ready_seq != l->looked_seq;
 }
 
-/* The fetches that handed the rows out made no claim, or partial ones
+/* The fetches that handed the rows out made no checkpoint, or partial ones
  * about other slots: only a fetch that makes one can store them. */
-bool log_unclaimed(const struct log_state *l, const struct rows *rows)
+bool log_waits_checkpoint(const struct log_state *l, const struct rows *rows)
 {
-    return rows_to_mark(rows) > 0 && rows_in_use(rows) == rows_to_mark(rows) && !log_claim_due(l);
+    return rows_to_mark(rows) > 0 && rows_in_use(rows) == rows_to_mark(rows) &&
+           !log_checkpoint_due(l);
 }
 
 /* The cursor row in flight is stored, or may be: slot_hwm of its slots
@@ -713,7 +715,7 @@ static void raise_for_write(struct log_state *l, const struct log_view *v)
 }
 
 /* The cursor row in flight failed, and may have committed all the same
- * (its answer lost): later partial claims about its slots stay at or above
+ * (its answer lost): later partial checkpoints about its slots stay at or above
  * its hwm, as if it had. */
 void log_write_failed(struct log_state *l, const struct log_view *v)
 {
@@ -728,8 +730,8 @@ void log_write_done(struct log_state *l, const struct log_view *v)
     l->stored_seq = l->write_seq;
     l->stored_at = v->now;
     l->writes = l->restart_next ? 1 : l->writes + 1;
-    /* A partial claim's row is about some slots, below the stored hwm: the
-     * claims after it still start from the one before. It covers no held
+    /* A partial checkpoint's row is about some slots, below the stored hwm: the
+     * checkpoints after it still start from the one before. It covers no held
      * key of the other slots, and stored no offsets. */
     raise_for_write(l, v);
     if (l->write_partial)
@@ -745,7 +747,7 @@ void log_write_done(struct log_state *l, const struct log_view *v)
         l->offsets_due = v->now + LOG_SLOT_OFFSETS_MS;
     }
     /* A held key whose refused row went on before a fetch that the stored
-     * claim comes from (or an earlier one) is covered by that claim. */
+     * checkpoint comes from (or an earlier one) is covered by that checkpoint. */
     for (size_t i = 0; i < l->n_held;) {
         if (l->held[i].lifted && l->stored_send > l->held[i].lift_send) {
             rule_free(&l->held[i]);
@@ -775,7 +777,7 @@ static int compare_id(const void *a, const void *b)
 }
 
 /* The found rows (sorted by id) a fetch will take: each id once, and not
- * those of rows this session has in flight (a pass that settles a
+ * those of rows this session has in flight (a pass that resolves a
  * possibly-persisted report runs while rows are out: they are stored as
  * they are, and an entry for them would wait for a fetch that never comes,
  * holding their slots back, relay_owner.c). Returns how many are kept. */
@@ -784,8 +786,8 @@ static size_t keep_found(const struct rows *rows, struct found_row *found, size_
     size_t n_out = 0, kept = 0;
     int64_t *out = rows_in_use(rows) > 0 ? obx_calloc(rows_in_use(rows), sizeof(*out)) : NULL;
     for (int i = 0; out && i < rows->cap; i++)
-        if (rows->slot[i].state != SLOT_FREE && !rows->slot[i].orphan && n_out < rows_in_use(rows))
-            out[n_out++] = rows->slot[i].id;
+        if (rows->seat[i].state != SEAT_FREE && !rows->seat[i].orphan && n_out < rows_in_use(rows))
+            out[n_out++] = rows->seat[i].id;
     if (n_out > 1)
         qsort(out, n_out, sizeof(*out), compare_id);
     for (size_t i = 0; i < n; i++) {
@@ -850,7 +852,7 @@ int log_load(struct log_state *l, const struct log_view *v, const struct obx_log
     l->by_slot = owner_active(v->owner) || st->about_slots;
     if (owner_active(v->owner) && load_slot_hwm(l, v->shards, st) != 0)
         return -1;
-    l->stored_at = v->now - LOG_IDLE_WRITE_MS; /* a claim about the slots taken goes soon */
+    l->stored_at = v->now - LOG_IDLE_WRITE_MS; /* a checkpoint about the slots taken goes soon */
     if (l->by_slot && st->has_cursor && st->max_hwm > l->stored_hwm)
         l->stored_hwm = st->max_hwm; /* see cursor_advance */
     l->writes = 0;                   /* the next write empties the table when it is due */
@@ -870,7 +872,7 @@ int log_load(struct log_state *l, const struct log_view *v, const struct obx_log
         log_hold(l, h->from_id, held_topic[i], h->key, h->key_len);
         if (l->n_held == before)
             return -1;
-        /* Lifted at once: the first claim of this session (from a full
+        /* Lifted at once: the first checkpoint of this session (from a full
          * fetch, which reads the held rows) covers them. */
         l->held[before].lifted = true;
         l->held[before].lift_send = l->sends;

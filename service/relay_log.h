@@ -1,6 +1,6 @@
 /*
  * relay_log: log mode (relay.on_sent = log): the records of the fetches, the
- * claims they make, the held keys the cursor rows name, and the cursor row
+ * checkpoints they make, the held keys the cursor rows name, and the cursor row
  * itself. Its functions change struct log_state alone and read the rest of
  * the relay through a struct log_view that relay.c fills; relay.c sends
  * what they build.
@@ -22,28 +22,28 @@
  * row covers: every row with an id up to its hwm whose writer its snapshot
  * saw committed, but the rows of its held keys. The relay stores a cursor
  * row once every row handed out up to some fetch has been acknowledged:
- * that fetch's own cursor (hwm and snapshot) is then a true claim. So every
+ * that fetch's own cursor (hwm and snapshot) is then a true checkpoint. So every
  * fetch has a record: how many of its rows are still pending (with Kafka,
- * or parked), and its cursor if that made a claim (a fetch after which the
+ * or parked), and its cursor if that made a checkpoint (a fetch after which the
  * cursor did not hold makes none, and a row going back unsent takes the
- * claims of its fetch and the later ones away). The oldest records are
- * dropped as their rows settle, and the newest claim among them is `ready`:
- * the next cursor row stores it and frees the slots of the rows it covers.
- * Acknowledged rows of later fetches keep their slots until a later row.
+ * checkpoints of its fetch and the later ones away). The oldest records are
+ * dropped as their rows settle, and the newest checkpoint among them is `ready`:
+ * the next cursor row stores it and frees the seats of the rows it covers.
+ * Acknowledged rows of later fetches keep their seats until a later row.
  *
  * Refused rows and the rows of their keys behind them are `held`: the
- * cursor rows name them until a claim made after they went on is stored.
+ * cursor rows name them until a checkpoint made after they went on is stored.
  * Each partition's stored offset is where the recovery pass starts reading:
  * below the lowest offset of an acknowledged row a cursor row does not
  * cover yet, so the pass finds every record the cursor does not account for
  * (records of a partition are acknowledged in offset order). */
 struct fetch_rec {
     size_t pending;   /* rows handed out and not yet settled */
-    bool claim;       /* the cursor after this fetch holds */
+    bool checkpoint;  /* the cursor after this fetch is valid */
     uint64_t send_no; /* which fetch sent (for held keys going on) */
     int64_t hwm;
-    char *snap; /* owned when claim */
-    /* A partial claim (with slots, relay.c, cursor_advance): about these
+    char *snap; /* owned when checkpoint */
+    /* A partial checkpoint (with slots, relay.c, cursor_advance): about these
      * slots only ([set.shards], owned; NULL: every slot owned), and
      * "{1,5}" for the cursor row. */
     bool *about;
@@ -92,14 +92,14 @@ struct log_state {
     uint64_t sends;         /* fetches sent */
     uint64_t fetch_send_no; /* the fetch in flight's */
 
-    bool has_ready; /* the newest claim with nothing pending up to it */
+    bool has_ready; /* the newest checkpoint with nothing pending up to it */
     uint64_t ready_seq, ready_send;
     int64_t ready_hwm;
     char *ready_snap;
-    bool *ready_about; /* a partial claim's slots (owned; NULL: every slot owned) */
+    bool *ready_about; /* a partial checkpoint's slots (owned; NULL: every slot owned) */
     char *ready_about_text;
 
-    /* The stored cursor (loaded, or written by us). A partial claim's row
+    /* The stored cursor (loaded, or written by us). A partial checkpoint's row
      * moves stored_seq, stored_batch, stored_at and writes, and slot_hwm
      * for its slots; stored_send, stored_hwm and stored_snap stay the last
      * whole one's. */
@@ -110,7 +110,7 @@ struct log_state {
     char *stored_snap;
     uint64_t writes; /* since the table was last emptied */
 
-    uint64_t write_seq; /* the claim the write in flight stores */
+    uint64_t write_seq; /* the checkpoint the write in flight stores */
     uint64_t write_send;
     int64_t write_hwm;
     char *write_snap;
@@ -120,13 +120,13 @@ struct log_state {
     /* With slots: the highest hwm of the cursor rows about each slot
      * ([set.shards]; loaded with the cursor, raised by each row written or
      * perhaps written: a write that failed may have committed).
-     * A partial claim is about the slots where it, and every claim that
+     * A partial checkpoint is about the slots where it, and every checkpoint that
      * may yet be stored, is at or below its hwm, so no cursor row about a
      * slot covers less than the one before it. */
     int64_t *slot_hwm;
     bool partial_told;     /* logged since the cursor was loaded */
-    uint64_t looked_seq;   /* the ready claim last found to cover nothing */
-    int64_t ready_since;   /* when the ready claim last moved past the stored one */
+    uint64_t looked_seq;   /* the ready checkpoint last found to cover nothing */
+    int64_t ready_since;   /* when the ready checkpoint last moved past the stored one */
     int64_t stored_at;     /* when this relay last stored (or loaded) the cursor */
     int64_t others_hwm;    /* with slots: about the highest hwm of any cursor row */
     bool offsets_in_write; /* the write in flight stores the offsets */
@@ -164,25 +164,25 @@ struct log_view {
     int64_t now;
 };
 
-/* The records of the fetches and their claims. */
+/* The records of the fetches and their checkpoints. */
 struct fetch_rec *log_rec_of(struct log_state *l, uint64_t seq);
 /* A record for the fetch just answered; its seq, or 0 out of memory (then
  * the rows are not taken: see on_fetched). */
 uint64_t log_rec_push(struct log_state *l);
 /* A row of fetch `seq` was handed out; false if the fetch has no record. */
 bool log_rec_add_row(struct log_state *l, uint64_t seq);
-void log_rec_claim(struct log_state *l, uint64_t seq, int64_t hwm, const char *snap);
-void log_rec_claim_partial(struct log_state *l, const struct log_view *v, uint64_t seq, int64_t hwm,
-                           const char *snap);
-void log_recs_settle(struct log_state *l, int64_t now);
-void log_claims_drop_from(struct log_state *l, uint64_t seq);
+void log_rec_checkpoint(struct log_state *l, uint64_t seq, int64_t hwm, const char *snap);
+void log_rec_checkpoint_partial(struct log_state *l, const struct log_view *v, uint64_t seq,
+                                int64_t hwm, const char *snap);
+void log_recs_retire(struct log_state *l, int64_t now);
+void log_checkpoints_drop_from(struct log_state *l, uint64_t seq);
 /* A row of fetch `seq` no longer waits for Kafka: `acked` (acknowledged or
  * to be dead-lettered) or not (back unsent, or held). */
 void log_settle(struct log_state *l, uint64_t seq, int64_t id, bool acked, int64_t now);
 
 /* A fetch was sent (its held keys go on by the count of fetches). */
 void log_fetch_sent(struct log_state *l);
-/* Slots of relay.shards were taken: no claim made before is about them,
+/* Slots of relay.shards were taken: no checkpoint made before is about them,
  * and with `reload` the stored cursor is read again. */
 void log_slots_taken(struct log_state *l, bool reload);
 /* Another relay's cursor rows reach `hwm` (with slots). */
@@ -210,8 +210,8 @@ int log_load(struct log_state *l, const struct log_view *v, const struct obx_log
              const uint32_t *held_topic, const uint32_t *off_topic, const struct held_back *back,
              size_t n_back);
 
-/* A cursor row for the ready claim, covering the acknowledged rows of the
- * fetches up to it (a partial claim's: those of its slots up to its hwm),
+/* A cursor row for the ready checkpoint, covering the acknowledged rows of the
+ * fetches up to it (a partial checkpoint's: those of its slots up to its hwm),
  * and dead-lettering the refused ones among them (into dead_ids and
  * dead_reasons, relay.max_in_flight each; its offsets into *offs). True:
  * one is due, in *m (valid until the next call into relay_log.c); once it
@@ -221,16 +221,16 @@ bool log_write_build(struct log_state *l, const struct log_view *v, int64_t *dea
                      const char **dead_reasons, struct part_offsets *offs, struct obx_mark *m,
                      bool *restart);
 void log_write_sent(struct log_state *l, bool restart);
-bool log_ready_covers(const struct log_state *l, const struct slot *s);
+bool log_ready_covers(const struct log_state *l, const struct seat *s);
 /* The cursor row in flight committed; or failed, and may have committed. */
 void log_write_done(struct log_state *l, const struct log_view *v);
 void log_write_failed(struct log_state *l, const struct log_view *v);
 
-/* Every row in flight is acknowledged and no claim can store them. */
-bool log_unclaimed(const struct log_state *l, const struct rows *rows);
-/* The ready claim is newer than the stored one and not yet found to cover
+/* Every row in flight is acknowledged and no checkpoint can store them. */
+bool log_waits_checkpoint(const struct log_state *l, const struct rows *rows);
+/* The ready checkpoint is newer than the stored one and not yet found to cover
  * nothing. */
-bool log_claim_due(const struct log_state *l);
+bool log_checkpoint_due(const struct log_state *l);
 bool log_idle_write_due(const struct log_state *l, const struct log_view *v);
 
 #endif

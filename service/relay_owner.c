@@ -141,7 +141,7 @@ bool owner_hold_fetch(const struct owner *h, const struct owner_view *v)
     /* Log mode: acknowledged rows that no claim covers are stored only
      * after a fetch that makes one, so one goes (its rows are of every
      * slot owned, leaving ones too: see shards_texts). */
-    return (h->n_leaving > 0 || h->want_take) && !v->log_unclaimed && !v->found_pending;
+    return (h->n_leaving > 0 || h->want_take) && !v->log_waits_checkpoint && !v->found_pending;
 }
 
 /* Slots wait to be given back or taken: what is in flight should be stored
@@ -184,7 +184,7 @@ bool owner_claim_due(struct owner *h, const struct owner_view *v, int64_t now,
         h->take_again_at = now + TAKE_RETRY_MS;
         fx->want_fetch = "slots not taken now";
     }
-    /* Nothing of ours in flight or unmarked, no report left unsettled and
+    /* Nothing of ours in flight or unmarked, no report left unresolved and
      * the pass over our slots done: the slots go back clean (given_back),
      * and their next owner need not look for records of a last owner that
      * died before storing an offset (ours is a slot we took after such an

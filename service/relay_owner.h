@@ -13,11 +13,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The slots of relay.shards this relay owns. ("Slot" alone in this code is a row in flight: these
- * are `shard`.) A claim every CLAIM_EVERY_MS reads the members and this relay's share; a slot taken
- * is recovered before its rows are fetched; a surplus slot leaves the fetches at once and is given
- * back once nothing of this relay is in flight or unmarked (a quiet moment the relay makes by
- * fetching nothing meanwhile), so the next owner finds its rows marked or unsent. */
+/* The slots of relay.shards this relay owns (a row in flight has a seat: relay_rows.h). A claim
+ * every CLAIM_EVERY_MS reads the members and this relay's share; a slot taken is recovered before
+ * its rows are fetched; a surplus slot leaves the fetches at once and is given back once nothing of
+ * this relay is in flight or unmarked (a quiet moment the relay makes by fetching nothing
+ * meanwhile), so the next owner finds its rows marked or unsent. */
 struct owner {
     int shards;    /* relay.shards */
     bool log_mode; /* relay.on_sent = log */
@@ -49,10 +49,10 @@ struct owner {
 
 /* What the owner reads of the relay, filled by relay.c for each call. */
 struct owner_view {
-    bool quiet;         /* nothing of ours in flight, unmarked or unstored, no report unsettled */
+    bool quiet;         /* nothing of ours in flight, unmarked or unstored, no report unresolved */
     bool recovered;     /* the recovery pass over the slots owned is done */
     bool found_pending; /* log mode: records the last pass found wait to be stored */
-    bool log_unclaimed; /* log mode: what is acknowledged waits for a fetch's claim */
+    bool log_waits_checkpoint; /* log mode: what is acknowledged waits for a fetch's checkpoint */
     bool draining;
     bool can_claim; /* the ops have a claim */
     enum obx_relay_state state;

@@ -5,70 +5,70 @@
 
 #include <string.h>
 
-static const char *const state_names[SLOT_STATES] = {"free", "produced",     "acked", "marking",
+static const char *const state_names[SEAT_STATES] = {"free", "produced",     "acked", "marking",
                                                      "dead", "dead_marking", "parked"};
 
-static const char *rows_state_name(enum slot_state s)
+static const char *rows_state_name(enum seat_state s)
 {
-    return (unsigned)s < SLOT_STATES ? state_names[s] : "?";
+    return (unsigned)s < SEAT_STATES ? state_names[s] : "?";
 }
 
 /* Which moves are possible: allowed[from] is a bit set of destinations.
- * Every slot in use may go back to FREE (marked, or back unsent); that is
+ * Every seat in use may go back to FREE (marked, or back unsent); that is
  * rows_release(), not a move. */
 #define BIT(s) (1u << (s))
-static const unsigned allowed[SLOT_STATES] = {
-    [SLOT_FREE] = 0, /* rows_take() */
-    [SLOT_PRODUCED] = BIT(SLOT_ACKED) | BIT(SLOT_DEAD) | BIT(SLOT_PARKED),
-    [SLOT_ACKED] = BIT(SLOT_MARKING),
-    [SLOT_MARKING] = BIT(SLOT_ACKED),
-    [SLOT_DEAD] = BIT(SLOT_DEAD_MARKING),
-    [SLOT_DEAD_MARKING] = BIT(SLOT_DEAD),
-    [SLOT_PARKED] = BIT(SLOT_PRODUCED) | BIT(SLOT_DEAD),
+static const unsigned allowed[SEAT_STATES] = {
+    [SEAT_FREE] = 0, /* rows_take() */
+    [SEAT_PRODUCED] = BIT(SEAT_ACKED) | BIT(SEAT_DEAD) | BIT(SEAT_PARKED),
+    [SEAT_ACKED] = BIT(SEAT_MARKING),
+    [SEAT_MARKING] = BIT(SEAT_ACKED),
+    [SEAT_DEAD] = BIT(SEAT_DEAD_MARKING),
+    [SEAT_DEAD_MARKING] = BIT(SEAT_DEAD),
+    [SEAT_PARKED] = BIT(SEAT_PRODUCED) | BIT(SEAT_DEAD),
 };
 
 int rows_init(struct rows *rs, int32_t cap)
 {
     memset(rs, 0, sizeof(*rs));
-    rs->slot = obx_calloc((size_t)cap, sizeof(*rs->slot));
-    if (!rs->slot)
+    rs->seat = obx_calloc((size_t)cap, sizeof(*rs->seat));
+    if (!rs->seat)
         return -1;
     rs->cap = cap;
     for (int32_t i = 0; i < cap; i++)
-        rs->slot[i].next_free = i + 1 < cap ? i + 1 : -1;
+        rs->seat[i].next_free = i + 1 < cap ? i + 1 : -1;
     rs->free_head = cap > 0 ? 0 : -1;
-    rs->count[SLOT_FREE] = (size_t)cap;
+    rs->count[SEAT_FREE] = (size_t)cap;
     return 0;
 }
 
 void rows_free(struct rows *rs)
 {
-    for (int32_t i = 0; rs->slot && i < rs->cap; i++) {
-        obx_free(rs->slot[i].reason);
-        obx_free(rs->slot[i].parked);
+    for (int32_t i = 0; rs->seat && i < rs->cap; i++) {
+        obx_free(rs->seat[i].reason);
+        obx_free(rs->seat[i].parked);
     }
-    obx_free(rs->slot);
+    obx_free(rs->seat);
     memset(rs, 0, sizeof(*rs));
 }
 
-struct slot *rows_take(struct rows *rs, int64_t id, uint32_t topic)
+struct seat *rows_take(struct rows *rs, int64_t id, uint32_t topic)
 {
     if (rs->free_head < 0)
         return NULL;
-    struct slot *s = &rs->slot[rs->free_head];
+    struct seat *s = &rs->seat[rs->free_head];
     rs->free_head = s->next_free;
-    *s = (struct slot){.id = id,
+    *s = (struct seat){.id = id,
                        .topic = topic,
                        .partition = -1,
                        .offset = -1,
-                       .state = SLOT_PRODUCED,
+                       .state = SEAT_PRODUCED,
                        .next_free = -1};
-    rs->count[SLOT_FREE]--;
-    rs->count[SLOT_PRODUCED]++;
+    rs->count[SEAT_FREE]--;
+    rs->count[SEAT_PRODUCED]++;
     return s;
 }
 
-void rows_move(struct rows *rs, struct slot *s, enum slot_state to)
+void rows_move(struct rows *rs, struct seat *s, enum seat_state to)
 {
     if (!(allowed[s->state] & BIT(to))) {
         OBX_BUG("relay: refused move of row %lld from %s to %s", (long long)s->id,
@@ -80,17 +80,17 @@ void rows_move(struct rows *rs, struct slot *s, enum slot_state to)
     s->state = to;
 }
 
-void rows_move_all(struct rows *rs, enum slot_state from, enum slot_state to)
+void rows_move_all(struct rows *rs, enum seat_state from, enum seat_state to)
 {
     for (int32_t i = 0; i < rs->cap && rs->count[from] > 0; i++)
-        if (rs->slot[i].state == from)
-            rows_move(rs, &rs->slot[i], to);
+        if (rs->seat[i].state == from)
+            rows_move(rs, &rs->seat[i], to);
 }
 
-void rows_release(struct rows *rs, struct slot *s)
+void rows_release(struct rows *rs, struct seat *s)
 {
-    if (s->state == SLOT_FREE) {
-        OBX_BUG("relay: row slot %d released twice", (int)rows_index(rs, s));
+    if (s->state == SEAT_FREE) {
+        OBX_BUG("relay: seat %d released twice", (int)rows_index(rs, s));
         return;
     }
     if (s->orphan)
@@ -98,12 +98,12 @@ void rows_release(struct rows *rs, struct slot *s)
     obx_free(s->reason);
     obx_free(s->parked);
     rs->count[s->state]--;
-    rs->count[SLOT_FREE]++;
-    *s = (struct slot){.state = SLOT_FREE, .next_free = rs->free_head};
+    rs->count[SEAT_FREE]++;
+    *s = (struct seat){.state = SEAT_FREE, .next_free = rs->free_head};
     rs->free_head = rows_index(rs, s);
 }
 
-void rows_orphan(struct rows *rs, struct slot *s)
+void rows_orphan(struct rows *rs, struct seat *s)
 {
     if (!s->orphan) {
         s->orphan = true;

@@ -337,7 +337,7 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
 
 /* clang-format off */
 /* Log mode's full fetch when cursor rows are about slots (relays with
- * relay.shards above 1, or a relay alone after them): each row is tested
+ * relay.shards above 1, or a single relay after them): each row is tested
  * against the newest cursor row about its own slot (COVERED), and only
  * rows that may fail the test are read: from the floor of the relay's
  * slots' cursors (outbox.log_floor: the lowest hwm, a snapshot that saw
@@ -347,7 +347,7 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
  * overlap, and each gives its lowest ids first: the answer is the lowest
  * $1 uncovered rows not in flight, as the other full fetches. Parameters
  * as the full fetch of mark mode ($1 limit, $2..$4 held back, $5 most
- * payload bytes, $6 shards, $7 slots); a relay alone passes no slots, and
+ * payload bytes, $6 shards, $7 slots); a single relay passes no slots, and
  * its floor is over the slots of the newest row. The floor's values are
  * bounds of index scans as scalar subqueries: joined as a table, the
  * planner read every row of the outbox in index order and tested each
@@ -498,7 +498,7 @@ const char *obx_store_sql_log_recover(void)
 }
 
 /* Each partition's highest acknowledged offset, for crash recovery; never
- * moves back. A relay alone stores it in outbox.kafka_offsets, a relay
+ * moves back. A single relay stores it in outbox.kafka_offsets, a relay
  * with relay.shards above 1 for each slot it owns in
  * outbox.kafka_slot_offsets; `offsets` counts both. The $N of its
  * parameters: 1 relay.shards, 2..4 enum obx_offsets_param, 5 the slots
@@ -664,20 +664,20 @@ const char *obx_store_sql_recover(int on_sent, char *buf, size_t len)
 
 /* clang-format off */
 /* The stored offsets that bound the unmarked records of the pass's rows ($1
- * relay.shards, $2 its slots; NULL: a relay alone, every row), per
+ * relay.shards, $2 its slots; NULL: a single relay, every row), per
  * partition, each table read once by its primary key:
  * - a relay with slots, each of which stored its own offset there: the
  *   lowest of those (each slot's first owner stored one only after its own
  *   pass, which read from the offsets of the time before);
- * - one of its slots without its own: also a relay alone's offset and those
+ * - one of its slots without its own: also a single relay's offset and those
  *   stored under another relay.shards;
- * - a relay alone: its own, and those of slots stored since it last stored
+ * - a single relay: its own, and those of slots stored since it last stored
  *   that partition (or wrote a cursor row, in log mode): relays with slots
  *   ran after it;
  * - and the partition is read from its start (left out here) if a slot
  *   that may have published there has no offset of its own: one whose
  *   owner before the relay running the pass did not give it back cleanly,
- *   or (for a relay alone) one owned since it last stored: that owner may
+ *   or (for a single relay) one owned since it last stored: that owner may
  *   have died before storing any.
  * The higher of that and log mode's cursor rows, as LOG_OFFSETS. */
 #define PLAN_OFFSETS                                                                               \
@@ -811,7 +811,7 @@ const char *obx_store_sql_backlog_log(void)
  * above 1 by_slot: "slot rows oldest-ms" for each slot with unsent rows,
  * comma-separated in slot order (NULL when none, or $3 is 1); a slot's
  * oldest is its earliest created_at, where oldest_seconds is the lowest
- * id's. The slot is computed only with $3 above 1: a relay alone keeps
+ * id's. The slot is computed only with $3 above 1: a single relay keeps
  * nothing more per unsent row. */
 #define SLOT_IF_SHARDED " CASE WHEN $3::int > 1 THEN outbox.slot_of(key, id, $3::int) END AS slot"
 /* clang-format off */

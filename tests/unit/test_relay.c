@@ -111,7 +111,7 @@ static void test_exclusion_and_backpressure(void **state)
     obx_relay_tick(c->r, 5000);
     assert_int_equal(c->f.fetches, 2); /* full: no fetch while 6 are in flight */
 
-    ack(c, 0, true, 10); /* mark id 1, then a slot frees */
+    ack(c, 0, true, 10); /* mark id 1, then a seat frees */
     obx_relay_on_marked(c->r, 11);
     look(c, 12);
     assert_int_equal(c->f.fetches, 3);

@@ -1,6 +1,6 @@
 /*
  * Unit tests of the relay in log mode (relay_log.c): the cursor rows,
- * their claims, held rows across sessions, partial claims with slots.
+ * their checkpoints, held rows across sessions, partial checkpoints with slots.
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -58,10 +58,10 @@ static void test_log_cursor_waits_for_earlier_fetch(void **state)
     assert_int_equal(obx_relay_marked_total(c->r), 6);
 }
 
-/* A row that goes back unsent (the Kafka queue was full) takes the claims
+/* A row that goes back unsent (the Kafka queue was full) takes the checkpoints
  * of its fetch and of the fetches after it: no cursor row covers it until
  * it was handed out again and acknowledged. */
-static void test_log_release_drops_claims(void **state)
+static void test_log_release_drops_checkpoints(void **state)
 {
     struct ctx *c = *state;
     struct obx_log_state none = {0};
@@ -74,7 +74,7 @@ static void test_log_release_drops_claims(void **state)
     ack(c, 1, true, 2);
     fetched(c, 5, 0, 3); /* the fetch sent before the queue filled up: ignored */
     obx_relay_tick(c->r, 1000);
-    assert_int_equal(c->f.marks, 0); /* the fetch's claim went with rows 3 and 4 */
+    assert_int_equal(c->f.marks, 0); /* the fetch's checkpoint went with rows 3 and 4 */
     until_fetching(c, 1001);
     assert_false(c->f.keyset); /* a full fetch, leaving out what is in flight */
     assert_true(excluded(c, 1) && excluded(c, 2));
@@ -170,7 +170,7 @@ static void test_log_held_row_outlives_the_session(void **state)
 }
 
 /* Log mode: a row of a refused batch is out alone when the session ends;
- * its report comes for an orphaned slot. That ends the try: the relay
+ * its report comes for an orphaned seat. That ends the try: the relay
  * fetches again after the next recovery pass (chaos seed 747685443 found
  * it waiting for that try for ever, every row unsent). */
 static void test_log_alone_try_ends_with_the_session(void **state)
@@ -233,11 +233,11 @@ static void test_log_retried_rows_orphaned_come_back(void **state)
 /* ---- relay.shards ---- */
 
 /* Log mode with slots, slots 2 and 3 far behind the stored hwm (taken from
- * a relay that stopped): a full fetch cut below it makes a partial claim,
+ * a relay that stopped): a full fetch cut below it makes a partial checkpoint,
  * about the slots whose cursor rows are at or below its hwm. Its cursor row
  * is about them only, stores no offsets and covers only their rows; a
- * late row of slot 0 waits for a whole claim, which the next fetch makes. */
-static void test_log_partial_claim(void **state)
+ * late row of slot 0 waits for a whole checkpoint, which the next fetch makes. */
+static void test_log_partial_checkpoint(void **state)
 {
     struct ctx *c = *state;
     struct obx_relay_settings log = settings;
@@ -279,7 +279,7 @@ static void test_log_partial_claim(void **state)
     obx_relay_on_marked(c->r, 5);
     assert_int_equal(obx_relay_in_flight(c->r), 1); /* row 13 */
     assert_int_equal(obx_relay_marked_total(c->r), 5);
-    /* The next full fetch finds nothing more: a whole claim at the stored
+    /* The next full fetch finds nothing more: a whole checkpoint at the stored
      * hwm, about every slot, covers row 13. */
     for (int64_t t = 6; t < 400 && obx_relay_state(c->r) != OBX_RELAY_FETCHING; t += 50) {
         obx_relay_tick(c->r, t);
@@ -308,11 +308,11 @@ static void test_log_partial_claim(void **state)
 
 #define TESTS(X)                                                                                   \
     X(test_log_cursor_waits_for_earlier_fetch)                                                     \
-    X(test_log_release_drops_claims)                                                               \
+    X(test_log_release_drops_checkpoints)                                                               \
     X(test_log_restart_from_stored_cursor)                                                         \
     X(test_log_held_row_outlives_the_session)                                                      \
     X(test_log_alone_try_ends_with_the_session)                                                    \
     X(test_log_retried_rows_orphaned_come_back)                                                    \
-    X(test_log_partial_claim)
+    X(test_log_partial_checkpoint)
 
 OBX_FIXTURE_MAIN(TESTS)

@@ -1,6 +1,6 @@
 /*
- * Unit tests of relay_rows, the rows in flight: slots, the free list, and
- * the count of every state kept by the one function that moves a slot;
+ * Unit tests of relay_rows, the rows in flight: seats, the free list, and
+ * the count of every state kept by the one function that moves a seat;
  * the topic names and the partitions' offsets beside them.
  */
 #include <stdarg.h>
@@ -16,15 +16,15 @@
 #include <stdio.h>
 #include <string.h>
 
-/* The counts agree with the slots' states. */
+/* The counts agree with the seats' states. */
 static void assert_counts(const struct rows *rs)
 {
-    size_t seen[SLOT_STATES] = {0}, orphans = 0;
+    size_t seen[SEAT_STATES] = {0}, orphans = 0;
     for (int32_t i = 0; i < rs->cap; i++) {
-        seen[rs->slot[i].state]++;
-        orphans += rs->slot[i].orphan;
+        seen[rs->seat[i].state]++;
+        orphans += rs->seat[i].orphan;
     }
-    for (int k = 0; k < SLOT_STATES; k++)
+    for (int k = 0; k < SEAT_STATES; k++)
         assert_int_equal(seen[k], rs->count[k]);
     assert_int_equal(orphans, rs->orphans);
 }
@@ -35,7 +35,7 @@ static void test_take_until_full(void **state)
     struct rows rs;
     assert_int_equal(rows_init(&rs, 3), 0);
     assert_int_equal(rows_in_use(&rs), 0);
-    struct slot *a = rows_take(&rs, 10, 0), *b = rows_take(&rs, 11, 1), *c = rows_take(&rs, 12, 0);
+    struct seat *a = rows_take(&rs, 10, 0), *b = rows_take(&rs, 11, 1), *c = rows_take(&rs, 12, 0);
     assert_non_null(a);
     assert_non_null(b);
     assert_non_null(c);
@@ -45,13 +45,13 @@ static void test_take_until_full(void **state)
     assert_int_equal(b->topic, 1);
     assert_int_equal(b->partition, -1);
     assert_int_equal(b->offset, -1);
-    assert_int_equal(b->state, SLOT_PRODUCED);
+    assert_int_equal(b->state, SEAT_PRODUCED);
     assert_counts(&rs);
     rows_release(&rs, b);
-    assert_int_equal(b->state, SLOT_FREE);
+    assert_int_equal(b->state, SEAT_FREE);
     assert_int_equal(rows_in_use(&rs), 2);
-    struct slot *d = rows_take(&rs, 14, 0);
-    assert_ptr_equal(d, b); /* the slot freed last is taken first */
+    struct seat *d = rows_take(&rs, 14, 0);
+    assert_ptr_equal(d, b); /* the seat freed last is taken first */
     assert_int_equal(d->id, 14);
     assert_counts(&rs);
     rows_free(&rs);
@@ -63,25 +63,25 @@ static void test_mark_cycle(void **state)
     (void)state;
     struct rows rs;
     assert_int_equal(rows_init(&rs, 4), 0);
-    struct slot *a = rows_take(&rs, 1, 0), *b = rows_take(&rs, 2, 0), *c = rows_take(&rs, 3, 0);
-    rows_move(&rs, a, SLOT_ACKED);
-    rows_move(&rs, b, SLOT_DEAD);
+    struct seat *a = rows_take(&rs, 1, 0), *b = rows_take(&rs, 2, 0), *c = rows_take(&rs, 3, 0);
+    rows_move(&rs, a, SEAT_ACKED);
+    rows_move(&rs, b, SEAT_DEAD);
     b->reason = obx_strdup("refused");
     assert_int_equal(rows_to_mark(&rs), 2);
-    rows_move_all(&rs, SLOT_ACKED, SLOT_MARKING);
-    rows_move_all(&rs, SLOT_DEAD, SLOT_DEAD_MARKING);
+    rows_move_all(&rs, SEAT_ACKED, SEAT_MARKING);
+    rows_move_all(&rs, SEAT_DEAD, SEAT_DEAD_MARKING);
     assert_int_equal(rows_to_mark(&rs), 0);
-    assert_int_equal(a->state, SLOT_MARKING);
-    assert_int_equal(b->state, SLOT_DEAD_MARKING);
-    assert_int_equal(c->state, SLOT_PRODUCED); /* not in the mark */
+    assert_int_equal(a->state, SEAT_MARKING);
+    assert_int_equal(b->state, SEAT_DEAD_MARKING);
+    assert_int_equal(c->state, SEAT_PRODUCED); /* not in the mark */
     assert_counts(&rs);
-    rows_move_all(&rs, SLOT_MARKING, SLOT_ACKED); /* the mark failed */
-    rows_move_all(&rs, SLOT_DEAD_MARKING, SLOT_DEAD);
+    rows_move_all(&rs, SEAT_MARKING, SEAT_ACKED); /* the mark failed */
+    rows_move_all(&rs, SEAT_DEAD_MARKING, SEAT_DEAD);
     assert_int_equal(rows_to_mark(&rs), 2);
     assert_string_equal(b->reason, "refused");
-    rows_move_all(&rs, SLOT_ACKED, SLOT_MARKING);
-    rows_move_all(&rs, SLOT_DEAD, SLOT_DEAD_MARKING);
-    rows_release(&rs, a); /* the mark committed: the reason is freed with the slot */
+    rows_move_all(&rs, SEAT_ACKED, SEAT_MARKING);
+    rows_move_all(&rs, SEAT_DEAD, SEAT_DEAD_MARKING);
+    rows_release(&rs, a); /* the mark committed: the reason is freed with the seat */
     rows_release(&rs, b);
     assert_null(b->reason);
     assert_int_equal(rows_in_use(&rs), 1);
@@ -94,10 +94,10 @@ static void test_parked_and_orphans(void **state)
     (void)state;
     struct rows rs;
     assert_int_equal(rows_init(&rs, 2), 0);
-    struct slot *a = rows_take(&rs, 1, 0), *b = rows_take(&rs, 2, 0);
-    rows_move(&rs, b, SLOT_PARKED);
+    struct seat *a = rows_take(&rs, 1, 0), *b = rows_take(&rs, 2, 0);
+    rows_move(&rs, b, SEAT_PARKED);
     b->parked = obx_malloc(16);
-    assert_int_equal(rs.count[SLOT_PARKED], 1);
+    assert_int_equal(rs.count[SEAT_PARKED], 1);
     rows_orphan(&rs, a);
     rows_orphan(&rs, a); /* counted once */
     assert_int_equal(rs.orphans, 1);
@@ -105,7 +105,7 @@ static void test_parked_and_orphans(void **state)
     rows_release(&rs, a);
     assert_int_equal(rs.orphans, 0);
     assert_false(a->orphan);
-    rows_move(&rs, b, SLOT_PRODUCED); /* its key is free: it goes */
+    rows_move(&rs, b, SEAT_PRODUCED); /* its key is free: it goes */
     assert_counts(&rs);
     rows_free(&rs); /* frees b's parked copy */
 }
