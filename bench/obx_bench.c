@@ -68,7 +68,7 @@
  *    rounds of the bare producer's latency at 1,000 rows/s and outboxd's.
  * OBX_BENCH_SHARDS=ROUNDS (--rows N) [OBX_BENCH_SHARDS_MODE=mark|delete|log]
  *    Several active relays (relay.shards, mark mode by default): the drain of N rows
- *    by one relay alone (relay.shards = 1), and by 1, 2 and 4 relays
+ *    by a single relay (relay.shards = 1), and by 1, 2 and 4 relays
  *    sharing 8 slots, in a rotating order each round; the median rate and
  *    machine CPU per row of each over ROUNDS rounds. Then 20 handovers
  *    under a writer (2 relays; one leaves by SIGTERM and comes back, ten
@@ -1058,7 +1058,7 @@ struct shard_result {
     double machine_us, backends_us, relays_us; /* CPU per row: all, Postgres, outboxd */
 };
 
-/* N rows drained by n relays sharing `shards` slots (1: one relay alone). */
+/* N rows drained by n relays sharing `shards` slots (1: a single relay). */
 static void shard_drain(const struct opts *o, int n, int shards, struct shard_result *res)
 {
     PGconn *c = connect_db(o);
@@ -1184,7 +1184,7 @@ static void shard_table(const struct opts *o, int rounds)
                     d.relays_us);
         }
     }
-    printf("%s mode\n\n| relays | relay.shards | drain (median of %d) | vs one relay alone | "
+    printf("%s mode\n\n| relays | relay.shards | drain (median of %d) | vs a single relay | "
            "machine CPU per row | its relays' backends | outboxd processes |\n"
            "| --- | --- | --- | --- | --- | --- | --- |\n",
            mode_name(shard_on_sent), rounds);

@@ -566,7 +566,7 @@ static int start(struct app *a)
     rs.max_payload = obx_kafka_max_message_bytes(a->kafka);
     rs.one_per_key = obx_kafka_message_timeout_ms(a->kafka) != 0;
     if (obx_relay_new(&rs, &relay_ops, a, a->kafka, &a->relay) != 0) {
-        obx_error("out of memory allocating %d in-flight slots", a->cfg.max_in_flight);
+        obx_error("out of memory allocating %d seats for rows in flight", a->cfg.max_in_flight);
         close_parts(a);
         return EXIT_RUNTIME;
     }

@@ -658,7 +658,7 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
                       "postgres: another outboxd is relaying this outbox (it holds the relay lock "
                       "in %s%s); standing by, trying the lock every %dms",
                       pg->target,
-                      pg->shards > 1 ? " alone, with relay.shards = 1"
+                      pg->shards > 1 ? " as a single relay, with relay.shards = 1"
                                      : ", or relays with relay.shards above 1 share it",
                       OBX_PG_STANDBY_POLL_MS);
         pg->standby_logged = true;

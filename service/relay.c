@@ -467,7 +467,7 @@ static void fetch_sent(struct obx_relay *r, const struct obx_fetch *f, int64_t n
     r->cur.fetch_limit = f->limit;
     r->cur.fetch_max_ex = max_ex;
     r->cur.fetch_sent_at = now;
-    /* As the full fetch's held-back keys say, for the entries drop_settled
+    /* As the full fetch's held-back keys say, for the entries held_drop_gone
      * looks at (a keyset fetch drops none). */
     for (size_t i = 0; i < r->held.n && !f->keyset; i++) {
         struct held_back *e = &r->held.entry[i];
@@ -713,7 +713,7 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
     log_others_seen(&r->log, c->cursor_hwm);
     owner_apply(r, &fx);
     if (rows_in_use(&r->rows) == 0)
-        relay_progress(r, now); /* nothing waits: a relay with no slot is not stalled */
+        relay_progress(r, now); /* nothing in flight waits: not stalled */
     relay_kick(r, now);
 }
 
@@ -866,19 +866,21 @@ int obx_relay_on_log_state(struct obx_relay *r, const struct obx_log_state *st)
     log_found_set(&r->log, &r->rows, found, st->n_found);
     if (r->log.loaded)
         return 0; /* the cursor is this session's own */
-    /* The topics of the held keys, then of the offsets, as indexes. */
-    size_t n = st->n_held + st->n_off;
-    uint32_t *topic = n > 0 ? obx_calloc(n, sizeof(*topic)) : NULL;
-    int rc = n > 0 && !topic ? -1 : 0;
-    for (size_t i = 0; rc == 0 && i < n; i++) {
-        int64_t t = topics_index(&r->topics, i < st->n_held ? st->held[i].topic
-                                                            : st->off_topics[i - st->n_held]);
+    /* The topics of the held keys, then of the offsets log_load reads, as
+     * indexes. */
+    struct log_view v = log_view_of(r);
+    size_t n_held, n_off;
+    log_load_reads(&v, st, &n_held, &n_off);
+    uint32_t *topic = n_held + n_off > 0 ? obx_calloc(n_held + n_off, sizeof(*topic)) : NULL;
+    int rc = n_held + n_off > 0 && !topic ? -1 : 0;
+    for (size_t i = 0; rc == 0 && i < n_held + n_off; i++) {
+        int64_t t =
+            topics_index(&r->topics, i < n_held ? st->held[i].topic : st->off_topics[i - n_held]);
         rc = t < 0 ? -1 : 0;
         topic[i] = (uint32_t)t;
     }
-    struct log_view v = log_view_of(r);
     if (rc == 0)
-        rc = log_load(&r->log, &v, st, topic, topic ? topic + st->n_held : NULL, r->held.entry,
+        rc = log_load(&r->log, &v, st, topic, topic ? topic + n_held : NULL, r->held.entry,
                       r->held.n);
     obx_free(topic);
     return rc;
@@ -932,7 +934,8 @@ static bool keep_snapshot(struct obx_relay *r, const char *snapshot)
 
 /* The fetch in flight brought `n` rows in id order, of which the first
  * `n_take` were taken (the rest are left: see withheld()). Moves the cursor
- * on, or clears it when the rows taken do not cover everything the fetch returned. */
+ * on, or clears it when it cannot be valid after this fetch (rows not
+ * taken, a cut fetch below the stored hwm, a snapshot it cannot keep). */
 static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size_t n, size_t n_take,
                            const char *snapshot)
 {
@@ -955,7 +958,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
             r->cur.hwm = r->cur.fetch_max_ex;
     } else {
         /* Rows above `last` were not looked at: only a cursor at `last`
-         * holds, and only if nothing in flight or waiting lies above it. */
+         * is valid, and only if nothing in flight or waiting lies above it. */
         ok = n_take > 0 && last >= r->cur.fetch_max_ex;
         if (ok)
             r->cur.hwm = last;
@@ -975,7 +978,7 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     /* Log mode: the stored cursor covers everything up to its hwm that its
      * snapshot saw, and the keyset fetch would read those rows again from
      * a lower hwm. A full fetch that every uncovered row came back from may
-     * take the stored hwm; one cut below it holds no cursor (the next one
+     * take the stored hwm; one cut below it leaves no valid cursor (the next one
      * is a full fetch again). With slots it makes a partial checkpoint: about
      * the owned slots whose cursor rows are all at or below its hwm (a slot
      * taken far behind the others, relay_log.c). */
@@ -1280,7 +1283,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     r->cur.caught_up = n < (size_t)r->cur.fetch_limit;
     schedule_look(r, n, now);
     size_t taken = take_seats(r, rows, n_take, seq);
-    /* Rows fetched and not taken: the checkpoint above does not hold. */
+    /* Rows fetched and not taken: the checkpoint above is not valid. */
     if (seq && r->cur.gen != gen_at_checkpoint)
         log_checkpoints_drop_from(&r->log, seq);
     /* A full batch means more rows are likely waiting (a batch of
@@ -1290,7 +1293,8 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
     if (r->set.log_mode)
-        log_recs_retire(&r->log, r->now); /* a fetch that handed nothing out leaves at once */
+        log_recs_retire(&r->log,
+                        r->now); /* the record of a fetch that handed nothing out retires */
     if (produced > 0 && relay_failpoint(r, OBX_FP_PRODUCE_AFTER) != 0)
         r->not_before = now + r->set.retry_backoff_ms; /* as after a Kafka hiccup: pause */
     obx_debug("relay: fetched %zu rows, produced %zu, in flight %zu", n, produced,

@@ -66,9 +66,9 @@ struct cursor {
     int64_t fetch_after;        /* ... above this id */
     int fetch_limit;            /* its row limit */
     int64_t fetch_max_ex;       /* full fetch: the highest id it excluded */
-    bool fetch_partial;         /* log mode: the fetch answered makes a partial claim at hwm */
+    bool fetch_partial;         /* log mode: the fetch answered makes a partial checkpoint at hwm */
     int bytes_limit;            /* most rows relay.fetch_max_bytes allows for now */
-    enum fetch_ride fetch_ride; /* it goes alone (FETCHING) or with the mark (MARKING) */
+    enum fetch_ride fetch_ride; /* it goes on its own (FETCHING) or with the mark (MARKING) */
     bool caught_up;             /* the last fetch found fewer rows than it asked for */
     int64_t fetch_alone; /* the fetch in flight is a full one sent when this row was due to be tried
                           * alone (NO_ID: none) */

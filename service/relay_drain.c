@@ -34,7 +34,7 @@ bool drain_over(const struct drain_view *v, int64_t now)
      * pass finds these rows, from offsets no mark has moved. */
     if (v->uncertain && v->in_use == v->to_mark)
         return true;
-    /* Log mode: every report is in and no claim is left to store (the last
+    /* Log mode: every report is in and no checkpoint is left to store (the last
      * fetches made none, a row went back unsent): what is acknowledged is
      * in Kafka, and the next start's pass finds it. */
     if (v->log_mode && v->state == OBX_RELAY_IDLE && v->n_outstanding == 0 &&

@@ -5,7 +5,7 @@
  *
  *   relay.c        the cycle: fetch, produce, delivery reports, mark; every
  *                  entry point; the only writer of this struct
- *   relay_log.c    log mode's records, claims and cursor rows (relay.on_sent = log)
+ *   relay_log.c    log mode's records, checkpoints and cursor rows (relay.on_sent = log)
  *   relay_held.c   refused rows and the keys they hold back
  *   relay_drain.c  when a drain may stop, what a stall waits for
  *   relay_owner.c  the slots of relay.shards this relay owns

@@ -173,7 +173,7 @@ void log_rec_checkpoint_partial(struct log_state *l, const struct log_view *v, u
     f->hwm = hwm;
     if (!l->partial_told) {
         l->partial_told = true;
-        obx_event(OBX_LOG_INFO, "log_partial_checkpoints",
+        obx_event(OBX_LOG_INFO, "log_partial_claims",
                   "relay: slots %s lag behind the cursor (up to %lld, stored %lld): their rows "
                   "are stored as they catch up",
                   f->about_text, (long long)hwm, (long long)l->stored_hwm);
@@ -216,7 +216,7 @@ void log_recs_retire(struct log_state *l, int64_t now)
     }
 }
 
-/* The checkpoints of fetch `seq` and of every later one no longer hold: a row of
+/* The checkpoints of fetch `seq` and of every later one are no longer valid: a row of
  * that fetch is unsent again without being held. */
 void log_checkpoints_drop_from(struct log_state *l, uint64_t seq)
 {
@@ -229,7 +229,7 @@ void log_checkpoints_drop_from(struct log_state *l, uint64_t seq)
 }
 
 /* Whether row `id` is refused and held: the cursor rows leave it (and its
- * key's later rows) out, so the checkpoints that count it as handed out hold. */
+ * key's later rows) out, so the checkpoints that count it as handed out stay valid. */
 static bool held_now(const struct log_state *l, int64_t id)
 {
     for (size_t i = 0; i < l->n_held; i++)
@@ -834,16 +834,24 @@ void log_found_set(struct log_state *l, const struct rows *rows, struct found_ro
     l->n_found = kept;
 }
 
+void log_load_reads(const struct log_view *v, const struct obx_log_state *st, size_t *n_held,
+                    size_t *n_off)
+{
+    /* By slot, the full fetch reads every cursor row's held keys itself
+     * (the rows published of them are still listed: see log_load); with
+     * slots, the offsets are each slot's (kafka_slot_offsets), and the
+     * first row stores all of ours for the slots it is about. */
+    *n_held = owner_active(v->owner) || st->about_slots ? 0 : st->n_held;
+    *n_off = owner_active(v->owner) ? 0 : st->n_off;
+}
+
 int log_load(struct log_state *l, const struct log_view *v, const struct obx_log_state *st,
              const uint32_t *held_topic, const uint32_t *off_topic, const struct held_back *back,
              size_t n_back)
 {
-    struct found_row *found = l->found;
     size_t n_found = l->n_found;
-    l->found = NULL;
     log_reset(l);
-    l->found = found; /* log_reset forgets them */
-    l->n_found = n_found;
+    l->n_found = n_found; /* the records found stay */
     l->has_stored = st->has_cursor;
     l->stored_seq = 0;
     l->stored_send = 0;
@@ -860,12 +868,8 @@ int log_load(struct log_state *l, const struct log_view *v, const struct obx_log
     l->stored_snap = NULL;
     if (st->has_cursor && !(l->stored_snap = obx_strdup(st->snapshot)))
         return -1;
-    /* By slot, the full fetch reads every cursor row's held keys itself
-     * (the rows published of them are still listed: see below); with
-     * slots, the offsets are each slot's (kafka_slot_offsets), and the
-     * first row stores all of ours for the slots it is about. */
-    size_t n_held = l->by_slot ? 0 : st->n_held;
-    size_t n_off = owner_active(v->owner) ? 0 : st->n_off;
+    size_t n_held, n_off;
+    log_load_reads(v, st, &n_held, &n_off);
     for (size_t i = 0; i < n_held; i++) {
         const struct obx_log_held *h = &st->held[i];
         size_t before = l->n_held;

@@ -25,7 +25,7 @@
  * that fetch's own cursor (hwm and snapshot) is then a true checkpoint. So every
  * fetch has a record: how many of its rows are still pending (with Kafka,
  * or parked), and its cursor if that made a checkpoint (a fetch after which the
- * cursor did not hold makes none, and a row going back unsent takes the
+ * cursor was not valid makes none, and a row going back unsent takes the
  * checkpoints of its fetch and the later ones away). The oldest records are
  * dropped as their rows settle, and the newest checkpoint among them is `ready`:
  * the next cursor row stores it and frees the seats of the rows it covers.
@@ -202,8 +202,13 @@ void log_free(struct log_state *l);
 /* The records the recovery pass found (sorted by id, topics as indexes;
  * taken over), but those of rows in flight. */
 void log_found_set(struct log_state *l, const struct rows *rows, struct found_row *found, size_t n);
+/* How many of st's held keys and offsets log_load reads (the first of
+ * each). */
+void log_load_reads(const struct log_view *v, const struct obx_log_state *st, size_t *n_held,
+                    size_t *n_off);
 /* The stored cursor read at the start of a session: `held_topic` and
- * `off_topic` are st's held keys' and offsets' topics as indexes, `back`
+ * `off_topic` are the topics of the held keys and offsets it reads, as
+ * indexes, `back`
  * the rows this process still holds back (their rules go on). 0, or -1
  * out of memory. */
 int log_load(struct log_state *l, const struct log_view *v, const struct obx_log_state *st,

@@ -15,8 +15,8 @@
  *
  * In log mode "unmarked" means acknowledged but not yet in a stored cursor
  * row, and a relay also takes slots only when quiet: its cursor rows are
- * about every slot it owns (sql/009; a partial claim's, about some of them
- * only), so the claims of its fetches must be too, and after a take it
+ * about every slot it owns (sql/009; a partial checkpoint's, about some of
+ * them only), so the checkpoints of its fetches must be too, and after a take it
  * starts its cursor again from the rows about each slot (relay.c,
  * obx_relay_on_log_state; relay_log.c, log_load).
  */
@@ -34,8 +34,8 @@
 #define CLAIM_EVERY_MS 250
 /* The warning about another relay.shards, at most this often. */
 #define OTHER_SHARDS_WARN_MS 10000
-/* Log mode pauses its fetches to take slots; if nothing in flight settles
- * within this (a partition without a leader holds a record), it publishes
+/* Log mode pauses its fetches to take slots; if what is in flight is not
+ * all stored within this (a partition without a leader holds a record), it publishes
  * again and tries later, rather than hold its own slots still. */
 #define TAKE_PAUSE_MAX_MS 2000
 #define TAKE_RETRY_MS     5000
@@ -66,7 +66,7 @@ static void write_set(char *out, size_t cap, const bool *in, const bool *except,
 }
 
 /* Whether the fetches read the slots this relay will give back. Log mode
- * does: the whole claims its fetches make must be about every slot of the
+ * does: the whole checkpoints its fetches make must be about every slot of the
  * cursor rows it writes (mark_text), and it gives them back only once
  * nothing is in flight. */
 static bool fetch_leaving(const struct owner *h)
@@ -138,8 +138,8 @@ bool owner_hold_fetch(const struct owner *h, const struct owner_view *v)
         return false;
     if (!h->known || h->n_owned == 0)
         return true;
-    /* Log mode: acknowledged rows that no claim covers are stored only
-     * after a fetch that makes one, so one goes (its rows are of every
+    /* Log mode: acknowledged rows that no checkpoint covers are stored
+     * only after a fetch that makes one, so one goes (its rows are of every
      * slot owned, leaving ones too: see shards_texts). */
     return (h->n_leaving > 0 || h->want_take) && !v->log_waits_checkpoint && !v->found_pending;
 }
@@ -176,10 +176,11 @@ bool owner_claim_due(struct owner *h, const struct owner_view *v, int64_t now,
                      struct claim_due *out, struct owner_fx *fx)
 {
     if (h->want_take && !v->quiet && now - h->want_take_since > TAKE_PAUSE_MAX_MS) {
-        obx_warn("relay: free slots wait: nothing of ours in flight settled within %d ms (a "
-                 "record waits for Kafka), so this relay publishes its own again and tries to "
-                 "take them in %d s",
-                 TAKE_PAUSE_MAX_MS, TAKE_RETRY_MS / 1000);
+        obx_warn(
+            "relay: free slots wait: what this relay has in flight was not stored within %d ms (a "
+            "record waits for Kafka), so this relay publishes its own again and tries to "
+            "take them in %d s",
+            TAKE_PAUSE_MAX_MS, TAKE_RETRY_MS / 1000);
         h->want_take = false;
         h->take_again_at = now + TAKE_RETRY_MS;
         fx->want_fetch = "slots not taken now";

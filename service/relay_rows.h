@@ -4,8 +4,8 @@
  * back unsent). A seat's state changes in one place, rows_move(), which
  * refuses moves the table does not allow and keeps the count of every
  * state; the other rooms of the relay read seats and counts and never
- * write a state. Beside them: the topic
- * names rows refer to, and the partitions' offsets a mark stores.
+ * write a state. Beside them: the topic names rows refer to, and the
+ * partitions' offsets a mark stores.
  */
 #ifndef OUTBOXD_RELAY_ROWS_H
 #define OUTBOXD_RELAY_ROWS_H

@@ -119,7 +119,7 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     "         NULL::int AS payload_len, pg_current_snapshot()::text AS snap, NULL::int AS slot"    \
     "       UNION ALL"
 /* The last column is the row's slot: NULL but in log mode's exact fetch
- * with slots, whose partial claims (relay.c, cursor_advance) cover only the
+ * with slots, whose partial checkpoints (relay.c, cursor_advance) cover only the
  * rows of some slots. */
 #define FETCH_COLUMNS_SLOT(t, max_bytes, slot)                                                     \
     " SELECT " t ".id, " t ".topic, " t ".key,"                                                    \

@@ -14,9 +14,9 @@
  * the failpoints and the metrics, and which unit tests replace with fakes.
  * Time is passed in by the caller (ms on a monotonic clock).
  *
- * Every row handed to Kafka occupies a slot until it is marked; the slot
+ * Every row handed to Kafka occupies a seat until it is marked; the seat
  * pointer is the Kafka message opaque, so a delivery report finds its row
- * without a lookup. The number of slots is relay.max_in_flight.
+ * without a lookup. The number of seats is relay.max_in_flight.
  *
  * Rows Kafka refuses for good follow relay.on_reject: `retry` keeps the row
  * and holds back the later rows of its key (other keys go on); `dead_letter`
@@ -334,7 +334,7 @@ bool obx_relay_recovered(const struct obx_relay *r);
 size_t obx_relay_in_flight(const struct obx_relay *r);
 /* Rows acknowledged and marked since start. */
 uint64_t obx_relay_marked_total(const struct obx_relay *r);
-/* Fetches sent: keyset ones (the cursor held) or full ones. */
+/* Fetches sent: keyset ones (the cursor valid) or full ones. */
 uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset);
 /* Rows moved to outbox.dead_letters since start. */
 uint64_t obx_relay_dead_total(const struct obx_relay *r);

@@ -437,7 +437,7 @@ static void test_log_lagging_slots_taken(void **state)
     h_sleep_ms(300); /* a cursor row past the backlog */
     kill_frozen(1);
     expect_caught_up("the backlog of the slots taken", 60000);
-    assert_true(h_relay_events(relay(0), "log_partial_checkpoints", NULL) >= 1);
+    assert_true(h_relay_events(relay(0), "log_partial_claims", NULL) >= 1);
     assert_int_equal(h_relay_events(relay(0), "log_in_flight_full", NULL), 0);
     /* And rows of every slot go on. */
     assert_int_equal(enqueue_in_slots(c, "after", 1, lagging, true, 50), 50);

@@ -308,7 +308,7 @@ static void test_log_partial_checkpoint(void **state)
 
 #define TESTS(X)                                                                                   \
     X(test_log_cursor_waits_for_earlier_fetch)                                                     \
-    X(test_log_release_drops_checkpoints)                                                               \
+    X(test_log_release_drops_checkpoints)                                                          \
     X(test_log_restart_from_stored_cursor)                                                         \
     X(test_log_held_row_outlives_the_session)                                                      \
     X(test_log_alone_try_ends_with_the_session)                                                    \
