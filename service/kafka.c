@@ -159,6 +159,53 @@ void obx_kafka_log_cb(const rd_kafka_t *rk, int level, const char *fac, const ch
     obx_log(l, "librdkafka %s %s: %s", rk ? rd_kafka_name(rk) : "?", fac, buf);
 }
 
+/* Delivery reports, errors and logs come as events (rd_kafka_conf_set_events),
+ * served here on the loop thread: a call that waits for the reports in the
+ * thread pool (a transaction's commit or abort flushes) then only waits,
+ * where in callback mode librdkafka's flush would run our callbacks on
+ * that thread. Other ops are served through their callbacks by the poll. */
+#define PRODUCER_EVENTS (RD_KAFKA_EVENT_DR | RD_KAFKA_EVENT_ERROR | RD_KAFKA_EVENT_LOG)
+
+static void serve_event(struct obx_kafka *k, rd_kafka_t *rk, rd_kafka_event_t *ev)
+{
+    switch (rd_kafka_event_type(ev)) {
+    case RD_KAFKA_EVENT_DR: {
+        const rd_kafka_message_t *m;
+        while (!k->closing && (m = rd_kafka_event_message_next(ev)))
+            on_delivery(rk, m, k);
+        break;
+    }
+    case RD_KAFKA_EVENT_ERROR:
+        on_error(rk,
+                 rd_kafka_event_error_is_fatal(ev) ? RD_KAFKA_RESP_ERR__FATAL
+                                                   : rd_kafka_event_error(ev),
+                 rd_kafka_event_error_string(ev), k);
+        break;
+    case RD_KAFKA_EVENT_LOG: {
+        const char *fac, *buf;
+        int level;
+        if (rd_kafka_event_log(ev, &fac, &buf, &level) == 0)
+            obx_kafka_log_cb(rk, level, fac, buf);
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* Serves producer `rk`'s main queue `q` until it is empty; how many events. */
+static int serve_queue(struct obx_kafka *k, rd_kafka_t *rk, rd_kafka_queue_t *q)
+{
+    int n = 0;
+    rd_kafka_event_t *ev;
+    while (!k->closing && rk && q && (ev = rd_kafka_queue_poll(q, 0))) {
+        serve_event(k, rk, ev);
+        rd_kafka_event_destroy(ev);
+        n++;
+    }
+    return n;
+}
+
 static int conf_set(rd_kafka_conf_t *conf, const char *name, const char *value, const char *origin,
                     char *err, size_t errlen)
 {
@@ -395,11 +442,7 @@ static void finish_reset(struct obx_kafka *k)
  * would stall. */
 static int serve(struct obx_kafka *k)
 {
-    int total = 0, n;
-    while (!k->closing && k->rk && (n = rd_kafka_poll(k->rk, 0)) > 0)
-        total += n;
-    while (!k->closing && k->alone_rk && (n = rd_kafka_poll(k->alone_rk, 0)) > 0)
-        total += n;
+    int total = serve_queue(k, k->rk, k->mainq) + serve_queue(k, k->alone_rk, k->alone_q);
     if (k->resetting && !k->closing && k->rk) {
         if (!k->purged) {
             /* Queued records were never sent; those in flight may have
@@ -408,13 +451,11 @@ static int serve(struct obx_kafka *k)
             rd_kafka_purge(k->rk, RD_KAFKA_PURGE_F_QUEUE | RD_KAFKA_PURGE_F_INFLIGHT |
                                       RD_KAFKA_PURGE_F_NON_BLOCKING);
         }
-        while ((n = rd_kafka_poll(k->rk, 0)) > 0)
-            total += n;
+        total += serve_queue(k, k->rk, k->mainq);
         if (rd_kafka_outq_len(k->rk) == 0 && !k->probe_busy) {
             finish_reset(k);
             /* Ops the new producer queued before its wake-up was routed. */
-            while (k->rk && (n = rd_kafka_poll(k->rk, 0)) > 0)
-                total += n;
+            total += serve_queue(k, k->rk, k->mainq);
         }
     }
     return total;
@@ -477,7 +518,7 @@ int obx_kafka_new(uv_loop_t *loop, const struct obx_config *cfg,
             : 0;
     /* cfg outlives the producer (main's, for the whole run). */
     k->record = (struct obx_record_opts){.format = cfg->record_format, .ce_source = cfg->ce_source};
-    rd_kafka_conf_set_dr_msg_cb(conf, on_delivery);
+    rd_kafka_conf_set_events(conf, PRODUCER_EVENTS);
     rd_kafka_conf_set_error_cb(conf, on_error);
     rd_kafka_conf_set_log_cb(conf, obx_kafka_log_cb);
     rd_kafka_conf_set_opaque(conf, k);
@@ -552,8 +593,7 @@ static int alone_start(struct obx_kafka *k)
              "other record");
     /* What it queued before the wake-up was routed; its own queue only:
      * the relay is in the middle of handing rows out. */
-    while (rd_kafka_poll(k->alone_rk, 0) > 0) {
-    }
+    serve_queue(k, k->alone_rk, k->alone_q);
     return 0;
 }
 

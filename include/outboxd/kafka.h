@@ -3,9 +3,10 @@
  *
  * librdkafka's main queue (delivery reports, errors, and its logs, which we
  * forward there) signals a pipe through rd_kafka_queue_io_event_enable(); a
- * uv_poll on the pipe's read end serves the queue on the loop thread. So all
- * callbacks run on the loop thread and nothing polls two event systems in
- * turn.
+ * uv_poll on the pipe's read end serves the queue on the loop thread. They
+ * come as events, not callbacks, so a call that flushes in the thread pool
+ * waits for them without serving them there: everything we run on a report
+ * runs on the loop thread, and nothing polls two event systems in turn.
  *
  * Defaults set before the user's kafka.* keys (which override them):
  * enable.idempotence=true, message.timeout.ms=0 (retry transient errors for
