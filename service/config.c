@@ -35,6 +35,7 @@ struct key_def {
 static const char *const on_sent_choices[] = {"mark", "delete", "log", NULL};
 static const char *const record_format_choices[] = {"plain", "cloudevents", NULL};
 static const char *const on_reject_choices[] = {"retry", "dead_letter", NULL};
+static const char *const off_on_choices[] = {"off", "on", NULL};
 static const char *const level_choices[] = {"error", "warn", "info", "debug", NULL};
 static const char *const format_choices[] = {"text", "json", NULL};
 
@@ -64,6 +65,15 @@ static const struct key_def keys[] = {
      "share of them and publishes their rows, so relays added or removed take or give back "
      "slots within a second; 1 = one active relay, the others stand by (every mode; see "
      "doc/operations.md, Several active relays)"},
+    {"relay.transactions", KEY_ENUM, OFF(transactions), "off", 0, 0, off_on_choices, 0,
+     "on: rows go to Kafka in transactions (a transactional.id derived from the database's "
+     "system identifier and name, or kafka.transactional.id), so a relay that took over "
+     "fences the one before and a read_committed consumer sees each row once, also after "
+     "a crash or a frozen relay; relay.shards 1 only (see doc/operations.md, Transactions)"},
+    {"relay.transaction_rows", KEY_INT, OFF(transaction_rows), "1000", 1, 1000000, NULL, 0,
+     "with relay.transactions: a transaction takes no more fetched rows once it holds this "
+     "many, and commits when their delivery reports are in (it commits sooner when no "
+     "more rows come); larger: fewer commits, later records"},
     {"relay.batch_size", KEY_INT, OFF(batch_size), "1000", 1, 100000, NULL, 0,
      "most rows read by one fetch"},
     {"relay.fetch_max_bytes", KEY_INT, OFF(fetch_max_bytes), "8388608", 1024, 1073741824, NULL, 0,
@@ -566,6 +576,21 @@ int obx_config_validate(const struct obx_config *cfg, char *err, size_t errlen)
         snprintf(err, errlen,
                  "record.cloudevents_source is required when record.format = cloudevents "
                  "(a URI-reference naming the producer, e.g. /orders)");
+        return -1;
+    }
+    const char *txn_id = obx_config_kafka_get(cfg, "transactional.id");
+    if (txn_id && !cfg->transactions) {
+        snprintf(err, errlen,
+                 "kafka.transactional.id is set but relay.transactions is off: set "
+                 "relay.transactions = on (the relay then runs the transactions), or remove it");
+        return -1;
+    }
+    if (cfg->transactions && cfg->shards > 1) {
+        snprintf(err, errlen,
+                 "relay.transactions = on works with relay.shards = 1 only (%d set): the "
+                 "fencing of a slot's previous owner needs a transactional.id per slot, which "
+                 "is not built yet",
+                 cfg->shards);
         return -1;
     }
     if (cfg->batch_size > cfg->max_in_flight) {

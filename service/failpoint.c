@@ -14,7 +14,7 @@ struct obx_failpoints obx_failpoints_active;
 static const char *const fp_names[OBX_FP_COUNT] = {
     "fetch.after",           "produce.after",     "ack.after",
     "mark.before_commit",    "mark.after_commit", "recover.after_scan",
-    "recover.before_commit",
+    "recover.before_commit", "txn.before_commit", "txn.after_commit",
 };
 
 const char *obx_failpoint_name(enum obx_fp_id id)

@@ -49,6 +49,17 @@ struct obx_kafka {
     struct obx_headers headers;         /* a row's parsed headers, reused */
     struct obx_labelled published;      /* records acknowledged, by topic */
     struct obx_labelled publish_errors; /* failed produce or delivery, by reason */
+    /* relay.transactions: the call running in the thread pool (one at a
+     * time), the transactional.id of the producer, and an init that waits
+     * for the probe (which may be using the producer it replaces). */
+    uv_work_t txn_work;
+    bool txn_busy;
+    bool txn_init_waiting;
+    bool txn_call_init; /* the call running: init, else txn_call_end */
+    enum obx_txn_end txn_call_end;
+    rd_kafka_t *txn_rk;
+    rd_kafka_error_t *txn_error; /* written by the worker */
+    char txn_id[256];
 };
 
 /* Errors that refuse a whole batch, not a record: any record in it may be
@@ -263,12 +274,36 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && i < N_PRODUCER_DEFAULTS; i++)
+    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && i < N_PRODUCER_DEFAULTS; i++) {
+        /* Transactions: a record that fails aborts its transaction, with
+         * the later records of its partition, so the gapless stop is not
+         * needed (it would make the producer fatal where the transaction
+         * is abortable); librdkafka's default leaves it off. */
+        if (cfg->transactions && strcmp(producer_defaults[i][0], "enable.gapless.guarantee") == 0)
+            continue;
         if (conf_set(conf, producer_defaults[i][0], producer_defaults[i][1], "default", err,
                      errlen) != 0)
             goto fail;
+    }
     for (size_t i = 0; i < cfg->kafka_count; i++)
         if (conf_set(conf, cfg->kafka[i].name, cfg->kafka[i].value, cfg->kafka[i].origin, err,
+                     errlen) != 0)
+            goto fail;
+    /* Transactions: the timeouts go down to the transaction's, as librdkafka
+     * requires: an open transaction holds back every read_committed
+     * consumer of its partitions, so it is short (Kafka Streams' 10 s);
+     * a relay that dies with one open leaves them waiting at most that
+     * long, and one that takes over aborts it at once. */
+    static const char *const txn_defaults[][2] = {
+        {"transaction.timeout.ms", OBX_KAFKA_TXN_TIMEOUT_MS},
+        {"message.timeout.ms", OBX_KAFKA_TXN_TIMEOUT_MS},
+        {"socket.timeout.ms", OBX_KAFKA_TXN_TIMEOUT_MS},
+    };
+    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && cfg->transactions &&
+                       i < sizeof(txn_defaults) / sizeof(txn_defaults[0]);
+         i++)
+        if (!obx_config_kafka_get(cfg, txn_defaults[i][0]) &&
+            conf_set(conf, txn_defaults[i][0], txn_defaults[i][1], "relay.transactions", err,
                      errlen) != 0)
             goto fail;
     /* Ours, after the user's: the loop integration depends on them. */
@@ -291,7 +326,8 @@ static const char *prop(const rd_kafka_conf_t *conf, const char *name, char *v, 
     return v;
 }
 
-size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[384], size_t max)
+size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, bool transactions,
+                                     char (*out)[384], size_t max)
 {
     char v[64];
     size_t n = 0;
@@ -299,14 +335,16 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[38
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.enable.idempotence=false: librdkafka's own retries may then store a "
                  "record twice or out of order (no-duplicates and per-key order no longer hold)");
-    if (n < max && strcmp(prop(conf, "message.timeout.ms", v, sizeof(v)), "0") != 0)
+    if (n < max && !transactions &&
+        strcmp(prop(conf, "message.timeout.ms", v, sizeof(v)), "0") != 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.message.timeout.ms=%s: a record not acknowledged within %s ms fails and "
                  "is published again (after a recovery pass if it may have landed); a key's "
                  "next record waits for the one before (slower for busy keys); 0 (our "
                  "default) retries for ever",
                  v, v);
-    if (n < max && strcmp(prop(conf, "enable.gapless.guarantee", v, sizeof(v)), "false") == 0)
+    if (n < max && !transactions &&
+        strcmp(prop(conf, "enable.gapless.guarantee", v, sizeof(v)), "false") == 0)
         snprintf(out[n++], sizeof(out[0]),
                  "kafka.enable.gapless.guarantee=false: when Kafka refuses a batch for good "
                  "(too large, not authorized), later records of its keys may be stored before "
@@ -390,48 +428,80 @@ static void retire_done(uv_work_t *w, int status)
     obx_free(old);
 }
 
+/* The configuration of a new producer: the first one's, with the
+ * transactional.id of relay.transactions once a session gave it. NULL out
+ * of memory (said). */
+static rd_kafka_conf_t *producer_conf(struct obx_kafka *k)
+{
+    char why[256];
+    rd_kafka_conf_t *conf = rd_kafka_conf_dup(k->conf_copy);
+    if (conf && k->txn_id[0] &&
+        rd_kafka_conf_set(conf, "transactional.id", k->txn_id, why, sizeof(why)) !=
+            RD_KAFKA_CONF_OK) {
+        obx_error("kafka: transactional.id %s: %s", k->txn_id, why);
+        rd_kafka_conf_destroy(conf);
+        return NULL;
+    }
+    if (!conf)
+        obx_warn("kafka: out of memory for a new producer's configuration");
+    return conf;
+}
+
+/* Destroys the producer in the thread pool (rd_kafka_destroy joins
+ * librdkafka's threads); its queue goes now, with whatever it still holds. */
+static void retire_producer(struct obx_kafka *k)
+{
+    struct retired *old = obx_malloc(sizeof(*old));
+    rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
+    rd_kafka_queue_destroy(k->mainq);
+    k->mainq = NULL;
+    if (old) {
+        *old = (struct retired){.rk = k->rk, .k = k};
+        old->work.data = old;
+    }
+    if (old && uv_queue_work(k->poll.loop, &old->work, retire_work, retire_done) == 0) {
+        k->refs++;
+    } else {
+        rd_kafka_destroy(k->rk); /* no memory, or no loop: blocks briefly */
+        obx_free(old);
+    }
+    k->rk = NULL;
+}
+
+/* Starts the producer that replaces a retired one, from `conf` (taken
+ * over). 0, or -1 after reporting a fatal error (k->rk stays NULL: every
+ * entry point checks). */
+static int replace_producer(struct obx_kafka *k, rd_kafka_conf_t *conf)
+{
+    char err[600];
+    if (client_start(k, conf, err, sizeof(err)) == 0)
+        return 0;
+    if (k->mainq) {
+        rd_kafka_queue_destroy(k->mainq);
+        k->mainq = NULL;
+    }
+    if (k->rk) {
+        rd_kafka_destroy(k->rk);
+        k->rk = NULL;
+    }
+    obx_error("kafka: %s", err);
+    k->fatal_reported = true;
+    k->cb.fatal(err, k->arg);
+    return -1;
+}
+
 /* The old producer holds nothing any more: a new one (a new producer id,
  * sequence numbers from zero) replaces it. */
 static void finish_reset(struct obx_kafka *k)
 {
-    char err[600];
-    struct retired *old = obx_malloc(sizeof(*old));
-    rd_kafka_conf_t *conf = rd_kafka_conf_dup(k->conf_copy);
-    if (!old || !conf) {
-        obx_free(old);
-        if (conf)
-            rd_kafka_conf_destroy(conf);
-        obx_warn("kafka: out of memory replacing the producer; trying again");
-        return;
-    }
-    rd_kafka_queue_io_event_enable(k->mainq, -1, NULL, 0);
-    rd_kafka_queue_destroy(k->mainq);
-    k->mainq = NULL;
-    *old = (struct retired){.rk = k->rk, .k = k};
-    old->work.data = old;
-    if (uv_queue_work(k->poll.loop, &old->work, retire_work, retire_done) == 0) {
-        k->refs++;
-    } else {
-        rd_kafka_destroy(old->rk); /* cannot happen with a live loop; blocks briefly */
-        obx_free(old);
-    }
-    k->rk = NULL;
+    rd_kafka_conf_t *conf = producer_conf(k);
+    if (!conf)
+        return; /* tried again at the next serve */
+    retire_producer(k);
     k->resetting = false;
     k->purged = false;
-    if (client_start(k, conf, err, sizeof(err)) != 0) {
-        if (k->mainq) {
-            rd_kafka_queue_destroy(k->mainq);
-            k->mainq = NULL;
-        }
-        if (k->rk) {
-            rd_kafka_destroy(k->rk);
-            k->rk = NULL;
-        }
-        obx_error("kafka: %s", err);
-        k->fatal_reported = true; /* k->rk stays NULL: every entry point checks */
-        k->cb.fatal(err, k->arg);
+    if (replace_producer(k, conf) != 0)
         return;
-    }
     k->resets++;
     obx_event(OBX_LOG_INFO, "producer_replaced", "kafka: new producer ready (%d since start)",
               k->resets);
@@ -699,10 +769,17 @@ static void probe_work(uv_work_t *w)
         rd_kafka_metadata_destroy(md);
 }
 
+static int txn_init_start(struct obx_kafka *k);
+
 static void probe_done(uv_work_t *w, int status)
 {
     struct obx_kafka *k = w->data;
     k->probe_busy = false;
+    /* An init that waited for the probe: its caller is gone, so a failure
+     * is an answer (the caller's pass waits for one either way). */
+    if (k->txn_init_waiting && !k->closing && txn_init_start(k) != 0 && k->cb.txn_done)
+        k->cb.txn_done(true, OBX_TXN_COMMIT, OBX_TXN_RETRY, "cannot start init_transactions",
+                       k->arg);
     if (!k->closing) {
         bool ok = status == 0 && k->probe_ok;
         if (ok != k->connected)
@@ -711,6 +788,121 @@ static void probe_done(uv_work_t *w, int status)
         k->connected = ok;
     }
     unref(k);
+}
+
+/* ---- relay.transactions ---- */
+
+static void txn_work(uv_work_t *w)
+{
+    struct obx_kafka *k = w->data;
+    /* -1: the remaining transaction time (init: twice transaction.timeout.ms),
+     * as librdkafka recommends; the loop goes on meanwhile. */
+    if (k->txn_call_init)
+        k->txn_error = rd_kafka_init_transactions(k->txn_rk, -1);
+    else if (k->txn_call_end == OBX_TXN_COMMIT)
+        k->txn_error = rd_kafka_commit_transaction(k->txn_rk, -1);
+    else
+        k->txn_error = rd_kafka_abort_transaction(k->txn_rk, -1);
+}
+
+static enum obx_txn_result txn_result_of(const rd_kafka_error_t *e)
+{
+    if (!e)
+        return OBX_TXN_OK;
+    rd_kafka_resp_err_t code = rd_kafka_error_code(e);
+    if (code == RD_KAFKA_RESP_ERR__FENCED || code == RD_KAFKA_RESP_ERR_PRODUCER_FENCED ||
+        code == RD_KAFKA_RESP_ERR_INVALID_PRODUCER_EPOCH)
+        return OBX_TXN_FENCED;
+    if (rd_kafka_error_is_fatal(e))
+        return OBX_TXN_FATAL;
+    if (rd_kafka_error_txn_requires_abort(e))
+        return OBX_TXN_ABORTABLE;
+    if (rd_kafka_error_is_retriable(e))
+        return OBX_TXN_RETRY;
+    /* Neither: a state the call does not fit (aborting with nothing open
+     * after a lost answer, say). Retrying cannot help; an abort can. */
+    return OBX_TXN_ABORTABLE;
+}
+
+static void txn_done(uv_work_t *w, int status)
+{
+    struct obx_kafka *k = w->data;
+    rd_kafka_error_t *e = k->txn_error;
+    enum obx_txn_result result = status == 0 ? txn_result_of(e) : OBX_TXN_RETRY;
+    char reason[256];
+    snprintf(reason, sizeof(reason), "%s", e ? rd_kafka_error_string(e) : "");
+    k->txn_error = NULL;
+    k->txn_busy = false;
+    if (e)
+        rd_kafka_error_destroy(e);
+    bool init = k->txn_call_init;
+    if (!k->closing && k->cb.txn_done)
+        k->cb.txn_done(init, k->txn_call_end, result, reason, k->arg);
+    unref(k);
+}
+
+static int txn_call(struct obx_kafka *k, bool init, enum obx_txn_end end)
+{
+    if (k->txn_busy || k->closing || !k->rk)
+        return -1;
+    k->txn_call_init = init;
+    k->txn_call_end = end;
+    k->txn_rk = k->rk;
+    k->txn_work.data = k;
+    if (uv_queue_work(k->poll.loop, &k->txn_work, txn_work, txn_done) != 0)
+        return -1;
+    k->txn_busy = true;
+    k->refs++;
+    return 0;
+}
+
+/* A producer with the transactional.id replaces the one before, and its
+ * init_transactions goes to the thread pool. 0, or -1 if it could not
+ * start. */
+static int txn_init_start(struct obx_kafka *k)
+{
+    k->txn_init_waiting = false;
+    rd_kafka_conf_t *conf = producer_conf(k);
+    if (!conf)
+        return -1;
+    if (rd_kafka_outq_len(k->rk) > 0)
+        obx_warn("kafka: the producer replaced for a new session still held %d records; they "
+                 "are dropped (their transaction is aborted by the new one's init)",
+                 rd_kafka_outq_len(k->rk));
+    retire_producer(k);
+    if (replace_producer(k, conf) != 0)
+        return -1;
+    serve_queue(k, k->rk, k->mainq);
+    return txn_call(k, true, OBX_TXN_COMMIT);
+}
+
+int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id)
+{
+    if (k->txn_busy || k->txn_init_waiting || k->closing || !k->rk)
+        return -1;
+    snprintf(k->txn_id, sizeof(k->txn_id), "%s", transactional_id);
+    k->txn_init_waiting = true;
+    return k->probe_busy ? 0 : txn_init_start(k);
+}
+
+int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason)
+{
+    if (k->txn_busy || k->closing || !k->rk) {
+        *reason = "the producer is busy";
+        return -1;
+    }
+    rd_kafka_error_t *e = rd_kafka_begin_transaction(k->rk);
+    if (!e)
+        return 0;
+    snprintf(k->reason, sizeof(k->reason), "%s", rd_kafka_error_string(e));
+    rd_kafka_error_destroy(e);
+    *reason = k->reason;
+    return -1;
+}
+
+int obx_kafka_txn_end(struct obx_kafka *k, enum obx_txn_end end)
+{
+    return txn_call(k, false, end);
 }
 
 void obx_kafka_set_history(struct obx_kafka *k, const char *history)

@@ -108,10 +108,53 @@ static int op_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fe
     return obx_pg_send_mark_fetch(a->pg, m, f, obx_relay_mark_fetched, a->relay);
 }
 
+/* relay.transactions: the transactional.id of this outbox: the user's
+ * kafka.transactional.id, else one derived from the server's system
+ * identifier (the same on a promoted standby, another on a restored copy)
+ * and the database's name. False when neither is known. */
+static bool transactional_id(struct app *a, char *out, size_t len)
+{
+    const char *set = obx_config_kafka_get(&a->cfg, "transactional.id");
+    if (set) {
+        snprintf(out, len, "%s", set);
+        return true;
+    }
+    const char *history = obx_pg_history(a->pg); /* "SYSTEM_ID.TIMELINE" */
+    size_t sys_len = strcspn(history, ".");
+    if (sys_len == 0)
+        return false;
+    snprintf(out, len, "outboxd-%.*s-%s", (int)sys_len, history, obx_pg_dbname(a->pg));
+    return true;
+}
+
 static int op_recover(void *io, int shards, const char *owned_slots)
 {
     struct app *a = io;
-    return obx_recovery_start(a->recovery, shards, owned_slots);
+    if (!a->cfg.transactions)
+        return obx_recovery_start(a->recovery, shards, owned_slots);
+    /* The pass reads what committed, so it goes after the fence: a new
+     * producer with this outbox's transactional.id, whose init aborts the
+     * transaction an earlier one (another relay, or this one's lost
+     * session) left open, or waits for the end of one it was committing. */
+    char id[256];
+    if (!transactional_id(a, id, sizeof(id))) {
+        obx_error("relay.transactions: the server does not say its system identifier "
+                  "(pg_control_system() refused), from which the transactional.id comes: set "
+                  "kafka.transactional.id, the same for every relay of this outbox");
+        return -1;
+    }
+    return obx_kafka_txn_init(a->kafka, id);
+}
+
+static int op_txn_begin(void *producer, const char **reason)
+{
+    return obx_kafka_txn_begin(producer, reason);
+}
+
+static int op_txn_end(void *io, enum obx_txn_end end)
+{
+    struct app *a = io;
+    return obx_kafka_txn_end(a->kafka, end);
 }
 
 static void claimed(void *arg, const PGresult *res, const char *error)
@@ -208,6 +251,8 @@ static const struct obx_relay_ops relay_ops = {
     .failpoint = op_failpoint,
     .acked = op_acked,
     .wake_at = op_wake_at,
+    .txn_begin = op_txn_begin,
+    .txn_end = op_txn_end,
     .now = op_now,
 };
 
@@ -255,6 +300,28 @@ static void kafka_delivery(void *opaque, enum obx_delivery outcome, int32_t part
     struct app *a = arg;
     obx_relay_on_delivery(a->relay, opaque, outcome, partition, offset, key, key_len, reason,
                           (int64_t)uv_now(&a->loop));
+}
+
+static void kafka_txn_done(bool init, enum obx_txn_end end, enum obx_txn_result result,
+                           const char *reason, void *arg)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    if (!init) {
+        obx_relay_on_txn_ended(a->relay, end, result, reason, now);
+        return;
+    }
+    if (result == OBX_TXN_OK && obx_relay_state(a->relay) == OBX_RELAY_RECOVERING &&
+        obx_recovery_start(a->recovery, 1, NULL) == 0) {
+        obx_event(OBX_LOG_INFO, "transactions_ready",
+                  "kafka: transactional producer ready; earlier producers of this outbox are "
+                  "fenced and their open transaction ended");
+        return;
+    }
+    if (result != OBX_TXN_OK)
+        obx_warn("kafka: init_transactions failed (%s); trying again", reason);
+    if (obx_relay_state(a->relay) == OBX_RELAY_RECOVERING)
+        obx_relay_on_recovered(a->relay, false, now);
 }
 
 static void kafka_fatal(const char *reason, void *arg)
@@ -431,7 +498,8 @@ static int build_config(struct app *a, struct obx_config *cfg, char *err, size_t
         if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, errlen) != 0) {
             rc = -1;
         } else {
-            a->n_weakened = obx_kafka_weakened_guarantees(conf, a->weakened, MAX_WEAKENED);
+            a->n_weakened =
+                obx_kafka_weakened_guarantees(conf, cfg->transactions, a->weakened, MAX_WEAKENED);
             rd_kafka_conf_destroy(conf);
         }
     }
@@ -551,8 +619,8 @@ static void reload(struct app *a)
 static int start(struct app *a)
 {
     static const struct obx_pg_callbacks pg_cb = {.ready = pg_ready, .lost = pg_lost};
-    static const struct obx_kafka_callbacks kafka_cb = {.delivery = kafka_delivery,
-                                                        .fatal = kafka_fatal};
+    static const struct obx_kafka_callbacks kafka_cb = {
+        .delivery = kafka_delivery, .fatal = kafka_fatal, .txn_done = kafka_txn_done};
     static const struct obx_recovery_callbacks recovery_cb = {.done = recovery_done,
                                                               .log_state = recovery_log_state};
     struct obx_relay_settings rs;
@@ -564,7 +632,10 @@ static int start(struct app *a)
     }
     obx_relay_settings_from_config(&rs, &a->cfg);
     rs.max_payload = obx_kafka_max_message_bytes(a->kafka);
-    rs.one_per_key = obx_kafka_message_timeout_ms(a->kafka) != 0;
+    /* A finite message timeout parks a key's later rows behind its record
+     * at Kafka (relay.h); in a transaction a record that times out aborts
+     * it, and the later records of its key with it. */
+    rs.one_per_key = !a->cfg.transactions && obx_kafka_message_timeout_ms(a->kafka) != 0;
     if (obx_relay_new(&rs, &relay_ops, a, a->kafka, &a->relay) != 0) {
         obx_error("out of memory allocating %d seats for rows in flight", a->cfg.max_in_flight);
         close_parts(a);

@@ -598,6 +598,12 @@ const char *obx_pg_history(const struct obx_pg *pg)
     return pg->history;
 }
 
+const char *obx_pg_dbname(const struct obx_pg *pg)
+{
+    const char *db = pg->conn ? PQdb(pg->conn) : NULL;
+    return db ? db : "";
+}
+
 /* The lock is held and the rows repaired: the relay may go. */
 static void become_ready(struct obx_pg *pg)
 {

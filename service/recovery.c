@@ -622,11 +622,14 @@ static void scan_work(uv_work_t *w)
         snprintf(rec->error, sizeof(rec->error), "%s", err);
         return;
     }
-    static const char *const settings[][2] = {
+    const char *const settings[][2] = {
         {"group.id", "outboxd-recovery"}, /* required by the API; nothing is committed */
         {"enable.auto.commit", "false"},
         {"enable.partition.eof", "true"},
-        {"isolation.level", "read_uncommitted"},
+        /* With relay.transactions, what committed only: an aborted
+         * transaction's records were never published, and their rows go
+         * again. (The init before the pass ended any open one.) */
+        {"isolation.level", rec->cfg->transactions ? "read_committed" : "read_uncommitted"},
         /* A position that retention removed while the pass read elsewhere
          * (between chunks): go on from the first record left, not from
          * the end (librdkafka's default), which would skip records the

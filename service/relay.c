@@ -75,6 +75,8 @@ void obx_relay_settings_from_config(struct obx_relay_settings *s, const struct o
     s->one_per_key = false;   /* main.c sets it from the producer's message timeout */
     s->log_mode = cfg->on_sent == OBX_ON_SENT_LOG;
     s->shards = cfg->shards;
+    s->transactions = cfg->transactions != 0;
+    s->transaction_rows = cfg->transaction_rows;
 }
 
 int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops *ops, void *io,
@@ -110,6 +112,10 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
         obx_relay_free(r);
         return -1;
     }
+    r->txn.on = s->transactions && ops->txn_begin && ops->txn_end;
+    r->txn.max_rows = s->transaction_rows > 0 ? (size_t)s->transaction_rows : 1;
+    if (s->transactions && !r->txn.on)
+        OBX_BUG("relay: relay.transactions without the ops that run them");
     *out = r;
     return 0;
 }
@@ -210,7 +216,7 @@ static bool relay_log_idle_write_due(const struct obx_relay *r, int64_t now)
 
 static void relay_seat_release(struct obx_relay *r, struct seat *s)
 {
-    if (s->state == SEAT_PRODUCED || s->state == SEAT_PARKED)
+    if (s->state == SEAT_PRODUCED || s->state == SEAT_PARKED || s->state == SEAT_SENT)
         relay_log_settle(r, s, false); /* back unsent, or held */
     rows_release(&r->rows, s);
 }
@@ -504,10 +510,15 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
         if (owner_hold_fetch(&r->owner, &v))
             return false;
     }
+    /* Transactions: a fetch's rows go into the open transaction while it
+     * has room, and wait while it ends. */
+    if (!txn_takes_rows(&r->txn))
+        return false;
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
-     * and it waits until no other row's report is pending. */
-    return !(r->alone_id != NO_ID ||
-             (r->n_outstanding > 0 && r->held.n > 0 && held_due_alone(&r->held, now)));
+     * and it waits until no other row's report is pending (and no
+     * transaction is open: it goes in one of its own). */
+    return !(r->alone_id != NO_ID || ((r->n_outstanding > 0 || r->txn.state != TXN_NONE) &&
+                                      r->held.n > 0 && held_due_alone(&r->held, now)));
 }
 
 /* Whether a fetch should go now (beside a mark, or on its own). */
@@ -717,11 +728,140 @@ void obx_relay_on_claimed(struct obx_relay *r, const struct obx_claim *c, int64_
     relay_kick(r, now);
 }
 
+/* ---- relay.transactions: relay_txn.h counts, this begins and ends ---- */
+
+/* Ends the open transaction: an abort if a report failed, else a commit. */
+static void start_txn_end(struct obx_relay *r, int64_t now)
+{
+    enum obx_txn_end end = r->txn.failed ? OBX_TXN_ABORT : OBX_TXN_COMMIT;
+    if (end == OBX_TXN_COMMIT && relay_failpoint(r, OBX_FP_TXN_BEFORE_COMMIT) != 0) {
+        end = OBX_TXN_ABORT; /* as if the commit were refused: the rows go again */
+        r->txn.failed = true;
+    }
+    if (r->ops->txn_end(r->io, end) != 0) {
+        r->not_before = now + r->set.retry_backoff_ms; /* the producer is busy: the tick retries */
+        return;
+    }
+    r->txn.state = TXN_ENDING;
+    r->txn.ending = end;
+}
+
+/* The transaction committed: its rows are acknowledged, to be marked. */
+static void txn_committed(struct obx_relay *r)
+{
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct seat *s = &r->rows.seat[i];
+        if (s->state != SEAT_SENT)
+            continue;
+        relay_log_settle(r, s, true);
+        rows_move(&r->rows, s, SEAT_ACKED);
+        if (s->created_us > 0 && r->ops->acked)
+            r->ops->acked(r->io, s->created_us);
+    }
+    r->txn.commits++;
+}
+
+/* The transaction aborted: no read_committed consumer sees its records,
+ * and its rows go again, from a full fetch. */
+static void txn_aborted(struct obx_relay *r)
+{
+    size_t n = 0;
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct seat *s = &r->rows.seat[i];
+        if (s->state == SEAT_SENT) {
+            relay_seat_release(r, s);
+            n++;
+        }
+    }
+    r->txn.aborts++;
+    obx_warn("relay: a Kafka transaction aborted; its %zu acknowledged rows go again", n);
+    if (n > 0)
+        relay_after_release(r);
+}
+
+void obx_relay_on_txn_ended(struct obx_relay *r, enum obx_txn_end end, enum obx_txn_result result,
+                            const char *reason, int64_t now)
+{
+    r->now = now;
+    if (r->txn.stale) { /* a lost session's: its rows went with it */
+        r->txn.stale = false;
+        relay_kick(r, now);
+        return;
+    }
+    if (r->txn.state != TXN_ENDING || r->txn.ending != end) {
+        obx_error("relay: an answer to a transaction %s that was not asked for",
+                  end == OBX_TXN_COMMIT ? "commit" : "abort");
+        return;
+    }
+    switch (result) {
+    case OBX_TXN_OK:
+        if (end == OBX_TXN_COMMIT) {
+            txn_committed(r);
+            txn_reset(&r->txn);
+            /* A crash here leaves committed records unmarked: the next
+             * recovery pass (read_committed) finds and marks them. */
+            if (relay_failpoint(r, OBX_FP_TXN_AFTER_COMMIT) != 0)
+                r->not_before = now + r->set.retry_backoff_ms;
+        } else {
+            txn_aborted(r);
+            txn_reset(&r->txn);
+        }
+        break;
+    case OBX_TXN_RETRY:
+        /* Timed out: the call goes on in the background, and the same call
+         * again waits for its end. */
+        obx_warn("relay: transaction %s timed out (%s); waiting on",
+                 end == OBX_TXN_COMMIT ? "commit" : "abort", reason);
+        if (r->ops->txn_end(r->io, end) != 0)
+            obx_relay_fatal(r, "the Kafka producer cannot end its transaction", now);
+        return;
+    case OBX_TXN_ABORTABLE:
+        if (end == OBX_TXN_COMMIT) {
+            obx_warn("relay: transaction commit refused (%s); aborting it", reason);
+            r->txn.failed = true;
+            if (r->ops->txn_end(r->io, OBX_TXN_ABORT) == 0) {
+                r->txn.ending = OBX_TXN_ABORT;
+                return;
+            }
+        }
+        obx_relay_fatal(r, "the Kafka producer cannot abort its transaction", now);
+        return;
+    case OBX_TXN_FENCED:
+    case OBX_TXN_FATAL: {
+        char why[320];
+        snprintf(why, sizeof(why), "Kafka transaction %s: %s%s",
+                 end == OBX_TXN_COMMIT ? "commit" : "abort", reason,
+                 result == OBX_TXN_FENCED
+                     ? " (another producer with this transactional.id took over: this relay "
+                       "stops publishing)"
+                     : "");
+        obx_relay_fatal(r, why, now);
+        return;
+    }
+    }
+    relay_kick(r, now);
+}
+
+/* Whether a fetch that could add rows to the transaction is out. */
+static bool fetch_out(const struct obx_relay *r)
+{
+    return r->state == OBX_RELAY_FETCHING ||
+           (r->state == OBX_RELAY_MARKING && r->cur.fetch_ride == RIDE_ON_MARK);
+}
+
 /* Decides what the relay does next. Called after every event. */
 static void relay_kick(struct obx_relay *r, int64_t now)
 {
     if (r->state == OBX_RELAY_STOPPED)
         return;
+    /* A transaction ends on Kafka's side, whatever Postgres is doing; it
+     * stays open for more rows while they are known to wait. */
+    if (r->txn.on && r->txn.state == TXN_OPEN) {
+        bool alone_due = r->held.n > 0 && held_due_alone(&r->held, now);
+        bool more = !r->draining && !r->cur.caught_up && !alone_due;
+        if (txn_end_due(&r->txn, fetch_out(r), more))
+            start_txn_end(r, now);
+    }
     if (r->draining && relay_drain_over(r, now)) {
         if (give_all(r, now))
             return;
@@ -836,6 +976,11 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
                  acked, awaiting, refused);
     r->offs.n = 0;
     log_reset(&r->log); /* in any mode: a relay in log mode may have taken over meanwhile */
+    /* The open transaction goes with the session: the next one's producer
+     * aborts it at its init (or waits for the end in flight, whose answer
+     * is then ignored here), and its recovery pass finds what committed. */
+    r->txn.stale = r->txn.state == TXN_ENDING;
+    txn_reset(&r->txn);
     owner_lost(&r->owner);
     /* The relay lock went with the session: another relay may have
      * published since. The next acquisition runs the recovery pass again. */
@@ -1184,7 +1329,7 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
 {
     struct seat *s = r->batch[i];
     bool alone = row->id == due_alone_id;
-    if (alone && r->n_outstanding > 0) {
+    if (alone && (r->n_outstanding > 0 || r->txn.state != TXN_NONE)) {
         /* Rows before it are still out: it and the rest wait for the
          * next fetch, which relay_kick() sends once their reports are in. */
         release_rest(r, i, taken);
@@ -1192,7 +1337,20 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         return false;
     }
     const char *reason = NULL;
-    enum obx_produce_result pr = alone && r->ops->produce_alone
+    if (r->txn.on && r->txn.state == TXN_NONE) {
+        if (r->ops->txn_begin(r->producer, &reason) != 0) {
+            obx_warn("relay: cannot begin a Kafka transaction at row %lld: %s; retrying shortly",
+                     (long long)row->id, reason ? reason : "unknown error");
+            release_rest(r, i, taken);
+            r->not_before = now + r->set.retry_backoff_ms;
+            cursor_want_fetch(&r->cur, "transaction not begun");
+            return false;
+        }
+        r->txn.state = TXN_OPEN;
+    }
+    /* Transactions: a row tried alone goes in a transaction of its own
+     * through the one producer (the second has no transactional.id). */
+    enum obx_produce_result pr = alone && r->ops->produce_alone && !r->txn.on
                                      ? r->ops->produce_alone(r->producer, row, s, &reason)
                                      : r->ops->produce(r->producer, row, s, &reason);
     if (pr == OBX_PRODUCE_BUSY) {
@@ -1216,6 +1374,8 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
         b->retry_at = INT64_MAX; /* being retried: not due again until refused */
     r->n_outstanding++;
     (*produced)++;
+    if (r->txn.on)
+        txn_row_out(&r->txn);
     if (!alone)
         return true;
     obx_event(OBX_LOG_INFO, "tried_alone", "relay: trying row %lld alone", (long long)row->id);
@@ -1283,6 +1443,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     r->cur.caught_up = n < (size_t)r->cur.fetch_limit;
     schedule_look(r, n, now);
     size_t taken = take_seats(r, rows, n_take, seq);
+    txn_rows_taken(&r->txn, taken);
     /* Rows fetched and not taken: the checkpoint above is not valid. */
     if (seq && r->cur.gen != gen_at_checkpoint)
         log_checkpoints_drop_from(&r->log, seq);
@@ -1292,6 +1453,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         cursor_want_fetch(&r->cur, "full batch");
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
+    txn_batch_done(&r->txn);
     if (r->set.log_mode)
         log_recs_retire(&r->log,
                         r->now); /* the record of a fetch that handed nothing out retires */
@@ -1503,6 +1665,14 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         cursor_want_fetch(&r->cur, "key free");
     }
     r->n_outstanding--;
+    if (r->txn.on) {
+        /* Its transaction is aborted after a failed report: a record that
+         * may have landed is never shown to a read_committed consumer, so
+         * the row simply goes again. */
+        if (outcome == OBX_DELIVERY_UNKNOWN)
+            outcome = OBX_DELIVERY_RETRY;
+        txn_row_reported(&r->txn, outcome == OBX_DELIVERED);
+    }
     bool was_alone = s->id == r->alone_id;
     if (was_alone)
         r->alone_id = NO_ID;
@@ -1510,12 +1680,16 @@ void obx_relay_on_delivery(struct obx_relay *r, void *opaque, enum obx_delivery 
         outcome = OBX_DELIVERY_REFUSED; /* refused alone: it is the row itself */
     switch (outcome) {
     case OBX_DELIVERED:
-        relay_log_settle(r, s, true);
-        rows_move(&r->rows, s, SEAT_ACKED);
         s->partition = partition;
         s->offset = offset;
-        if (s->created_us > 0 && r->ops->acked)
-            r->ops->acked(r->io, s->created_us);
+        if (r->txn.on) {
+            rows_move(&r->rows, s, SEAT_SENT); /* acknowledged once its transaction commits */
+        } else {
+            relay_log_settle(r, s, true);
+            rows_move(&r->rows, s, SEAT_ACKED);
+            if (s->created_us > 0 && r->ops->acked)
+                r->ops->acked(r->io, s->created_us);
+        }
         if (r->held.n > 0)
             held_goes_on(r, s->id, true);
         break;

@@ -23,6 +23,7 @@
 #include "relay_log.h"
 #include "relay_owner.h"
 #include "relay_rows.h"
+#include "relay_txn.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -112,6 +113,7 @@ struct obx_relay {
 
     struct log_state log; /* set.log_mode only */
     struct owner owner;   /* the slots of relay.shards owned (relay_owner.h) */
+    struct txn txn;       /* relay.transactions: the open transaction (relay_txn.h) */
 };
 
 #endif

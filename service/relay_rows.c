@@ -5,8 +5,8 @@
 
 #include <string.h>
 
-static const char *const state_names[SEAT_STATES] = {"free", "produced",     "acked", "marking",
-                                                     "dead", "dead_marking", "parked"};
+static const char *const state_names[SEAT_STATES] = {"free", "produced",     "acked",  "marking",
+                                                     "dead", "dead_marking", "parked", "sent"};
 
 static const char *rows_state_name(enum seat_state s)
 {
@@ -19,12 +19,13 @@ static const char *rows_state_name(enum seat_state s)
 #define BIT(s) (1u << (s))
 static const unsigned allowed[SEAT_STATES] = {
     [SEAT_FREE] = 0, /* rows_take() */
-    [SEAT_PRODUCED] = BIT(SEAT_ACKED) | BIT(SEAT_DEAD) | BIT(SEAT_PARKED),
+    [SEAT_PRODUCED] = BIT(SEAT_ACKED) | BIT(SEAT_DEAD) | BIT(SEAT_PARKED) | BIT(SEAT_SENT),
     [SEAT_ACKED] = BIT(SEAT_MARKING),
     [SEAT_MARKING] = BIT(SEAT_ACKED),
     [SEAT_DEAD] = BIT(SEAT_DEAD_MARKING),
     [SEAT_DEAD_MARKING] = BIT(SEAT_DEAD),
     [SEAT_PARKED] = BIT(SEAT_PRODUCED) | BIT(SEAT_DEAD),
+    [SEAT_SENT] = BIT(SEAT_ACKED), /* committed; an abort releases it */
 };
 
 int rows_init(struct rows *rs, int32_t cap)

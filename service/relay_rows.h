@@ -23,6 +23,7 @@ enum seat_state {
     SEAT_DEAD,         /* refused; to be moved to outbox.dead_letters */
     SEAT_DEAD_MARKING, /* in the mark transaction now in flight, as a dead letter */
     SEAT_PARKED,       /* set.one_per_key: fetched, waiting behind its key's record at Kafka */
+    SEAT_SENT,         /* relay.transactions: acknowledged, its transaction not committed yet */
     SEAT_STATES
 };
 

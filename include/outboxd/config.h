@@ -48,9 +48,11 @@ struct obx_config {
     int64_t pg_backoff_min_ms;
     int64_t pg_backoff_max_ms;
 
-    int on_sent;   /* enum obx_on_sent */
-    int on_reject; /* enum obx_on_reject (relay.h) */
-    int shards;    /* relay.shards: slots the keys hash into (1: one active relay) */
+    int on_sent;          /* enum obx_on_sent */
+    int on_reject;        /* enum obx_on_reject (relay.h) */
+    int shards;           /* relay.shards: slots the keys hash into (1: one active relay) */
+    int transactions;     /* relay.transactions: 0 off, 1 on */
+    int transaction_rows; /* relay.transaction_rows */
     int batch_size;
     int max_in_flight;
     int fetch_max_bytes;

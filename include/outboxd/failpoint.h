@@ -23,6 +23,8 @@ enum obx_fp_id {
     OBX_FP_MARK_AFTER_COMMIT,     /* mark committed, result not yet processed */
     OBX_FP_RECOVER_AFTER_SCAN,    /* recovery read Kafka, nothing marked yet */
     OBX_FP_RECOVER_BEFORE_COMMIT, /* recovery's mark about to be committed */
+    OBX_FP_TXN_BEFORE_COMMIT,     /* transaction's reports in, its commit not sent */
+    OBX_FP_TXN_AFTER_COMMIT,      /* transaction committed, its rows not yet marked */
     OBX_FP_COUNT
 };
 

@@ -38,6 +38,10 @@ struct obx_kafka_callbacks {
     /* The producer hit a fatal error (e.g. idempotence broken): it cannot
      * produce any more. Called once. */
     void (*fatal)(const char *reason, void *arg);
+    /* relay.transactions: the answer of obx_kafka_txn_init (`init` true) or
+     * of obx_kafka_txn_end (`end` the call), with librdkafka's reason. */
+    void (*txn_done)(bool init, enum obx_txn_end end, enum obx_txn_result result,
+                     const char *reason, void *arg);
 };
 
 struct obx_kafka;
@@ -61,7 +65,10 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
 size_t obx_kafka_producer_default_count(void);
 void obx_kafka_producer_default(size_t i, const char **name, const char **value);
 
-size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, char (*out)[384], size_t max);
+/* With `transactions` (relay.transactions), a finite message timeout and
+ * no gapless stop weaken nothing: a failed record aborts its transaction. */
+size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, bool transactions,
+                                     char (*out)[384], size_t max);
 
 /* The effective message.max.bytes of a configuration, and of the producer:
  * payloads above it are not even fetched. */
@@ -115,6 +122,23 @@ bool obx_kafka_connected(const struct obx_kafka *k);
  * librdkafka error name (for /metrics). */
 const struct obx_labelled *obx_kafka_published(const struct obx_kafka *k);
 const struct obx_labelled *obx_kafka_publish_errors(const struct obx_kafka *k);
+
+/* ---- relay.transactions ----
+ *
+ * Each relay session begins with obx_kafka_txn_init: a new producer with
+ * the outbox's transactional.id replaces the one before (which must have
+ * nothing in flight), and init_transactions, in the thread pool, fences
+ * every earlier producer of that id and ends its open transaction (aborted,
+ * or its commit finished). Commits and aborts run in the thread pool too,
+ * one call at a time; the answers come through cb.txn_done on the loop. */
+#define OBX_KAFKA_TXN_TIMEOUT_MS "10000"
+/* 0, or -1 when a call is still running (then nothing starts). */
+int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id);
+/* Begins a transaction (local, at once): 0, or -1 with *reason. */
+int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason);
+/* Commits or aborts the open transaction: 0, or -1 when a call is still
+ * running or the producer is gone. */
+int obx_kafka_txn_end(struct obx_kafka *k, enum obx_txn_end end);
 
 /* Serves librdkafka's queue from the housekeeping timer too. */
 void obx_kafka_housekeeping(struct obx_kafka *k);

@@ -101,6 +101,8 @@ bool obx_pg_usable(const struct obx_pg *pg);
 /* The history of the session's server, "SYSTEM_ID.TIMELINE" (the
  * outbox-history header), or "" when the server would not tell. */
 const char *obx_pg_history(const struct obx_pg *pg);
+/* The database name of the session's connection ("" without one). */
+const char *obx_pg_dbname(const struct obx_pg *pg);
 
 /* A growable text buffer holding a Postgres array literal ("{1,2}",
  * "{\"a\",NULL}") for a text-format parameter. */

@@ -50,6 +50,19 @@ enum obx_produce_result {
     OBX_PRODUCE_TOPIC_REFUSED = -3, /* nor any row of its topic (unknown, not authorized) */
 };
 
+/* relay.transactions: the calls that end a transaction, and their answers. */
+enum obx_txn_end {
+    OBX_TXN_COMMIT,
+    OBX_TXN_ABORT,
+};
+enum obx_txn_result {
+    OBX_TXN_OK = 0,
+    OBX_TXN_RETRY,     /* timed out, and may go on in the background: call it again */
+    OBX_TXN_ABORTABLE, /* the transaction cannot commit: abort it, then go on */
+    OBX_TXN_FENCED,    /* a producer with our transactional.id took over: stop */
+    OBX_TXN_FATAL,     /* the producer cannot go on */
+};
+
 /* Outcome of one delivery report. */
 enum obx_delivery {
     OBX_DELIVERED = 0,          /* persisted by Kafka */
@@ -193,7 +206,8 @@ struct obx_relay_ops {
     enum obx_produce_result (*produce)(void *producer, const struct obx_row *row, void *opaque,
                                        const char **reason);
     /* As produce, for a row tried alone (nothing else is out): a producer
-     * whose refusal stops nothing else. May be NULL (then produce). */
+     * whose refusal stops nothing else. May be NULL (then produce); not
+     * used with transactions. */
     enum obx_produce_result (*produce_alone)(void *producer, const struct obx_row *row,
                                              void *opaque, const char **reason);
     /* Starts the recovery pass over the rows of `owned_slots` (array text
@@ -219,6 +233,13 @@ struct obx_relay_ops {
      * look for new rows); replaces any earlier request. May be NULL (then
      * only the caller's periodic tick drives it). */
     void (*wake_at)(void *io, int64_t when);
+    /* relay.transactions: begins a transaction (with the relay's
+     * `producer`, at once): 0, or -1 with *reason. Then ends it, commit or
+     * abort: 0 when the call went (its answer comes through
+     * obx_relay_on_txn_ended), -1 when it could not. NULL without
+     * transactions. */
+    int (*txn_begin)(void *producer, const char **reason);
+    int (*txn_end)(void *io, enum obx_txn_end end);
     /* The loop's monotonic time in ms, for the answers that come straight
      * from Postgres (obx_relay_fetched, obx_relay_mark_fetched). May be
      * NULL if those are not used. */
@@ -249,6 +270,11 @@ struct obx_relay_settings {
     /* relay.shards: above 1 the relay publishes only the rows of the slots
      * it owns (relay_owner.c). */
     int shards;
+    /* relay.transactions: rows go out in Kafka transactions of up to
+     * transaction_rows rows; acknowledged rows are marked once theirs
+     * committed (relay_txn.h). */
+    bool transactions;
+    int transaction_rows;
 };
 
 /* The answer to ops->claim (outbox.claim_slots). */
@@ -275,6 +301,9 @@ void obx_relay_free(struct obx_relay *r);
 /* Events. `now` is monotonic milliseconds. */
 void obx_relay_on_pg_ready(struct obx_relay *r, int64_t now);
 void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now);
+/* relay.transactions: the answer of ops->txn_end. */
+void obx_relay_on_txn_ended(struct obx_relay *r, enum obx_txn_end end, enum obx_txn_result result,
+                            const char *reason, int64_t now);
 void obx_relay_on_recovered(struct obx_relay *r, bool ok, int64_t now);
 /* Log mode: what the recovery pass read, given just before
  * obx_relay_on_recovered(ok = true). Returns -1 out of memory (then report

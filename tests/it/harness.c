@@ -1506,9 +1506,17 @@ int h_kafka_empty_partitions(struct h_env *e, const char *topic)
 
 void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out)
 {
+    h_kafka_read_all_as(e, topics, true, out);
+}
+
+void h_kafka_read_all_as(struct h_env *e, const char *const *topics, bool committed,
+                         struct h_records *out)
+{
     char err[512];
     int64_t t0 = h_now_ms();
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
+    rd_kafka_conf_set(conf, "isolation.level", committed ? "read_committed" : "read_uncommitted",
+                      err, sizeof(err));
     rd_kafka_conf_set(conf, "bootstrap.servers", e->internal, err, sizeof(err));
     rd_kafka_conf_set(conf, "group.id", "obx-it-reader", err, sizeof(err));
     rd_kafka_conf_set(conf, "enable.partition.eof", "true", err, sizeof(err));

@@ -198,6 +198,10 @@ bool h_wait_drained(struct h_env *e, int timeout_ms);
 /* Reads every record of `topics` (NULL-terminated names) from the start to
  * the end of each partition. */
 void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_records *out);
+/* The same as a read_committed consumer (h_kafka_read_all's way: what an
+ * aborted transaction wrote is left out) or a read_uncommitted one. */
+void h_kafka_read_all_as(struct h_env *e, const char *const *topics, bool committed,
+                         struct h_records *out);
 /* How many partitions of `topic` hold no record yet. */
 int h_kafka_empty_partitions(struct h_env *e, const char *topic);
 void h_records_free(struct h_records *r);

@@ -23,9 +23,15 @@
 
 static struct h_env env;
 
+/* A second relay on the same outbox (test_txn_zombie): stopped by the
+ * teardown too, whatever failed. */
+static struct h_env second;
+
 static int teardown_env(void **state)
 {
     (void)state;
+    if (second.relay_pid > 0)
+        h_relay_stop(&second, SIGKILL, 10000);
     h_env_stop(&env);
     return 0;
 }
@@ -559,6 +565,201 @@ static void test_compression_zstd(void **state)
     compression("zstd");
 }
 
+/* ---- relay.transactions (issue 40) ---- */
+
+/* Small transactions, so that every window below is hit within a few
+ * hundred rows. */
+#define TXN_ARGS                                                                                   \
+    ((const char *const[]){"relay.transactions=on", "relay.transaction_rows=50",                   \
+                           "relay.batch_size=50", NULL})
+
+/* What a read_committed consumer sees: every row once, in key order (0
+ * duplicates, nothing excused); what a read_uncommitted one sees beside
+ * it, as a figure. */
+static size_t expect_committed_once(const char *what, size_t *uncommitted_out)
+{
+    struct h_records recs = {0};
+    h_kafka_read_all_as(&env, S_TOPICS, true, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    size_t n = recs.n;
+    h_records_free(&recs);
+    h_kafka_read_all_as(&env, S_TOPICS, false, &recs);
+    size_t uncommitted = recs.n;
+    h_records_free(&recs);
+    print_message("%s: %zu records for a read_committed consumer, each row once; a "
+                  "read_uncommitted one reads %zu (%zu of aborted transactions)\n",
+                  what, n, uncommitted, uncommitted - n);
+    if (uncommitted_out)
+        *uncommitted_out = uncommitted;
+    return n;
+}
+
+/* Rows go out in transactions, marked once theirs committed; the relay
+ * says it fenced the producers before it. */
+static void test_txn_delivery(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL, TXN_ARGS);
+    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+    s_wait_sent(&env, 300, 30000);
+    int written = writers_stop(&ws);
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    size_t n = expect_committed_once("transactions", NULL);
+    assert_true(n >= (size_t)written);
+}
+
+/* Every crash window of a transaction: the relay killed (a failpoint's
+ * crash, SIGKILL) after rows went to Kafka in an open transaction, with
+ * every report in and the commit not sent, after the commit and before the
+ * mark, in the mark's windows and after the recovery pass's read; each
+ * time started again at once. What
+ * the crash left open is aborted by the next relay's init, what committed
+ * is found and marked by its recovery pass (read_committed). */
+static void test_txn_crash_windows(void **state)
+{
+    (void)state;
+    static const char *const windows[] = {
+        "produce.after=crash@3", "txn.before_commit=crash@3",  "txn.after_commit=crash@3",
+        "ack.after=crash@3",     "mark.before_commit=crash@3", "mark.after_commit=crash@3",
+    };
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    for (size_t i = 0; i < sizeof(windows) / sizeof(windows[0]); i++) {
+        s_prefill(&env, S_TOPICS[i % 3], 400);
+        h_relay_start(&env, windows[i], TXN_ARGS);
+        int rc = h_relay_wait(&env, 60000);
+        if (rc != 128 + SIGKILL)
+            fail_msg("%s: the relay ended with %d, not by the failpoint's crash", windows[i], rc);
+        h_relay_start(&env, NULL, TXN_ARGS);
+        s_wait_drained(&env, 60000);
+        assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    }
+    /* And the pass that finds committed rows unmarked, killed after its
+     * read: the next one finds them again. */
+    s_prefill(&env, "it.b", 400);
+    h_relay_start(&env, "txn.after_commit=crash@2", TXN_ARGS);
+    assert_int_equal(h_relay_wait(&env, 60000), 128 + SIGKILL);
+    h_relay_start(&env, "recover.after_scan=crash", TXN_ARGS);
+    assert_int_equal(h_relay_wait(&env, 60000), 128 + SIGKILL);
+    h_relay_start(&env, NULL, TXN_ARGS);
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    expect_committed_once("every crash window", NULL);
+}
+
+/* The replication window of test_replication_window, with transactions:
+ * a follower of the only partition paused in the middle of a backlog,
+ * while a transaction that already holds records of the partition goes
+ * on; its later records wait above the high watermark for the paused
+ * follower, and the relay is killed. The next one's init aborts that
+ * transaction (its records do land, for a read_uncommitted consumer), and
+ * a read_committed consumer sees every row once (without transactions the
+ * same window shows duplicates, which that test requires). */
+static void test_txn_replication_window(void **state)
+{
+    (void)state;
+    const struct h_kafka k = {.settings = {"replica.lag.time.max.ms=6000", NULL}};
+    /* One record a request, each waiting for every in-sync replica: a
+     * transaction of 2,000 rows takes seconds to send, so the pause lands
+     * in the middle of one that already registered the partition. */
+    const char *const *args = (const char *const[]){
+        "relay.transactions=on", "relay.transaction_rows=2000", "kafka.batch.num.messages=1", NULL};
+    h_env_start_real(&env, (const char *const[]){"it.w:1", NULL}, 0, &k);
+    s_prefill(&env, "it.w", 10000);
+    h_relay_start(&env, NULL, args);
+    s_wait_sent(&env, 2000, 30000); /* a transaction committed */
+    h_sleep_ms(500);                /* the next one is sending */
+    long leader = h_broker_query(&env, "leader it.w 0");
+    long controller = h_broker_query(&env, "controller");
+    int follower = other_node(leader, controller);
+    assert_true(h_broker_cmd(&env, "pause %d", follower));
+    h_sleep_ms(1500);
+    assert_int_equal(h_relay_stop(&env, SIGKILL, 10000), 128 + SIGKILL);
+    h_relay_start(&env, NULL, args);
+    s_wait_drained(&env, 90000);
+    assert_true(h_broker_cmd(&env, "cont %d", follower));
+    assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    const char *const *w = (const char *const[]){"it.w", NULL};
+    struct h_records recs = {0};
+    h_kafka_read_all_as(&env, w, true, &recs);
+    assert_int_equal(h_check_db_matches_kafka(&env, &recs, false), 0);
+    size_t n = recs.n;
+    h_records_free(&recs);
+    h_kafka_read_all_as(&env, w, false, &recs);
+    size_t uncommitted = recs.n;
+    h_records_free(&recs);
+    print_message("replication window with transactions: %zu records for a read_committed "
+                  "consumer, each row once; %zu for a read_uncommitted one (%zu of the aborted "
+                  "transaction)\n",
+                  n, uncommitted, uncommitted - n);
+    assert_true(uncommitted > n); /* the window was open: otherwise this test showed nothing */
+}
+
+/* The zombie: the active relay frozen (SIGSTOP) with rows in flight, its
+ * session terminated, the standby takes over (its init fences the frozen
+ * one's producer and aborts its open transaction); the frozen one goes on
+ * 3 s later with what librdkafka still held (it sends one record a
+ * request, so some of its open transaction is always in the log). Nothing
+ * it sends is
+ * committed: a read_committed consumer sees every row once, nothing
+ * excused (live_zombie, without transactions, counts the window). */
+static void test_txn_zombie(void **state)
+{
+    (void)state;
+    char ci_a[700], ci_b[700];
+    struct h_env *b = &second;
+    struct writers ws;
+    static const char *const slow[] = {"postgres.reconnect_backoff_min=1s",
+                                       "postgres.reconnect_backoff_max=2s"};
+    h_env_start_real(&env, TOPICS, H_PG_TCP, NULL);
+    *b = env;
+    snprintf(b->relay_name, sizeof(b->relay_name), "b");
+    b->http_port = h_free_port();
+    snprintf(ci_a, sizeof(ci_a), "postgres.conninfo=%s application_name=aa", env.conninfo);
+    snprintf(ci_b, sizeof(ci_b), "postgres.conninfo=%s application_name=bb", env.conninfo);
+    /* The first relay sends one record a request, in transactions of
+     * 2,000 rows, through a backlog: a transaction of it is always open
+     * with records in the log. */
+    h_relay_start(&env, NULL,
+                  (const char *const[]){ci_a, slow[0], slow[1], "relay.transactions=on",
+                                        "relay.transaction_rows=2000", "kafka.batch.num.messages=1",
+                                        NULL});
+    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+    h_relay_start(
+        b, NULL,
+        (const char *const[]){ci_b, slow[0], slow[1], TXN_ARGS[0], TXN_ARGS[1], TXN_ARGS[2], NULL});
+    h_wait_event(b, "standing_by", NULL, 1, 15000);
+    s_prefill(&env, "it.a", 20000);
+    writers_start(&ws, 2);
+    s_wait_sent(&env, 2000, 30000); /* a transaction committed */
+    h_sleep_ms(500);                /* the next one is sending */
+    kill(env.relay_pid, SIGSTOP);
+    PGconn *c = h_connect(&env);
+    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                             " WHERE application_name = 'aa'") >= 1);
+    PQfinish(c);
+    h_wait_event(b, "transactions_ready", NULL, 1, 30000);
+    h_sleep_ms(3000);
+    kill(env.relay_pid, SIGCONT);
+    h_sleep_ms(3000);
+    int written = writers_stop(&ws);
+    s_wait_drained(b, 60000);
+    h_relay_stop(&env, SIGTERM, 30000); /* stood aside, or stopped when fenced */
+    assert_int_equal(h_relay_stop(b, SIGTERM, 30000), 0);
+    size_t uncommitted;
+    size_t n = expect_committed_once("zombie", &uncommitted);
+    assert_true(n >= (size_t)written);
+    /* The frozen relay had records of its open transaction in the log
+     * (one record a request keeps some there at any time): they landed,
+     * aborted, and no read_committed consumer saw them. */
+    assert_true(uncommitted > n);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -577,6 +778,10 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_compression_gzip, teardown_env),
         cmocka_unit_test_teardown(test_compression_lz4, teardown_env),
         cmocka_unit_test_teardown(test_compression_zstd, teardown_env),
+        cmocka_unit_test_teardown(test_txn_delivery, teardown_env),
+        cmocka_unit_test_teardown(test_txn_crash_windows, teardown_env),
+        cmocka_unit_test_teardown(test_txn_replication_window, teardown_env),
+        cmocka_unit_test_teardown(test_txn_zombie, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }
