@@ -284,6 +284,51 @@ done:
     return answer;
 }
 
+/* relay.transactions: a producer with a transactional.id of its own (the
+ * outbox's with "-check" after it: never the outbox's, whose init would
+ * fence the running relay) initialises transactions, as each relay
+ * session does. That needs a transaction coordinator (the brokers'
+ * transaction.state.log.* must fit the cluster), the right to write that
+ * transactional id (ACLs), and a transaction.timeout.ms the brokers allow
+ * (transaction.max.timeout.ms). */
+static void check_transactions(const struct obx_config *cfg, FILE *out, int *problems)
+{
+    rd_kafka_conf_t *conf;
+    char err[512], id[300];
+    const char *set = obx_config_kafka_get(cfg, "transactional.id");
+    snprintf(id, sizeof(id), "%s-check", set ? set : "outboxd");
+    if (obx_kafka_conf_build(cfg, OBX_KAFKA_PRODUCER, &conf, err, sizeof(err)) != 0 ||
+        rd_kafka_conf_set(conf, "transactional.id", id, err, sizeof(err)) != RD_KAFKA_CONF_OK) {
+        problem(out, problems, "kafka: relay.transactions: %s", err);
+        return;
+    }
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
+    if (!rk) {
+        rd_kafka_conf_destroy(conf);
+        problem(out, problems, "kafka: relay.transactions: cannot create a client: %s", err);
+        return;
+    }
+    rd_kafka_error_t *e = rd_kafka_init_transactions(rk, OBX_CHECK_TIMEOUT_S * 1000);
+    if (!e)
+        fprintf(out,
+                "outboxd: ok: kafka transactions (a producer with transactional.id %s "
+                "initialised)\n",
+                id);
+    else
+        problem(out, problems,
+                "kafka: relay.transactions = on, but a producer with transactional.id %s could "
+                "not initialise transactions within %ds (%s: %s); the brokers need a "
+                "transaction coordinator (transaction.state.log.replication.factor and "
+                "min.isr no larger than the cluster), the relay's user the right to write its "
+                "transactional id, and kafka.transaction.timeout.ms no larger than the brokers' "
+                "transaction.max.timeout.ms",
+                id, OBX_CHECK_TIMEOUT_S, rd_kafka_err2name(rd_kafka_error_code(e)),
+                rd_kafka_error_string(e));
+    if (e)
+        rd_kafka_error_destroy(e);
+    rd_kafka_destroy(rk);
+}
+
 static void check_kafka(const struct obx_config *cfg, const struct waiting *w, FILE *out,
                         int *problems)
 {
@@ -342,6 +387,8 @@ static void check_kafka(const struct obx_config *cfg, const struct waiting *w, F
                 md->broker_cnt, bootstrap);
     rd_kafka_metadata_destroy(md);
     rd_kafka_destroy(rk);
+    if (cfg->transactions)
+        check_transactions(cfg, out, problems);
 }
 
 int obx_check_live(const struct obx_config *cfg, FILE *out)

@@ -610,6 +610,23 @@ static void test_txn_delivery(void **state)
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     size_t n = expect_committed_once("transactions", NULL);
     assert_true(n >= (size_t)written);
+
+    /* --check --live initialises transactions as a session does (with an
+     * id of its own), and says when the brokers refuse them: here a
+     * transaction timeout above their transaction.max.timeout.ms (15 min). */
+    char conf[600], out[8192];
+    snprintf(conf, sizeof(conf), "%s/relay.conf", env.dir);
+    int rc = h_run_outboxd((char *const[]){"outboxd", "--config", conf, "-X",
+                                           "relay.transactions=on", "--check", "--live", NULL},
+                           (char *const[]){NULL}, out, sizeof(out));
+    if (rc != 0 || !strstr(out, "ok: kafka transactions"))
+        fail_msg("--check --live with transactions: %d\n%s", rc, out);
+    rc = h_run_outboxd((char *const[]){"outboxd", "--config", conf, "-X", "relay.transactions=on",
+                                       "-X", "kafka.transaction.timeout.ms=1000000", "--check",
+                                       "--live", NULL},
+                       (char *const[]){NULL}, out, sizeof(out));
+    if (rc == 0 || !strstr(out, "could not initialise transactions"))
+        fail_msg("--check --live with a transaction timeout the brokers refuse: %d\n%s", rc, out);
 }
 
 /* Every crash window of a transaction: the relay killed (a failpoint's
