@@ -189,6 +189,8 @@ static void metrics(struct obx_health *h, struct obx_buf *body)
         .fetches_keyset = obx_relay_fetches(p->relay, true),
         .fetches_full = obx_relay_fetches(p->relay, false),
         .rows_dead_lettered = obx_relay_dead_total(p->relay),
+        .txn_committed = obx_relay_transactions(p->relay, true),
+        .txn_aborted = obx_relay_transactions(p->relay, false),
         .backlog_rows = obx_maint_backlog(p->maint),
         .lag_seconds = obx_maint_lag_seconds(p->maint),
         .postgres_connected = obx_health_pg_connected(h),

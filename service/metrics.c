@@ -199,6 +199,12 @@ static void render_rows(struct obx_buf *out, const struct obx_metrics_gauges *g)
     simple(out, "outboxd_rows_dead_lettered_total", "counter",
            "Rows Kafka refused for good and moved to outbox.dead_letters.",
            (double)g->rows_dead_lettered);
+    header(out, "outboxd_kafka_transactions_total", "counter",
+           "Kafka transactions the relay ended (relay.transactions), by result.");
+    obx_buf_printf(out, "outboxd_kafka_transactions_total{result=\"committed\"} %llu\n",
+                   (unsigned long long)g->txn_committed);
+    obx_buf_printf(out, "outboxd_kafka_transactions_total{result=\"aborted\"} %llu\n",
+                   (unsigned long long)g->txn_aborted);
     simple(out, "outboxd_rows_recovered_total", "counter",
            "Rows the start-up recovery pass found already in Kafka and marked.",
            (double)g->rows_recovered);

@@ -1755,6 +1755,11 @@ uint64_t obx_relay_marked_total(const struct obx_relay *r)
     return r->marked_total;
 }
 
+uint64_t obx_relay_transactions(const struct obx_relay *r, bool committed)
+{
+    return committed ? r->txn.commits : r->txn.aborts;
+}
+
 uint64_t obx_relay_dead_total(const struct obx_relay *r)
 {
     return r->dead_total;

@@ -77,8 +77,9 @@ struct obx_metrics_gauges {
     uint64_t rows_marked;
     uint64_t fetches_keyset, fetches_full;
     uint64_t rows_dead_lettered;
-    int64_t backlog_rows; /* -1 = not known yet */
-    double lag_seconds;   /* age of the oldest unsent row; < 0 = not known */
+    uint64_t txn_committed, txn_aborted; /* relay.transactions */
+    int64_t backlog_rows;                /* -1 = not known yet */
+    double lag_seconds;                  /* age of the oldest unsent row; < 0 = not known */
     /* The same by slot (relay.shards above 1, on the relay that counts the
      * backlog: the owner of slot 0): slot_count entries, 0 = not known. */
     int slot_count;

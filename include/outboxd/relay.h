@@ -367,6 +367,8 @@ uint64_t obx_relay_marked_total(const struct obx_relay *r);
 uint64_t obx_relay_fetches(const struct obx_relay *r, bool keyset);
 /* Rows moved to outbox.dead_letters since start. */
 uint64_t obx_relay_dead_total(const struct obx_relay *r);
+/* relay.transactions: Kafka transactions committed (else aborted) so far. */
+uint64_t obx_relay_transactions(const struct obx_relay *r, bool committed);
 /* Keys currently held back behind a refused row. */
 size_t obx_relay_held_back_keys(const struct obx_relay *r);
 /* relay.shards > 1: the slots owned, the relays sharing them (0 before the

@@ -607,8 +607,11 @@ static void test_txn_delivery(void **state)
     s_wait_sent(&env, 300, 30000);
     int written = writers_stop(&ws);
     s_wait_drained(&env, 60000);
+    double commits = relay_metric("outboxd_kafka_transactions_total{result=\"committed\"}");
+    assert_true(commits > 0);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     size_t n = expect_committed_once("transactions", NULL);
+    print_message("transactions: %.0f committed\n", commits);
     assert_true(n >= (size_t)written);
 
     /* --check --live initialises transactions as a session does (with an
