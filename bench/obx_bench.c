@@ -63,9 +63,12 @@
  * OBX_BENCH_REAL=ROUNDS (--rows N), against a real Apache Kafka cluster
  * (bench/run --kafka real; OBX_BENCH_BROKER_PIDS: its JVMs)
  *    ROUNDS rounds of the Kafka-side limit (2.) and outboxd's drain in mark
- *    mode (3.), alternating, each with its rate and CPU per row: the relay,
- *    its Postgres backend, the brokers, the whole machine; then ROUNDS
- *    rounds of the bare producer's latency at 1,000 rows/s and outboxd's.
+ *    mode (3.), idempotent and with relay.transactions (alternating), each
+ *    with its rate and CPU per row: the relay, its Postgres backend, the
+ *    brokers, the whole machine, and the transactions a second; then
+ *    ROUNDS rounds of the bare producer's latency at 1,000 rows/s and
+ *    outboxd's, both ways. OBX_BENCH_X=relay.transaction_rows=N sets the
+ *    transactions' size.
  * OBX_BENCH_SHARDS=ROUNDS (--rows N) [OBX_BENCH_SHARDS_MODE=mark|delete|log]
  *    Several active relays (relay.shards, mark mode by default): the drain of N rows
  *    by a single relay (relay.shards = 1), and by 1, 2 and 4 relays
@@ -694,9 +697,13 @@ pid_t spawn_relay(const struct opts *o, int on_sent, const char *count_file, int
     return pid;
 }
 
+/* One more setting of every outboxd spawn_outboxd starts (NULL: none): the
+ * real-cluster table's transactional runs set relay.transactions. */
+static const char *relay_more;
+
 pid_t spawn_outboxd(const struct opts *o, int on_sent, const char *count_file)
 {
-    live_relay = spawn_relay(o, on_sent, count_file, http_port, NULL);
+    live_relay = spawn_relay(o, on_sent, count_file, http_port, relay_more);
     return live_relay;
 }
 
@@ -749,6 +756,7 @@ struct drain_result {
     double cpu_per_100k;
     long peak_kb;
     double idle_cpu_s; /* over 10 s */
+    long long txns;    /* relay.transactions: transactions committed */
 };
 
 static long read_count(const char *path)
@@ -968,6 +976,7 @@ static void drain(const struct opts *o, int on_sent, int rows, int payload, bool
         *allocs = read_count(count_file) - a0;
     res->rows_per_s = rows / (t1 - t0);
     res->cpu_per_100k = (s1.cpu_s - s0.cpu_s) / rows * 100000.0;
+    res->txns = relay_metric("outboxd_kafka_transactions_total{result=\"committed\"}");
     res->peak_kb = s1.peak_kb;
     if (hook && hook->after_drain)
         hook->after_drain(hook->arg);
@@ -1628,23 +1637,39 @@ static void broker_meter_stop(void *arg)
     m->cpu_s = brokers_cpu_s() - m->cpu0;
 }
 
+/* relay.transactions in the real-cluster table: off, then on (with
+ * OBX_BENCH_TXN_ROWS as relay.transaction_rows, else its default). */
+static const char *const txn_settings[2] = {NULL, "relay.transactions=on"};
+static const char *const txn_names[2] = {"idempotent", "transactions"};
+
 static void real_kafka_table(const struct opts *o, int rounds)
 {
     printf("| round | run | rows/s | relay CPU us/row | relay backend CPU us/row | brokers CPU "
-           "us/row | machine CPU us/row |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+           "us/row | machine CPU us/row | transactions/s |\n"
+           "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (int r = 1; r <= rounds; r++) {
         double machine_us, b0 = brokers_cpu_s();
         double rate = kafka_limit(o, 200, &machine_us);
-        printf("| %d | bare idempotent producer | %.0f | | | %.1f | %.1f |\n", r, rate,
+        printf("| %d | bare idempotent producer | %.0f | | | %.1f | %.1f | |\n", r, rate,
                (brokers_cpu_s() - b0) * 1e6 / o->rows, machine_us);
-        struct broker_meter m = {0};
-        struct drain_hook hook = {broker_meter_start, broker_meter_stop, &m};
-        struct drain_result d;
-        drain(o, OBX_ON_SENT_MARK, o->rows, 200, false, &d, NULL, &hook);
-        printf("| %d | outboxd drain, mark mode | %.0f | %.1f | %.1f | %.1f | %.1f |\n", r,
-               d.rows_per_s, d.cpu_per_100k * 10, d.pg_cpu_ms_per_1k, m.cpu_s * 1e6 / o->rows,
-               d.machine_us);
-        fflush(stdout);
+        /* Both relays in each round, in alternating order. */
+        for (int k = 0; k < 2; k++) {
+            int t = (k + r) % 2;
+            relay_more = txn_settings[t];
+            struct broker_meter m = {0};
+            struct drain_hook hook = {broker_meter_start, broker_meter_stop, &m};
+            struct drain_result d;
+            drain(o, OBX_ON_SENT_MARK, o->rows, 200, false, &d, NULL, &hook);
+            char txns[32] = "";
+            if (t == 1)
+                snprintf(txns, sizeof(txns), "%.0f", d.txns * d.rows_per_s / o->rows);
+            printf("| %d | outboxd drain, mark mode, %s | %.0f | %.1f | %.1f | %.1f | %.1f | %s "
+                   "|\n",
+                   r, txn_names[t], d.rows_per_s, d.cpu_per_100k * 10, d.pg_cpu_ms_per_1k,
+                   m.cpu_s * 1e6 / o->rows, d.machine_us, txns);
+            fflush(stdout);
+        }
+        relay_more = NULL;
     }
     printf("\n| 1,000 rows/s, commit to record read | round | achieved/s | p50 ms | p99 ms | "
            "p99.9 ms | max ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
@@ -1655,20 +1680,25 @@ static void real_kafka_table(const struct opts *o, int rounds)
         kafka_floor(o, 1000, &floor);
         printf("| bare idempotent producer (from send) | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n",
                r, floor.achieved, floor.p50, floor.p99, floor.p999, floor.max);
-        pid_t relay = spawn_outboxd(o, OBX_ON_SENT_MARK, NULL);
-        sleep(2);
-        PGconn *c = connect_db(o);
-        exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
-        PQfinish(c);
-        sleep(2);
-        c = connect_db(o);
-        id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
-        PQfinish(c);
-        latency(o, 1000, &lat);
-        stop_outboxd(relay);
-        printf("| outboxd | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n", r, lat.achieved, lat.p50,
-               lat.p99, lat.p999, lat.max);
-        fflush(stdout);
+        for (int k = 0; k < 2; k++) {
+            int t = (k + r) % 2;
+            relay_more = txn_settings[t];
+            pid_t relay = spawn_outboxd(o, OBX_ON_SENT_MARK, NULL);
+            sleep(2);
+            PGconn *c = connect_db(o);
+            exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+            PQfinish(c);
+            sleep(2);
+            c = connect_db(o);
+            id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+            PQfinish(c);
+            latency(o, 1000, &lat);
+            stop_outboxd(relay);
+            printf("| outboxd, %s | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n", txn_names[t], r,
+                   lat.achieved, lat.p50, lat.p99, lat.p999, lat.max);
+            fflush(stdout);
+        }
+        relay_more = NULL;
     }
 }
 

@@ -7,6 +7,11 @@
  *
  *   obx-chaos [--kafka mock|real] [--seed S] [--schedules N] [--seconds T]
  *             [--faults a,b,...] [--keep-going] [--list-faults] [--print]
+ *             [--mode M] [--sharing] [--transactions]
+ *
+ * --transactions (with --kafka real): only the schedules whose relays run
+ * with relay.transactions (half of those of one active relay), where a
+ * read_committed reader must see no duplicate in any window.
  *
  * Schedule k of a run has the seed S + k; `--seed X --schedules 1` replays
  * schedule X (the same relays, writers' choices and fault timeline; the
@@ -183,6 +188,7 @@ struct schedule {
     int n_guests;     /* relays that join later, one for each join fault */
     const char *mode; /* relay.on_sent: mark, delete or log */
     int shards;       /* relay.shards: above 1, every relay publishes its slots */
+    bool txn;         /* relay.transactions (real Kafka, relay.shards 1): no duplicate excused */
     int duration_ms;
     int n_faults;
     struct fault f[MAX_FAULTS];
@@ -247,6 +253,10 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
     s->shards = 1;
     if ((s->n_relays > 1 || s->n_guests > 0) && rnd_in(&sr, 0, 1))
         s->shards = rnd_in(&sr, 2, 6);
+    /* relay.transactions in half the real cluster's schedules of one
+     * active relay (the mock cannot fence). Drawn apart, as above. */
+    struct rng tr = {seed ^ 0x7a5c7105eedULL};
+    s->txn = opt_real && s->shards == 1 && rnd_in(&tr, 0, 1);
     /* relay.on_reject = retry in a third of the schedules: refused rows
      * and topics wait and are tried alone (through the second producer)
      * until taken. Drawn apart, as above. */
@@ -264,10 +274,11 @@ static void print_schedule(FILE *out, const struct schedule *s)
 {
     fprintf(out,
             "schedule seed %llu%s: %d relay%s (%d joining), %s mode, relay.shards = %d, "
-            "relay.on_reject = %s, %d ms, %d faults:\n",
+            "relay.on_reject = %s%s, %d ms, %d faults:\n",
             (unsigned long long)s->seed, opt_real ? " (real Kafka)" : "", s->n_relays,
             s->n_relays > 1 ? "s" : "", s->n_guests, s->mode, s->shards,
-            s->retry ? "retry" : "dead_letter", s->duration_ms, s->n_faults);
+            s->retry ? "retry" : "dead_letter", s->txn ? ", relay.transactions = on" : "",
+            s->duration_ms, s->n_faults);
     for (int i = 0; i < s->n_faults; i++)
         fprintf(out, "  at %5d ms  %-20s relay %d  for %d ms\n", s->f[i].at_ms,
                 fault_names[s->f[i].kind], s->f[i].relay, s->f[i].dur_ms);
@@ -586,6 +597,10 @@ static void relay_start(struct run *x, int i)
     /* A finite message timeout (issue 21.1): a record whose acknowledgement
      * comes later fails "possibly persisted"; its row holds its key until
      * the recovery pass has looked for it in Kafka. */
+    if (x->s.txn) {
+        xargs[n++] = "relay.transactions=on";
+        xargs[n++] = "relay.transaction_rows=100"; /* many transactions, many windows */
+    }
     if (x->slow_acks) {
         xargs[n++] = "kafka.message.timeout.ms=1500";
         xargs[n++] = "kafka.request.timeout.ms=1000";
@@ -1425,7 +1440,7 @@ static void check(struct run *x)
                 a = byid[n + 1];
                 b = byid[n];
             }
-            if (replicating(x, a, b, slot)) {
+            if (!x->s.txn && replicating(x, a, b, slot)) {
                 x->dups_replicating++;
             } else {
                 if (opt_real && dups < 5)
@@ -1475,7 +1490,12 @@ static void check(struct run *x)
     if (dead_under_retry)
         finding(x, "%zu rows dead-lettered although refused rows are retried (e.g. %s)",
                 dead_under_retry, ex_collateral);
-    if (dups && !x->zombie_window)
+    /* With transactions a read_committed reader (ours) sees no duplicate
+     * in any window. */
+    if (dups && x->s.txn)
+        finding(x, "%zu duplicates with relay.transactions (e.g. id %lld)", dups,
+                (long long)ex_dup);
+    else if (dups && !x->zombie_window)
         finding(x, "%zu duplicates outside any named window (e.g. id %lld)", dups,
                 (long long)ex_dup);
     free(byid);
@@ -1591,6 +1611,7 @@ static unsigned opt_faults = 0;
 static bool opt_keep_going;
 static bool opt_print;       /* print the schedules, run nothing */
 static const char *opt_mode; /* --mode: only schedules of this relay.on_sent */
+static bool opt_txn;         /* --transactions: only schedules with relay.transactions */
 static bool opt_sharing;     /* --sharing: only schedules with relay.shards above 1 */
 
 struct totals {
@@ -1625,8 +1646,9 @@ static void test_chaos(void **state)
             break;
         memset(&run, 0, sizeof(run));
         gen_schedule(&run.s, opt_seed + (uint64_t)k, opt_faults);
-        if ((opt_mode && strcmp(run.s.mode, opt_mode) != 0) || (opt_sharing && run.s.shards < 2))
-            continue; /* --mode, --sharing: a seed keeps its schedule; others are skipped */
+        if ((opt_mode && strcmp(run.s.mode, opt_mode) != 0) || (opt_sharing && run.s.shards < 2) ||
+            (opt_txn && !run.s.txn))
+            continue; /* --mode, --sharing, --transactions: a seed keeps its schedule */
         int64_t started = h_now_ms();
         run_schedule(&run);
         plot_schedule(&run, started);
@@ -1648,13 +1670,14 @@ static void test_chaos(void **state)
                      "resent; ",
                      run.seq.out_of_order, run.seq.duplicates);
         fprintf(stderr,
-                "chaos: seed %llu: %d relays%s%s, %d faults, %zu rows committed (%zu uncertain), "
+                "chaos: seed %llu: %d relays%s%s%s, %d faults, %zu rows committed (%zu uncertain), "
                 "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s%s; %ld time-out "
                 "reports; %s%u restarted after a fatal error -> %s\n",
                 (unsigned long long)run.s.seed, run.s.n_relays,
                 run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
-                run.s.n_faults, run.committed, run.uncertain, run.rolled_back, run.dead,
-                run.records, run.duplicates, run.zombie_window ? " [zombie window]" : "",
+                run.s.txn ? " in transactions" : "", run.s.n_faults, run.committed, run.uncertain,
+                run.rolled_back, run.dead, run.records, run.duplicates,
+                run.zombie_window ? " [zombie window]" : "",
                 opt_real ? replicating_note(run.dups_replicating) : "", run.timed_out, seq,
                 run.fatal_restarts, run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
@@ -1773,6 +1796,8 @@ int main(int argc, char **argv)
             i++;
         } else if (strcmp(a, "--sharing") == 0) {
             opt_sharing = true;
+        } else if (strcmp(a, "--transactions") == 0) {
+            opt_txn = true;
         } else if (strcmp(a, "--keep-going") == 0) {
             opt_keep_going = true;
         } else if (strcmp(a, "--print") == 0) {
@@ -1787,11 +1812,16 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr, "usage: obx-chaos [--kafka mock|real] [--seed S] [--schedules N] "
                             "[--seconds T] [--faults a,b,...|default|all] [--mode mark|delete|log] "
-                            "[--sharing] "
+                            "[--sharing] [--transactions] "
                             "[--keep-going] "
                             "[--list-faults] [--print]\n");
             return 2;
         }
+    }
+    if (opt_txn && !opt_real) {
+        fprintf(stderr, "obx-chaos: --transactions goes with --kafka real (the mock cannot "
+                        "fence)\n");
+        return 2;
     }
     opt_faults = parse_faults(faults);
     if (opt_schedules == 0 && opt_seconds == 0)
