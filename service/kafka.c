@@ -275,10 +275,10 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
         return -1;
     }
     for (size_t i = 0; role == OBX_KAFKA_PRODUCER && i < N_PRODUCER_DEFAULTS; i++) {
-        /* Transactions: a record that fails aborts its transaction, with
-         * the later records of its partition, so the gapless stop is not
-         * needed (it would make the producer fatal where the transaction
-         * is abortable); librdkafka's default leaves it off. */
+        /* Transactions: a record that fails makes its transaction
+         * abortable, and the abort takes the later records of its
+         * partition with it: the idempotent producer's gapless stop has
+         * nothing to add (librdkafka's default leaves it off). */
         if (cfg->transactions && strcmp(producer_defaults[i][0], "enable.gapless.guarantee") == 0)
             continue;
         if (conf_set(conf, producer_defaults[i][0], producer_defaults[i][1], "default", err,
@@ -289,23 +289,22 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
         if (conf_set(conf, cfg->kafka[i].name, cfg->kafka[i].value, cfg->kafka[i].origin, err,
                      errlen) != 0)
             goto fail;
-    /* Transactions: the timeouts go down to the transaction's, as librdkafka
-     * requires: an open transaction holds back every read_committed
-     * consumer of its partitions, so it is short (Kafka Streams' 10 s);
-     * a relay that dies with one open leaves them waiting at most that
-     * long, and one that takes over aborts it at once. */
-    static const char *const txn_defaults[][2] = {
-        {"transaction.timeout.ms", OBX_KAFKA_TXN_TIMEOUT_MS},
-        {"message.timeout.ms", OBX_KAFKA_TXN_TIMEOUT_MS},
-        {"socket.timeout.ms", OBX_KAFKA_TXN_TIMEOUT_MS},
-    };
-    for (size_t i = 0; role == OBX_KAFKA_PRODUCER && cfg->transactions &&
-                       i < sizeof(txn_defaults) / sizeof(txn_defaults[0]);
-         i++)
-        if (!obx_config_kafka_get(cfg, txn_defaults[i][0]) &&
-            conf_set(conf, txn_defaults[i][0], txn_defaults[i][1], "relay.transactions", err,
-                     errlen) != 0)
-            goto fail;
+    /* Transactions: an open transaction holds back every read_committed
+     * consumer of its partitions, so its timeout is short (Kafka Streams'
+     * 10 s): a relay that dies with one open leaves them waiting at most
+     * that long, and one that takes over aborts it at once. The message
+     * and socket timeouts go down to it, as librdkafka requires. */
+    if (role == OBX_KAFKA_PRODUCER && cfg->transactions) {
+        const char *txn_timeout = obx_config_kafka_get(cfg, "transaction.timeout.ms");
+        if (!txn_timeout)
+            txn_timeout = OBX_KAFKA_TXN_TIMEOUT_MS;
+        static const char *const follow[] = {"transaction.timeout.ms", "message.timeout.ms",
+                                             "socket.timeout.ms"};
+        for (size_t i = 0; i < sizeof(follow) / sizeof(follow[0]); i++)
+            if (!obx_config_kafka_get(cfg, follow[i]) &&
+                conf_set(conf, follow[i], txn_timeout, "relay.transactions", err, errlen) != 0)
+                goto fail;
+    }
     /* Ours, after the user's: the loop integration depends on them. */
     if (role == OBX_KAFKA_PRODUCER &&
         conf_set(conf, "log.queue", "true", "outboxd", err, errlen) != 0)
@@ -364,6 +363,44 @@ size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, bool transacti
                  "be lost with its broker (no-loss no longer holds)",
                  v);
     return n;
+}
+
+int obx_kafka_conf_check_transactions(const rd_kafka_conf_t *conf, char *err, size_t errlen)
+{
+    char why[512], v[32];
+    if (strcmp(prop(conf, "message.timeout.ms", v, sizeof(v)), "0") == 0) {
+        snprintf(err, errlen,
+                 "kafka.message.timeout.ms = 0 with relay.transactions = on: a record must time "
+                 "out within its transaction (at most kafka.transaction.timeout.ms)");
+        return -1;
+    }
+    /* librdkafka checks a transactional producer's settings only when one
+     * is made: make one (it connects to nothing before init_transactions). */
+    rd_kafka_conf_t *c = rd_kafka_conf_dup(conf);
+    if (!c || rd_kafka_conf_set(c, "transactional.id", "outboxd-settings-check", why,
+                                sizeof(why)) != RD_KAFKA_CONF_OK) {
+        if (c)
+            rd_kafka_conf_destroy(c);
+        snprintf(err, errlen, "relay.transactions: %s", c ? why : "out of memory");
+        return -1;
+    }
+    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, c, why, sizeof(why));
+    if (!rk) {
+        rd_kafka_conf_destroy(c);
+        snprintf(err, errlen,
+                 "relay.transactions = on, but the Kafka settings do not fit a "
+                 "transactional producer: %s",
+                 why);
+        return -1;
+    }
+    rd_kafka_destroy(rk);
+    return 0;
+}
+
+int64_t obx_kafka_transaction_timeout_ms(const struct obx_kafka *k)
+{
+    char v[32];
+    return strtoll(prop(k->conf_copy, "transaction.timeout.ms", v, sizeof(v)), NULL, 10);
 }
 
 int64_t obx_kafka_conf_max_message_bytes(const rd_kafka_conf_t *conf)

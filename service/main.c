@@ -55,7 +55,8 @@ struct app {
      * the relay exists (obx_kafka_new serves librdkafka's queue once): the
      * relay gets it as soon as it does. */
     char early_fatal[256];
-    struct obx_http *http;   /* NULL when http.listen is empty */
+    char txn_id[256];      /* relay.transactions: the transactional.id of the session's producer */
+    struct obx_http *http; /* NULL when http.listen is empty */
     struct obx_maint *maint; /* backlog figures and retention */
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
@@ -136,14 +137,13 @@ static int op_recover(void *io, int shards, const char *owned_slots)
      * producer with this outbox's transactional.id, whose init aborts the
      * transaction an earlier one (another relay, or this one's lost
      * session) left open, or waits for the end of one it was committing. */
-    char id[256];
-    if (!transactional_id(a, id, sizeof(id))) {
+    if (!transactional_id(a, a->txn_id, sizeof(a->txn_id))) {
         obx_error("relay.transactions: the server does not say its system identifier "
                   "(pg_control_system() refused), from which the transactional.id comes: set "
                   "kafka.transactional.id, the same for every relay of this outbox");
         return -1;
     }
-    return obx_kafka_txn_init(a->kafka, id);
+    return obx_kafka_txn_init(a->kafka, a->txn_id);
 }
 
 static int op_txn_begin(void *producer, const char **reason)
@@ -311,11 +311,14 @@ static void kafka_txn_done(bool init, enum obx_txn_end end, enum obx_txn_result 
         obx_relay_on_txn_ended(a->relay, end, result, reason, now);
         return;
     }
+    /* The pass op_recover put off (relay.transactions: relay.shards 1, every
+     * row). */
     if (result == OBX_TXN_OK && obx_relay_state(a->relay) == OBX_RELAY_RECOVERING &&
         obx_recovery_start(a->recovery, 1, NULL) == 0) {
         obx_event(OBX_LOG_INFO, "transactions_ready",
-                  "kafka: transactional producer ready; earlier producers of this outbox are "
-                  "fenced and their open transaction ended");
+                  "kafka: transactional producer ready (transactional.id %s); earlier producers "
+                  "with it are fenced and their open transaction ended",
+                  a->txn_id);
         return;
     }
     if (result != OBX_TXN_OK)
@@ -500,6 +503,8 @@ static int build_config(struct app *a, struct obx_config *cfg, char *err, size_t
         } else {
             a->n_weakened =
                 obx_kafka_weakened_guarantees(conf, cfg->transactions, a->weakened, MAX_WEAKENED);
+            if (cfg->transactions && obx_kafka_conf_check_transactions(conf, err, errlen) != 0)
+                rc = -1;
             rd_kafka_conf_destroy(conf);
         }
     }
@@ -636,6 +641,7 @@ static int start(struct app *a)
      * at Kafka (relay.h); in a transaction a record that times out aborts
      * it, and the later records of its key with it. */
     rs.one_per_key = !a->cfg.transactions && obx_kafka_message_timeout_ms(a->kafka) != 0;
+    rs.transaction_timeout_ms = obx_kafka_transaction_timeout_ms(a->kafka);
     if (obx_relay_new(&rs, &relay_ops, a, a->kafka, &a->relay) != 0) {
         obx_error("out of memory allocating %d seats for rows in flight", a->cfg.max_in_flight);
         close_parts(a);

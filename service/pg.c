@@ -81,6 +81,7 @@ struct obx_pg {
     bool history_warned; /* said once that the server refuses it */
     bool pooler_noted;   /* said once that a session pooler is in between */
     char history[64];    /* obx_pg_history() of the ready session */
+    char dbname[128];    /* the server's current_database(), with the history */
     PGresult *result;    /* first result of the statement in flight */
     char target[256];    /* "host:port/db as user", for logs; no password */
     struct pg_request req;
@@ -439,8 +440,10 @@ static void finish_history(struct obx_pg *pg, const PGresult *res)
 {
     pg->system_id[0] = pg->stored_system_id[0] = '\0';
     pg->timeline = pg->stored_timeline = 0;
-    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 4) {
+    pg->dbname[0] = '\0';
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 && PQnfields(res) == 5) {
         snprintf(pg->system_id, sizeof(pg->system_id), "%s", obx_store_col(res, 0, "system_id"));
+        snprintf(pg->dbname, sizeof(pg->dbname), "%s", obx_store_col(res, 0, "dbname"));
         pg->timeline = strtol(obx_store_col(res, 0, "timeline"), NULL, 10);
         if (!obx_store_col_null(res, 0, "stored_system_id")) {
             snprintf(pg->stored_system_id, sizeof(pg->stored_system_id), "%s",
@@ -600,8 +603,7 @@ const char *obx_pg_history(const struct obx_pg *pg)
 
 const char *obx_pg_dbname(const struct obx_pg *pg)
 {
-    const char *db = pg->conn ? PQdb(pg->conn) : NULL;
-    return db ? db : "";
+    return pg->dbname;
 }
 
 /* The lock is held and the rows repaired: the relay may go. */

@@ -114,6 +114,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     }
     r->txn.on = s->transactions && ops->txn_begin && ops->txn_end;
     r->txn.max_rows = s->transaction_rows > 0 ? (size_t)s->transaction_rows : 1;
+    r->txn.max_age = s->transaction_timeout_ms > 0 ? s->transaction_timeout_ms / 2 : 5000;
     if (s->transactions && !r->txn.on)
         OBX_BUG("relay: relay.transactions without the ops that run them");
     *out = r;
@@ -161,6 +162,7 @@ static struct drain_view drain_view_of(const struct obx_relay *r)
         .in_use = rows_in_use(&r->rows),
         .to_mark = rows_to_mark(&r->rows),
         .n_outstanding = r->n_outstanding,
+        .sent = r->rows.count[SEAT_SENT],
         .uncertain = relay_uncertain(r),
         .log_mode = r->set.log_mode,
         .log_checkpoint_due = log_checkpoint_due(&r->log),
@@ -512,7 +514,7 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
     }
     /* Transactions: a fetch's rows go into the open transaction while it
      * has room, and wait while it ends. */
-    if (!txn_takes_rows(&r->txn))
+    if (!txn_takes_rows(&r->txn, now))
         return false;
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending (and no
@@ -857,9 +859,12 @@ static void relay_kick(struct obx_relay *r, int64_t now)
     /* A transaction ends on Kafka's side, whatever Postgres is doing; it
      * stays open for more rows while they are known to wait. */
     if (r->txn.on && r->txn.state == TXN_OPEN) {
+        /* More comes only by a fetch, which needs a free seat (rows of an
+         * open transaction hold theirs until its commit). */
         bool alone_due = r->held.n > 0 && held_due_alone(&r->held, now);
-        bool more = !r->draining && !r->cur.caught_up && !alone_due;
-        if (txn_end_due(&r->txn, fetch_out(r), more))
+        bool seat_free = rows_in_use(&r->rows) < (size_t)r->set.max_in_flight;
+        bool more = !r->draining && !r->cur.caught_up && !alone_due && seat_free;
+        if (txn_end_due(&r->txn, fetch_out(r), more, now))
             start_txn_end(r, now);
     }
     if (r->draining && relay_drain_over(r, now)) {
@@ -979,7 +984,7 @@ void obx_relay_on_pg_lost(struct obx_relay *r, int64_t now)
     /* The open transaction goes with the session: the next one's producer
      * aborts it at its init (or waits for the end in flight, whose answer
      * is then ignored here), and its recovery pass finds what committed. */
-    r->txn.stale = r->txn.state == TXN_ENDING;
+    r->txn.stale = r->txn.stale || r->txn.state == TXN_ENDING;
     txn_reset(&r->txn);
     owner_lost(&r->owner);
     /* The relay lock went with the session: another relay may have
@@ -1338,7 +1343,9 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     }
     const char *reason = NULL;
     if (r->txn.on && r->txn.state == TXN_NONE) {
-        if (r->ops->txn_begin(r->producer, &reason) != 0) {
+        if (r->ops->txn_begin(r->producer, &reason) == 0) {
+            r->txn.begun_at = now;
+        } else {
             obx_warn("relay: cannot begin a Kafka transaction at row %lld: %s; retrying shortly",
                      (long long)row->id, reason ? reason : "unknown error");
             release_rest(r, i, taken);
@@ -1347,9 +1354,16 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
             return false;
         }
         r->txn.state = TXN_OPEN;
+    } else if (r->txn.on && r->txn.state == TXN_ENDING) {
+        /* An old transaction ended with this fetch out: its rows go in the
+         * next one, fetched again. */
+        release_rest(r, i, taken);
+        cursor_want_fetch(&r->cur, "transaction ending");
+        return false;
     }
-    /* Transactions: a row tried alone goes in a transaction of its own
-     * through the one producer (the second has no transactional.id). */
+    /* Transactions: a row tried alone begins a transaction of its own
+     * (nothing else is out), through the one producer (the second has no
+     * transactional.id). */
     enum obx_produce_result pr = alone && r->ops->produce_alone && !r->txn.on
                                      ? r->ops->produce_alone(r->producer, row, s, &reason)
                                      : r->ops->produce(r->producer, row, s, &reason);
@@ -1442,6 +1456,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
     uint64_t gen_at_checkpoint = r->cur.gen;
     r->cur.caught_up = n < (size_t)r->cur.fetch_limit;
     schedule_look(r, n, now);
+    r->txn.handing_out = true; /* until produced: the transaction may not end before */
     size_t taken = take_seats(r, rows, n_take, seq);
     txn_rows_taken(&r->txn, taken);
     /* Rows fetched and not taken: the checkpoint above is not valid. */
@@ -1453,6 +1468,7 @@ void obx_relay_on_fetched(struct obx_relay *r, const struct obx_row *rows, size_
         cursor_want_fetch(&r->cur, "full batch");
     relay_kick(r, now);
     size_t produced = produce_taken(r, rows, taken, due_alone_id, now);
+    r->txn.handing_out = false;
     txn_batch_done(&r->txn);
     if (r->set.log_mode)
         log_recs_retire(&r->log,

@@ -48,7 +48,7 @@ bool drain_over(const struct drain_view *v, int64_t now)
 void drain_describe_wait(const struct drain_view *v, int64_t now, char *why, size_t len)
 {
     long long in_state = (long long)((now - v->state_since) / 1000);
-    size_t produced = v->in_use - v->to_mark;
+    size_t produced = v->in_use - v->to_mark - v->sent;
     switch (v->state) {
     case OBX_RELAY_FETCHING:
     case OBX_RELAY_MARKING:
@@ -61,6 +61,9 @@ void drain_describe_wait(const struct drain_view *v, int64_t now, char *why, siz
     default:
         if (produced > 0)
             snprintf(why, len, "waiting for Kafka's delivery reports of %zu rows", produced);
+        else if (v->sent > 0)
+            snprintf(why, len, "waiting for the commit of the Kafka transaction of %zu rows",
+                     v->sent);
         else
             snprintf(why, len, "%s for %llds with %zu rows in flight",
                      obx_relay_state_name(v->state), in_state, v->in_use);

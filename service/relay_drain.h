@@ -16,6 +16,7 @@ struct drain_view {
     size_t in_use;           /* rows in flight */
     size_t to_mark;          /* ... of them acknowledged or dead, waiting for the mark */
     size_t n_outstanding;    /* ... handed to Kafka, report pending */
+    size_t sent;             /* ... acknowledged, their transaction not committed */
     bool uncertain;          /* a possibly-persisted report waits for a recovery pass */
     bool log_mode;           /* relay.on_sent = log */
     bool log_checkpoint_due; /* log mode: a checkpoint newer than the stored cursor waits */

@@ -27,8 +27,11 @@ enum txn_state {
 };
 
 struct txn {
-    bool on;         /* relay.transactions */
-    size_t max_rows; /* relay.transaction_rows */
+    bool on;          /* relay.transactions */
+    size_t max_rows;  /* relay.transaction_rows */
+    int64_t max_age;  /* ms: half of kafka.transaction.timeout.ms */
+    int64_t begun_at; /* when the open transaction began */
+    bool handing_out; /* rows of a fetch are being taken and produced: no end now */
     enum txn_state state;
     enum obx_txn_end ending;
     size_t rows;    /* rows taken for the open transaction (or the next, before it begins) */
@@ -38,20 +41,32 @@ struct txn {
     uint64_t commits, aborts;
 };
 
-/* Whether a fetch's rows may go out now: no transaction, or an open one
- * with room that has not failed. */
-static inline bool txn_takes_rows(const struct txn *t)
+/* Whether the open transaction is old: half its timeout gone. The
+ * coordinator aborts one that outlives kafka.transaction.timeout.ms and
+ * fences its producer, so it ends well before. */
+static inline bool txn_old(const struct txn *t, int64_t now)
 {
-    return !t->on || (t->state != TXN_ENDING && !t->failed && t->rows < t->max_rows);
+    return t->state == TXN_OPEN && now - t->begun_at >= t->max_age;
 }
 
-/* Whether the open transaction ends now: every report in, no fetch that
- * could add rows in flight, and it failed, is full, or nothing more comes
- * (`more`: rows are known to be waiting). */
-static inline bool txn_end_due(const struct txn *t, bool fetch_out, bool more)
+/* Whether a fetch's rows may go out now: no transaction, or an open one
+ * with room that has not failed and is not old. */
+static inline bool txn_takes_rows(const struct txn *t, int64_t now)
 {
-    return t->on && t->state == TXN_OPEN && t->pending == 0 && !fetch_out &&
-           (t->failed || t->rows >= t->max_rows || !more);
+    return !t->on ||
+           (t->state != TXN_ENDING && !t->failed && t->rows < t->max_rows && !txn_old(t, now));
+}
+
+/* Whether the open transaction ends now: every report in, no rows being
+ * handed out, no fetch that could add rows in flight, and it failed, is
+ * full, or nothing more comes (`more`: rows are known to be waiting and a
+ * fetch can bring them); an old one ends whatever is in flight (a fetch's
+ * rows then wait for the next). */
+static inline bool txn_end_due(const struct txn *t, bool fetch_out, bool more, int64_t now)
+{
+    if (!t->on || t->state != TXN_OPEN || t->pending > 0 || t->handing_out)
+        return false;
+    return txn_old(t, now) || (!fetch_out && (t->failed || t->rows >= t->max_rows || !more));
 }
 
 /* `n` fetched rows were taken: they go into the transaction (counted

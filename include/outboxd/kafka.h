@@ -12,7 +12,8 @@
  * enable.idempotence=true, message.timeout.ms=0 (retry transient errors for
  * ever, in order, instead of failing rows), enable.gapless.guarantee=true (a
  * batch refused for good stops the producer before a later record of its
- * partition goes out; we then replace the producer in place), partitioner=murmur2_random (the
+ * partition goes out; we then replace the producer in place; not with
+ * relay.transactions, where an abort does that), partitioner=murmur2_random (the
  * Java client's key -> partition mapping), client.id=outboxd, linger.ms=1
  * (low latency; a backlog fills batches without waiting).
  */
@@ -69,6 +70,14 @@ void obx_kafka_producer_default(size_t i, const char **name, const char **value)
  * no gapless stop weaken nothing: a failed record aborts its transaction. */
 size_t obx_kafka_weakened_guarantees(const rd_kafka_conf_t *conf, bool transactions,
                                      char (*out)[384], size_t max);
+
+/* relay.transactions: whether the producer settings fit a transactional
+ * producer (librdkafka checks them only when one is made, with a
+ * transactional.id): 0, or -1 with a sentence in err. */
+int obx_kafka_conf_check_transactions(const rd_kafka_conf_t *conf, char *err,
+                                      size_t errlen) OBX_WARN_UNUSED;
+/* The producer's effective transaction.timeout.ms. */
+int64_t obx_kafka_transaction_timeout_ms(const struct obx_kafka *k);
 
 /* The effective message.max.bytes of a configuration, and of the producer:
  * payloads above it are not even fetched. */
@@ -132,7 +141,9 @@ const struct obx_labelled *obx_kafka_publish_errors(const struct obx_kafka *k);
  * or its commit finished). Commits and aborts run in the thread pool too,
  * one call at a time; the answers come through cb.txn_done on the loop. */
 #define OBX_KAFKA_TXN_TIMEOUT_MS "10000"
-/* 0, or -1 when a call is still running (then nothing starts). */
+/* 0 when the init started (or waits for the probe, then starts): its
+ * answer comes through cb.txn_done; -1 when a call is still running or the
+ * producer could not be replaced (then nothing comes). */
 int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id);
 /* Begins a transaction (local, at once): 0, or -1 with *reason. */
 int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason);

@@ -101,7 +101,9 @@ bool obx_pg_usable(const struct obx_pg *pg);
 /* The history of the session's server, "SYSTEM_ID.TIMELINE" (the
  * outbox-history header), or "" when the server would not tell. */
 const char *obx_pg_history(const struct obx_pg *pg);
-/* The database name of the session's connection ("" without one). */
+/* The session's database as its server names it (current_database(), not
+ * the connection string's name, which a pooler may alias); "" when the
+ * server would not tell its history. */
 const char *obx_pg_dbname(const struct obx_pg *pg);
 
 /* A growable text buffer holding a Postgres array literal ("{1,2}",

@@ -275,6 +275,7 @@ struct obx_relay_settings {
      * committed (relay_txn.h). */
     bool transactions;
     int transaction_rows;
+    int64_t transaction_timeout_ms; /* the producer's kafka.transaction.timeout.ms */
 };
 
 /* The answer to ops->claim (outbox.claim_slots). */

@@ -253,7 +253,8 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
     "   SET system_id = excluded.system_id, timeline = excluded.timeline, seen_at = now()"         \
     "   WHERE (h.system_id, h.timeline) IS DISTINCT FROM (excluded.system_id, excluded.timeline))" \
     " SELECT c.system_id, c.timeline, s.system_id AS stored_system_id,"                            \
-    "        s.timeline AS stored_timeline FROM cur c LEFT JOIN stored s ON true"
+    "        s.timeline AS stored_timeline, current_database() AS dbname"                          \
+    " FROM cur c LEFT JOIN stored s ON true"
 /* After a recovery pass: moves the id identity past $1, the highest
  * outbox-id it read in Kafka, if the database would hand that id out
  * again (sql/012). One row: the next id, NULL if nothing moved. */

@@ -215,6 +215,55 @@ static void test_txn_begin_refused_waits(void **state)
     assert_int_equal(c->f.produced, 2);
 }
 
+/* A transaction larger than the seats: once every seat holds a row of it
+ * no fetch can bring more, so it commits (it waited for ever before). */
+static void test_txn_full_seats_commit(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_free(c->r);
+    struct obx_relay_settings s = settings;
+    s.transactions = true;
+    s.transaction_rows = 100;
+    assert_int_equal(obx_relay_new(&s, &txn_ops, &c->f, &c->f, &c->r), 0);
+    ready(c, 0);
+    fetched(c, 1, 4, 1); /* a full batch: more rows wait */
+    for (int k = 0; k < 4; k++)
+        ack(c, k, true, 2);
+    assert_int_equal(tf.commits, 0); /* two seats free: a fetch brings more first */
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    fetched(c, 5, 2, 3); /* as many as the free seats: still not caught up */
+    ack(c, 4, true, 4);
+    ack(c, 5, true, 4);
+    assert_int_equal(tf.commits, 1);
+}
+
+/* An old transaction (half its timeout gone) ends although more rows
+ * wait, before the coordinator aborts it and fences the producer. */
+static void test_txn_old_commits(void **state)
+{
+    struct ctx *c = *state;
+    obx_relay_free(c->r);
+    struct obx_relay_settings s = settings;
+    s.transactions = true;
+    s.transaction_rows = 100;
+    s.max_in_flight = 100;
+    s.transaction_timeout_ms = 10000;
+    assert_int_equal(obx_relay_new(&s, &txn_ops, &c->f, &c->f, &c->r), 0);
+    ready(c, 0);
+    fetched(c, 1, 4, 1);
+    for (int k = 0; k < 4; k++)
+        ack(c, k, true, 2);
+    assert_int_equal(tf.commits, 0);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING); /* for more */
+    obx_relay_tick(c->r, 5001); /* the fetch out is slow: the transaction is old */
+    assert_int_equal(tf.commits, 1);
+    fetched(c, 5, 4, 5002); /* its rows wait for the next transaction */
+    assert_int_equal(c->f.produced, 4);
+    obx_relay_on_txn_ended(c->r, OBX_TXN_COMMIT, OBX_TXN_OK, "", 5003);
+    assert_int_equal(c->f.marks, 1);
+    assert_int_equal(c->f.n_marked, 4);
+}
+
 /* As OBX_IN_FIXTURE (cmocka_alloc.h), with this file's setup. */
 #define IN_TXN_FIXTURE(fn)                                                                         \
     static void fn##_in_fixture(void **state)                                                      \
@@ -232,7 +281,9 @@ static void test_txn_begin_refused_waits(void **state)
     X(test_txn_commit_timeout_asks_again)                                                          \
     X(test_txn_fenced_stops)                                                                       \
     X(test_txn_lost_session_ignores_its_end)                                                       \
-    X(test_txn_begin_refused_waits)
+    X(test_txn_begin_refused_waits)                                                                \
+    X(test_txn_full_seats_commit)                                                                  \
+    X(test_txn_old_commits)
 
 TESTS(IN_TXN_FIXTURE)
 
