@@ -298,9 +298,12 @@ int obx_kafka_conf_build(const struct obx_config *cfg, enum obx_kafka_role role,
         const char *txn_timeout = obx_config_kafka_get(cfg, "transaction.timeout.ms");
         if (!txn_timeout)
             txn_timeout = OBX_KAFKA_TXN_TIMEOUT_MS;
+        /* socket.timeout.ms may not exceed it: lowered when the
+         * transaction's is below librdkafka's default (60 s). */
+        bool socket_too = strtoll(txn_timeout, NULL, 10) < 60000;
         static const char *const follow[] = {"transaction.timeout.ms", "message.timeout.ms",
                                              "socket.timeout.ms"};
-        for (size_t i = 0; i < sizeof(follow) / sizeof(follow[0]); i++)
+        for (size_t i = 0; i < sizeof(follow) / sizeof(follow[0]) - !socket_too; i++)
             if (!obx_config_kafka_get(cfg, follow[i]) &&
                 conf_set(conf, follow[i], txn_timeout, "relay.transactions", err, errlen) != 0)
                 goto fail;
