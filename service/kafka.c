@@ -59,6 +59,7 @@ struct obx_kafka {
     enum obx_txn_end txn_call_end;
     rd_kafka_t *txn_rk;
     rd_kafka_error_t *txn_error; /* written by the worker */
+    bool txn_broken; /* the transactional producer hit a fatal error: the next init replaces it */
     char txn_id[256];
 };
 
@@ -146,6 +147,18 @@ static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque)
                          "it holds come back for a retry and a new producer takes over",
                          fatal);
             k->resetting = true;
+            return;
+        }
+        if (k->txn_id[0] && !k->closing) {
+            /* A transactional producer is fenced when its transaction timed
+             * out at the broker (a long outage) or another one took its id,
+             * and stops at any fatal error: a new one, made by the next
+             * session's init, fences in turn and ends what is open. */
+            if (!k->txn_broken)
+                obx_warn("kafka: the transactional producer cannot go on: %s %s; a new one "
+                         "takes over after a recovery pass",
+                         rd_kafka_err2name(orig), fatal);
+            k->txn_broken = true;
             return;
         }
         obx_error("kafka: fatal error %s: %s", rd_kafka_err2name(orig), fatal);
@@ -910,6 +923,7 @@ static int txn_init_start(struct obx_kafka *k)
                  "are dropped (their transaction is aborted by the new one's init)",
                  rd_kafka_outq_len(k->rk));
     retire_producer(k);
+    k->txn_broken = false;
     if (replace_producer(k, conf) != 0)
         return -1;
     serve_queue(k, k->rk, k->mainq);
@@ -927,6 +941,10 @@ int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id)
 
 int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason)
 {
+    if (k->txn_broken) {
+        *reason = "the transactional producer hit a fatal error";
+        return -2;
+    }
     if (k->txn_busy || k->closing || !k->rk) {
         *reason = "the producer is busy";
         return -1;

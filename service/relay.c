@@ -748,6 +748,36 @@ static void start_txn_end(struct obx_relay *r, int64_t now)
     r->txn.ending = end;
 }
 
+/* The transactional producer cannot go on: fenced (its transaction timed
+ * out at the broker, after a long outage, or another producer took its
+ * id) or failed. Its rows are let go as a lost session's are, and the
+ * relay runs the recovery pass again, after a new producer's init (which
+ * fences in turn and ends what is open), so what committed is found in
+ * Kafka and marked, never produced again. Postgres' session stays. */
+static void txn_producer_lost(struct obx_relay *r, const char *why, int64_t now)
+{
+    size_t acked = 0, awaiting = 0;
+    for (int i = 0; i < r->rows.cap; i++) {
+        struct seat *s = &r->rows.seat[i];
+        if (s->state == SEAT_PRODUCED && !s->orphan) {
+            rows_orphan(&r->rows, s); /* its report still comes (failed) */
+            awaiting++;
+        } else if (s->state == SEAT_SENT) {
+            relay_seat_release(r, s);
+            acked++;
+        }
+    }
+    obx_event(OBX_LOG_WARN, "transactions_lost",
+              "relay: the Kafka transactional producer cannot go on (%s); %zu rows of its "
+              "transaction acknowledged and %zu awaiting a report go to the recovery pass, "
+              "which a new producer's init comes before",
+              why, acked, awaiting);
+    txn_reset(&r->txn);
+    r->recovered = false;
+    relay_after_release(r);
+    r->not_before = now + r->set.retry_backoff_ms;
+}
+
 /* The transaction committed: its rows are acknowledged, to be marked. */
 static void txn_committed(struct obx_relay *r)
 {
@@ -815,7 +845,7 @@ void obx_relay_on_txn_ended(struct obx_relay *r, enum obx_txn_end end, enum obx_
         obx_warn("relay: transaction %s timed out (%s); waiting on",
                  end == OBX_TXN_COMMIT ? "commit" : "abort", reason);
         if (r->ops->txn_end(r->io, end) != 0)
-            obx_relay_fatal(r, "the Kafka producer cannot end its transaction", now);
+            txn_producer_lost(r, "it cannot end its transaction", now);
         return;
     case OBX_TXN_ABORTABLE:
         if (end == OBX_TXN_COMMIT) {
@@ -826,19 +856,17 @@ void obx_relay_on_txn_ended(struct obx_relay *r, enum obx_txn_end end, enum obx_
                 return;
             }
         }
-        obx_relay_fatal(r, "the Kafka producer cannot abort its transaction", now);
-        return;
+        txn_producer_lost(r, "it cannot abort its transaction", now); /* the next init does */
+        break;
     case OBX_TXN_FENCED:
     case OBX_TXN_FATAL: {
+        /* A commit may even have taken effect ("succeeded on the broker,
+         * failed here"): the pass finds it. */
         char why[320];
-        snprintf(why, sizeof(why), "Kafka transaction %s: %s%s",
-                 end == OBX_TXN_COMMIT ? "commit" : "abort", reason,
-                 result == OBX_TXN_FENCED
-                     ? " (another producer with this transactional.id took over: this relay "
-                       "stops publishing)"
-                     : "");
-        obx_relay_fatal(r, why, now);
-        return;
+        snprintf(why, sizeof(why), "its transaction's %s: %s",
+                 end == OBX_TXN_COMMIT ? "commit" : "abort", reason);
+        txn_producer_lost(r, why, now);
+        break;
     }
     }
     relay_kick(r, now);
@@ -1343,8 +1371,13 @@ static bool produce_entry(struct obx_relay *r, const struct obx_row *row, size_t
     }
     const char *reason = NULL;
     if (r->txn.on && r->txn.state == TXN_NONE) {
-        if (r->ops->txn_begin(r->producer, &reason) == 0) {
+        int rc = r->ops->txn_begin(r->producer, &reason);
+        if (rc == 0) {
             r->txn.begun_at = now;
+        } else if (rc == -2) {
+            release_rest(r, i, taken);
+            txn_producer_lost(r, reason ? reason : "fatal error", now);
+            return false;
         } else {
             obx_warn("relay: cannot begin a Kafka transaction at row %lld: %s; retrying shortly",
                      (long long)row->id, reason ? reason : "unknown error");

@@ -145,7 +145,10 @@ const struct obx_labelled *obx_kafka_publish_errors(const struct obx_kafka *k);
  * answer comes through cb.txn_done; -1 when a call is still running or the
  * producer could not be replaced (then nothing comes). */
 int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id);
-/* Begins a transaction (local, at once): 0, or -1 with *reason. */
+/* Begins a transaction (local, at once): 0, or -1 with *reason, or -2
+ * when the producer hit a fatal error (fenced: its transaction timed out
+ * at the broker, or another producer took its id): only the next
+ * obx_kafka_txn_init's new producer can go on. */
 int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason);
 /* Commits or aborts the open transaction: 0, or -1 when a call is still
  * running or the producer is gone. */

@@ -234,9 +234,10 @@ struct obx_relay_ops {
      * only the caller's periodic tick drives it). */
     void (*wake_at)(void *io, int64_t when);
     /* relay.transactions: begins a transaction (with the relay's
-     * `producer`, at once): 0, or -1 with *reason. Then ends it, commit or
-     * abort: 0 when the call went (its answer comes through
-     * obx_relay_on_txn_ended), -1 when it could not. NULL without
+     * `producer`, at once): 0, or -1 with *reason, or -2 when the producer
+     * cannot go on (a new one comes with the next recovery pass's init).
+     * Then ends it, commit or abort: 0 when the call went (its answer comes
+     * through obx_relay_on_txn_ended), -1 when it could not. NULL without
      * transactions. */
     int (*txn_begin)(void *producer, const char **reason);
     int (*txn_end)(void *io, enum obx_txn_end end);

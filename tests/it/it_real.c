@@ -780,6 +780,66 @@ static void test_txn_zombie(void **state)
     assert_true(uncommitted > n);
 }
 
+/* The transaction coordinator's broker killed -9 in the middle of a
+ * stream of transactions, and started again: the relay finds the new
+ * coordinator (or, fenced when its transaction outlived the timeout,
+ * makes a new producer after a recovery pass) and every row goes once. */
+static void test_txn_coordinator_killed(void **state)
+{
+    (void)state;
+    struct writers ws;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    writers_start(&ws, 5);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.transactions=on", "relay.transaction_rows=50",
+                                        "kafka.transactional.id=it-txn", NULL});
+    s_wait_sent(&env, 300, 30000);
+    long victim = h_broker_query(&env, "coordinator txn it-txn");
+    assert_true(victim >= 1 && victim <= 3);
+    assert_true(h_broker_cmd(&env, "kill %ld", victim));
+    h_sleep_ms(4000);
+    int64_t sent = s_sent_count(&env);
+    assert_true(h_broker_cmd(&env, "start %ld", victim));
+    assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    int written = writers_stop(&ws);
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0); /* it lived through it */
+    size_t n = expect_committed_once("coordinator killed", NULL);
+    assert_true(n >= (size_t)written);
+    print_message("coordinator (node %ld) killed 4 s: %lld rows sent by then, %ld transactions "
+                  "lost their producer\n",
+                  victim, (long long)sent, h_relay_events(&env, "transactions_lost", NULL));
+}
+
+/* Every broker down for longer than the transaction timeout, a
+ * transaction open (one record a request through a backlog): when the
+ * cluster is back, the coordinator has aborted it and fenced the producer;
+ * the relay makes a new one after a recovery pass, and every row goes
+ * once. */
+static void test_txn_all_brokers_down(void **state)
+{
+    (void)state;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    s_prefill(&env, "it.a", 6000);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.transactions=on", "relay.transaction_rows=2000",
+                                        "kafka.transaction.timeout.ms=6000",
+                                        "kafka.batch.num.messages=1", "relay.retry_backoff=300ms",
+                                        NULL});
+    s_wait_sent(&env, 2000, 30000);
+    h_sleep_ms(300); /* the next transaction is sending */
+    assert_true(h_broker_cmd(&env, "kill all"));
+    h_sleep_ms(10000); /* past the 6 s transaction timeout */
+    assert_true(h_broker_cmd(&env, "start all"));
+    assert_true(h_broker_cmd(&env, "wait-isr 60000"));
+    s_wait_drained(&env, 90000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0); /* it lived through it */
+    size_t n = expect_committed_once("all brokers down past the transaction timeout", NULL);
+    assert_int_equal(n, 6000);
+    print_message("all brokers down 10 s: %ld times the producer was lost and replaced\n",
+                  h_relay_events(&env, "transactions_lost", NULL));
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -802,6 +862,8 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_txn_crash_windows, teardown_env),
         cmocka_unit_test_teardown(test_txn_replication_window, teardown_env),
         cmocka_unit_test_teardown(test_txn_zombie, teardown_env),
+        cmocka_unit_test_teardown(test_txn_coordinator_killed, teardown_env),
+        cmocka_unit_test_teardown(test_txn_all_brokers_down, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }

@@ -161,9 +161,11 @@ static void test_txn_commit_timeout_asks_again(void **state)
     assert_int_equal(c->f.marks, 1);
 }
 
-/* Fenced: another producer with the transactional.id took over. The relay
- * stops publishing (a fatal error: it stops with a non-zero code). */
-static void test_txn_fenced_stops(void **state)
+/* Fenced (the transaction timed out at the broker after an outage, or
+ * another producer took the id): nothing of the transaction is marked;
+ * the relay keeps its session, runs the recovery pass again (after a new
+ * producer's init, in main) and publishes again. */
+static void test_txn_fenced_recovers(void **state)
 {
     struct ctx *c = *state;
     ready(c, 0);
@@ -173,9 +175,28 @@ static void test_txn_fenced_stops(void **state)
     obx_relay_on_txn_ended(c->r, OBX_TXN_COMMIT, OBX_TXN_FENCED,
                            "Producer fenced by newer instance", 3);
     assert_int_equal(c->f.marks, 0);
-    obx_relay_tick(c->r, 10000);
-    assert_int_equal(c->f.stopped, 1);
-    assert_int_not_equal(c->f.exit_code, 0);
+    assert_int_equal(obx_relay_in_flight(c->r), 0);
+    obx_relay_tick(c->r, 1000);
+    assert_int_equal(c->f.stopped, 0);
+    assert_int_equal(c->f.recovers, 2);
+    obx_relay_on_recovered(c->r, true, 1001);
+    assert_int_equal(obx_relay_state(c->r), OBX_RELAY_FETCHING);
+    fetched(c, 1, 2, 1002);
+    assert_int_equal(tf.begins, 2);
+}
+
+/* A producer that cannot begin (it hit a fatal error): the same. */
+static void test_txn_begin_fatal_recovers(void **state)
+{
+    struct ctx *c = *state;
+    ready(c, 0);
+    tf.begin_rc = -2;
+    fetched(c, 1, 2, 1);
+    assert_int_equal(c->f.produced, 0);
+    tf.begin_rc = 0;
+    obx_relay_tick(c->r, 1000);
+    assert_int_equal(c->f.recovers, 2);
+    assert_int_equal(c->f.stopped, 0);
 }
 
 /* The session lost while the commit runs: its rows go with the session
@@ -279,7 +300,8 @@ static void test_txn_old_commits(void **state)
     X(test_txn_failed_report_aborts)                                                               \
     X(test_txn_commit_refused_aborts)                                                              \
     X(test_txn_commit_timeout_asks_again)                                                          \
-    X(test_txn_fenced_stops)                                                                       \
+    X(test_txn_fenced_recovers)                                                                    \
+    X(test_txn_begin_fatal_recovers)                                                               \
     X(test_txn_lost_session_ignores_its_end)                                                       \
     X(test_txn_begin_refused_waits)                                                                \
     X(test_txn_full_seats_commit)                                                                  \
