@@ -87,7 +87,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     if (!r)
         return -1;
     r->set = *s;
-    r->unknown_warned_at = INT64_MIN / 2; /* the first such report warns */
+    r->failure_warned_at = INT64_MIN / 2; /* the first such report warns */
     r->full_warned_at = INT64_MIN / 2;
     r->ops = ops;
     r->io = io;
@@ -1648,22 +1648,24 @@ static void not_delivered(struct obx_relay *r, struct seat *s, enum obx_delivery
         b->attempts++;
     if (b)
         b->retry_at = now + r->set.retry_backoff_ms;
+    /* Such reports come in bursts (a whole request timed out, a
+     * transaction's records with it): one warning a second, the rest at
+     * debug. */
+    enum obx_log_level level = now - r->failure_warned_at >= 1000 ? OBX_LOG_WARN : OBX_LOG_DEBUG;
+    if (level == OBX_LOG_WARN)
+        r->failure_warned_at = now;
     if (outcome == OBX_DELIVERY_UNKNOWN) {
         /* Publishing it again blindly could duplicate it: the recovery pass
-         * reads Kafka first and marks it if it landed. Such reports come in
-         * bursts (a whole request timed out): one warning a second, the rest
-         * at debug. */
-        obx_log(now - r->unknown_warned_at >= 1000 ? OBX_LOG_WARN : OBX_LOG_DEBUG,
+         * reads Kafka first and marks it if it landed. */
+        obx_log(level,
                 "relay: row %lld may or may not be in Kafka (%s); the recovery pass checks "
                 "before it is published again",
                 (long long)s->id, reason ? reason : "unknown error");
-        if (now - r->unknown_warned_at >= 1000)
-            r->unknown_warned_at = now;
         r->recovered = false;
         r->unknowns++;
     } else {
-        obx_warn("relay: row %lld not delivered: %s; will retry", (long long)s->id,
-                 reason ? reason : "unknown error");
+        obx_log(level, "relay: row %lld not delivered: %s; will retry", (long long)s->id,
+                reason ? reason : "unknown error");
     }
     relay_seat_release(r, s);
     cursor_full_fetch_due(&r->cur,
