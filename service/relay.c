@@ -514,7 +514,7 @@ static bool fetch_allowed(struct obx_relay *r, int64_t now)
     }
     /* Transactions: a fetch's rows go into the open transaction while it
      * has room, and wait while it ends. */
-    if (!txn_takes_rows(&r->txn, now))
+    if (!txn_takes_rows(&r->txn, r->cur.caught_up, now))
         return false;
     /* A row tried alone goes to Kafka alone: nothing else is fetched while it is out,
      * and it waits until no other row's report is pending (and no

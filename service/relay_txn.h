@@ -50,11 +50,14 @@ static inline bool txn_old(const struct txn *t, int64_t now)
 }
 
 /* Whether a fetch's rows may go out now: no transaction, or an open one
- * with room that has not failed and is not old. */
-static inline bool txn_takes_rows(const struct txn *t, int64_t now)
+ * with room that has not failed and is not old, and that holds no rows
+ * yet if the relay caught up (`caught_up`): caught up, it ends as soon as
+ * its reports are in, and a look for new rows sent meanwhile (every
+ * millisecond or so) would keep it open until it is full. */
+static inline bool txn_takes_rows(const struct txn *t, bool caught_up, int64_t now)
 {
-    return !t->on ||
-           (t->state != TXN_ENDING && !t->failed && t->rows < t->max_rows && !txn_old(t, now));
+    return !t->on || (t->state != TXN_ENDING && !t->failed && t->rows < t->max_rows &&
+                      !txn_old(t, now) && !(caught_up && t->rows > 0));
 }
 
 /* Whether the open transaction ends now: every report in, no rows being

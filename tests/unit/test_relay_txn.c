@@ -102,8 +102,12 @@ static void test_txn_caught_up_commits_small(void **state)
     fetched(c, 1, 2, 1);
     ack(c, 0, true, 2);
     assert_int_equal(tf.commits, 0); /* a report is still out */
-    ack(c, 1, true, 2);
+    obx_relay_tick(c->r, 3);
+    assert_int_equal(c->f.fetches, 1); /* no look for more: it would keep the transaction open */
+    ack(c, 1, true, 4);
     assert_int_equal(tf.commits, 1);
+    obx_relay_on_txn_ended(c->r, OBX_TXN_COMMIT, OBX_TXN_OK, "", 5);
+    until_fetching(c, 6); /* after the commit (and the mark), the looks go on */
 }
 
 /* A failed report dooms the transaction: it is aborted, nothing of it is
