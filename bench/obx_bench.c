@@ -1637,6 +1637,20 @@ static void broker_meter_stop(void *arg)
     m->cpu_s = brokers_cpu_s() - m->cpu0;
 }
 
+/* After a relay started: the topic warmed up (its first record waits for
+ * metadata), and id_base set to the next id, for the latency run. */
+static void warm_up_latency(const struct opts *o)
+{
+    sleep(2);
+    PGconn *c = connect_db(o);
+    exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
+    PQfinish(c);
+    sleep(2);
+    c = connect_db(o);
+    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
+    PQfinish(c);
+}
+
 /* relay.transactions in the real-cluster table: off, then on (with
  * OBX_BENCH_TXN_ROWS as relay.transaction_rows, else its default). */
 static const char *const txn_settings[2] = {NULL, "relay.transactions=on"};
@@ -1684,14 +1698,7 @@ static void real_kafka_table(const struct opts *o, int rounds)
             int t = (k + r) % 2;
             relay_more = txn_settings[t];
             pid_t relay = spawn_outboxd(o, OBX_ON_SENT_MARK, NULL);
-            sleep(2);
-            PGconn *c = connect_db(o);
-            exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
-            PQfinish(c);
-            sleep(2);
-            c = connect_db(o);
-            id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
-            PQfinish(c);
+            warm_up_latency(o);
             latency(o, 1000, &lat);
             stop_outboxd(relay);
             printf("| outboxd, %s | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n", txn_names[t], r,
@@ -2200,15 +2207,7 @@ static void full_measure(const struct opts *o, struct full_run *f)
         drain(o, OBX_ON_SENT_MARK, o->rows, 200, false, &f->d_alloc, &f->allocs, NULL);
     fprintf(stderr, "obx-bench: 4/5 latency...\n");
     pid_t relay = spawn_outboxd(o, OBX_ON_SENT_MARK, NULL);
-    sleep(2);
-    /* Warm the topic up: its first record waits for metadata. */
-    c = connect_db(o);
-    exec_ok(c, "SELECT outbox.enqueue('lat', 'warm-up', 'x'::bytea)");
-    PQfinish(c);
-    sleep(2);
-    c = connect_db(o);
-    id_base = query_int(c, "SELECT nextval(pg_get_serial_sequence('outbox.events', 'id'))");
-    PQfinish(c);
+    warm_up_latency(o);
     for (int i = 0; i < 3; i++)
         latency(o, full_rates[i], &f->lat[i]);
     stop_outboxd(relay);
