@@ -448,6 +448,9 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
             obx_warn("recovery: Kafka calls the topic name \"%.250s\" invalid: nothing to read "
                      "there",
                      rec->topics[t]);
+        else
+            obx_debug("recovery: %.250s does not exist in Kafka: nothing to read there",
+                      rec->topics[t]);
         topic_empty(rec, t);
         rd_kafka_metadata_destroy(md);
         return 0;
@@ -467,8 +470,11 @@ static int plan_topic_partitions(struct obx_recovery *rec, rd_kafka_t *rk, int t
         bool exists = false;
         for (int k = 0; p->topic == t && k < mt->partition_cnt; k++)
             exists = exists || mt->partitions[k].id == p->partition;
-        if (p->topic == t && !exists)
+        if (p->topic == t && !exists) {
+            obx_debug("recovery: %.250s [%d] no longer exists in Kafka: nothing to read there",
+                      rec->topics[t], p->partition);
             p->gone = p->done = p->resolved = true;
+        }
     }
     for (int k = 0; k < mt->partition_cnt && rc == 0; k++) {
         int32_t pid = mt->partitions[k].id;
@@ -597,10 +603,18 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
                 }
                 p->next = m->offset + 1;
             }
-            if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF || p->next >= p->end) {
+            if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF && m->offset > p->next)
+                p->next = m->offset; /* past control records and aborted ones */
+            if (p->next >= p->end ||
+                (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF && m->offset < 0)) {
                 p->done = true;
                 open_parts--;
             }
+            /* An end below the planned one (a new leader whose high
+             * watermark lags, or another producer's open transaction under
+             * read_committed) is not the end: the records planned are
+             * there or coming, and storing the planned end over them would
+             * skip them. Reading goes on; NO_PROGRESS_MS bounds it. */
         }
         rd_kafka_message_destroy(m);
     }
