@@ -5,11 +5,13 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <execinfo.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <grp.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -777,6 +779,59 @@ void h_env_start_real(struct h_env *e, const char *const *topics, unsigned flags
     env_start(e, topics, flags, k ? k : &defaults);
 }
 
+static void print_log_tails(const char *dir);
+
+/* The watchdog: ctest kills a test that overruns its TIMEOUT without a
+ * word of where it was. OBX_IT_TIMEOUT (seconds, set for every test from
+ * its TIMEOUT) arms a thread that, 15 s before, prints where the test's
+ * main thread is (a backtrace, through SIGUSR2) and what the relays did
+ * last, so a rare hang in CI comes with its place. */
+static pthread_t watchdog_main_thread;
+static struct h_env *watchdog_env;
+
+static void watchdog_backtrace(int sig)
+{
+    static const char head[] = "watchdog: the test's main thread is in\n";
+    void *frames[64];
+    (void)sig;
+    int n = backtrace(frames, 64);
+    ssize_t w = write(STDERR_FILENO, head, sizeof(head) - 1);
+    (void)w;
+    backtrace_symbols_fd(frames, n, STDERR_FILENO);
+}
+
+static void *watchdog_main(void *arg)
+{
+    int after_s = (int)(intptr_t)arg;
+    h_sleep_ms(after_s * 1000);
+    fprintf(stderr, "watchdog: the test still runs after %d s, and ctest stops it soon\n", after_s);
+    if (watchdog_env && watchdog_env->dir[0]) {
+        fprintf(stderr, "watchdog: its directory is %s\n", watchdog_env->dir);
+        fflush(stderr);
+        print_log_tails(watchdog_env->dir);
+    }
+    pthread_kill(watchdog_main_thread, SIGUSR2);
+    return NULL;
+}
+
+static void watchdog_arm(struct h_env *e)
+{
+    static bool armed;
+    watchdog_env = e;
+    const char *v = getenv("OBX_IT_TIMEOUT");
+    int timeout_s = v ? atoi(v) : 0;
+    if (armed || timeout_s <= 30)
+        return;
+    armed = true;
+    void *frames[1];
+    backtrace(frames, 1); /* loads libgcc now, not in the signal handler */
+    watchdog_main_thread = pthread_self();
+    signal(SIGUSR2, watchdog_backtrace);
+    pthread_t t;
+    if (pthread_create(&t, NULL, watchdog_main, (void *)(intptr_t)(timeout_s - 15)) == 0)
+        pthread_detach(t);
+}
+
 /* k NULL: the mock broker. */
 static void env_start(struct h_env *e, const char *const *topics, unsigned flags,
                       const struct h_kafka *k)
@@ -794,6 +849,7 @@ static void env_start(struct h_env *e, const char *const *topics, unsigned flags
     snprintf(e->dir, sizeof(e->dir), "/tmp/obx-it-XXXXXX");
     if (!mkdtemp(e->dir))
         fail_msg("mkdtemp: %s", strerror(errno));
+    watchdog_arm(e);
     if (pw && chown(e->dir, pw->pw_uid, pw->pw_gid) != 0)
         fail_msg("chown %s: %s", e->dir, strerror(errno));
     chmod(e->dir, 0755);
