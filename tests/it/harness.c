@@ -1777,6 +1777,12 @@ size_t h_explain_duplicates(struct h_env *e, const struct h_records *recs)
             continue; /* not a first copy, or no duplicate */
         int64_t hw = h_recovery_high_watermark(e, first->topic, first->partition, first->timestamp,
                                                INT64_MAX, false, -1, NULL);
+        if (hw < 0 && !h_relay_log_contains(e, "\"event\":\"recovery_read\""))
+            fail_msg("row %lld was published twice (%s [%d] offsets %lld and %lld), and the "
+                     "relay log has no recovery_read line at all: run the relays at "
+                     "log.level=debug to tell the replication window",
+                     (long long)first->outbox_id, first->topic, first->partition,
+                     (long long)first->offset, (long long)later->offset);
         if (hw < 0 || hw > first->offset)
             fail_msg(
                 "row %lld was published twice (%s [%d] offsets %lld and %lld), and the "

@@ -214,6 +214,7 @@ static void crash_in_recovery(const char *spec, const char *point, const char *c
     char expect[128];
     const char *xargs[4] = {0};
     size_t n = 0;
+    h_env_start(&env, TOPICS_SPEC); /* first: it says whether Kafka is real */
     for (; args && args[n]; n++) {
         assert_true(n + 2 < sizeof(xargs) / sizeof(xargs[0]));
         xargs[n] = args[n];
@@ -221,7 +222,6 @@ static void crash_in_recovery(const char *spec, const char *point, const char *c
     if (env.real_kafka)
         xargs[n] = "log.level=debug";
     args = xargs;
-    h_env_start(&env, TOPICS_SPEC);
     s_prefill(&env, "it.b", 3000);
     /* First leave records in Kafka that are not marked (at the first hit: in
      * log mode one cursor row may cover every row, and a second never come). */
