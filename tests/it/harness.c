@@ -814,6 +814,13 @@ static void *watchdog_main(void *arg)
     return NULL;
 }
 
+/* Line-buffered from the start (ctest's pipe would buffer it whole): a
+ * failure's message is out before a hang in the teardown that follows it. */
+__attribute__((constructor)) static void stdout_by_line(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+}
+
 static void watchdog_arm(struct h_env *e)
 {
     static bool armed;
