@@ -61,6 +61,13 @@ struct obx_kafka {
     rd_kafka_error_t *txn_error; /* written by the worker */
     bool txn_broken; /* the transactional producer hit a fatal error: the next init replaces it */
     char txn_id[256];
+    /* Topics the coordinator would not add to the open transaction (see
+     * note_txn_refusal): their records' purge reports are refusals. */
+    struct {
+        char topic[250];
+        char reason[96];
+    } txn_refused[4];
+    int n_txn_refused;
 };
 
 /* Errors that refuse a whole batch, not a record: any record in it may be
@@ -100,6 +107,57 @@ bool obx_kafka_error_is_permanent(rd_kafka_resp_err_t err)
     }
 }
 
+/* A partition the coordinator would not add to the transaction (a topic
+ * the producer may not write, one that does not exist) fails the whole
+ * transaction, and every record of it comes back purged, with nothing to
+ * say which topic was at fault; a relay that sent the rows again would
+ * fail the same way for ever. librdkafka names the partition only in its
+ * ADDPARTS log line, 'Failed to add partition "TOPIC" [P] to transaction:
+ * Broker: REASON', which is matched here against librdkafka's own texts of
+ * the errors that refuse a topic (the partitions "not attempted" beside it
+ * are not at fault). A line that does not match changes nothing: the rows
+ * are then retried as before. */
+static void note_txn_refusal(struct obx_kafka *k, const char *buf)
+{
+    static const char head[] = "Failed to add partition \"";
+    const char *t = strstr(buf, head);
+    const char *q = t ? strstr(t + sizeof(head) - 1, "\" [") : NULL;
+    const char *why = q ? strstr(q, "to transaction: Broker: ") : NULL;
+    if (!why || k->n_txn_refused >= (int)(sizeof(k->txn_refused) / sizeof(k->txn_refused[0])))
+        return;
+    t += sizeof(head) - 1;
+    why += strlen("to transaction: ");
+    static const rd_kafka_resp_err_t topic_errors[] = {
+        RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+        RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
+        RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION,
+    };
+    bool refuses = false;
+    for (size_t i = 0; i < sizeof(topic_errors) / sizeof(topic_errors[0]); i++)
+        refuses = refuses || strcmp(why, rd_kafka_err2str(topic_errors[i])) == 0;
+    size_t len = (size_t)(q - t);
+    if (!refuses || len == 0 || len >= sizeof(k->txn_refused[0].topic))
+        return;
+    for (int i = 0; i < k->n_txn_refused; i++)
+        if (strlen(k->txn_refused[i].topic) == len && memcmp(k->txn_refused[i].topic, t, len) == 0)
+            return;
+    memcpy(k->txn_refused[k->n_txn_refused].topic, t, len);
+    k->txn_refused[k->n_txn_refused].topic[len] = '\0';
+    snprintf(k->txn_refused[k->n_txn_refused].reason, sizeof(k->txn_refused[0].reason),
+             "%s (adding the topic to a transaction)", why);
+    k->n_txn_refused++;
+}
+
+/* The reason the coordinator refused `topic` in the open transaction, or
+ * NULL. */
+static const char *txn_refusal_of(const struct obx_kafka *k, const char *topic)
+{
+    for (int i = 0; i < k->n_txn_refused; i++)
+        if (strcmp(k->txn_refused[i].topic, topic) == 0)
+            return k->txn_refused[i].reason;
+    return NULL;
+}
+
 static int serve(struct obx_kafka *k);
 static enum obx_produce_result produce_with(struct obx_kafka *k, rd_kafka_t *rk,
                                             const struct obx_row *row, void *opaque,
@@ -112,7 +170,14 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
     (void)rk;
     if (k->closing)
         return;
-    if (m->err) {
+    const char *refused = NULL;
+    if (m->err && k->n_txn_refused > 0 &&
+        (m->err == RD_KAFKA_RESP_ERR__PURGE_QUEUE || m->err == RD_KAFKA_RESP_ERR__PURGE_INFLIGHT))
+        refused = txn_refusal_of(k, rd_kafka_topic_name(m->rkt));
+    if (refused) {
+        outcome = OBX_DELIVERY_TOPIC_REFUSED;
+        obx_labelled_inc(&k->publish_errors, "TOPIC_REFUSED_IN_TRANSACTION");
+    } else if (m->err) {
         /* librdkafka knows whether the record may have reached the broker
          * (a request timed out in flight): then it is not "not persisted". */
         if (rd_kafka_message_status(m) == RD_KAFKA_MSG_STATUS_POSSIBLY_PERSISTED)
@@ -129,7 +194,10 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
         obx_labelled_inc(&k->published, rd_kafka_topic_name(m->rkt));
     }
     k->cb.delivery(m->_private, outcome, m->partition, m->offset, m->key, m->key_len,
-                   m->err ? rd_kafka_err2str(m->err) : NULL, k->arg);
+                   refused  ? refused
+                   : m->err ? rd_kafka_err2str(m->err)
+                            : NULL,
+                   k->arg);
 }
 
 static void on_error(rd_kafka_t *rk, int err, const char *reason, void *opaque)
@@ -208,8 +276,11 @@ static void serve_event(struct obx_kafka *k, rd_kafka_t *rk, rd_kafka_event_t *e
     case RD_KAFKA_EVENT_LOG: {
         const char *fac, *buf;
         int level;
-        if (rd_kafka_event_log(ev, &fac, &buf, &level) == 0)
-            obx_kafka_log_cb(rk, level, fac, buf);
+        if (rd_kafka_event_log(ev, &fac, &buf, &level) != 0)
+            break;
+        if (rk == k->txn_rk && strcmp(fac, "ADDPARTS") == 0)
+            note_txn_refusal(k, buf);
+        obx_kafka_log_cb(rk, level, fac, buf);
         break;
     }
     default:
@@ -950,8 +1021,10 @@ int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason)
         return -1;
     }
     rd_kafka_error_t *e = rd_kafka_begin_transaction(k->rk);
-    if (!e)
+    if (!e) {
+        k->n_txn_refused = 0; /* the refusals were of the transaction before */
         return 0;
+    }
     snprintf(k->reason, sizeof(k->reason), "%s", rd_kafka_error_string(e));
     rd_kafka_error_destroy(e);
     *reason = k->reason;

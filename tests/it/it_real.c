@@ -342,7 +342,7 @@ static void test_connections_cut(void **state)
  * user may not write. Under dead_letter each goes to outbox.dead_letters
  * with its reason; under retry its key waits. Either way the other topics
  * and keys go on. */
-static void refusals(bool dead_letter)
+static void refusals(bool dead_letter, bool transactions)
 {
     const struct h_kafka k = {.sasl = true};
     h_env_start_real(
@@ -363,11 +363,15 @@ static void refusals(bool dead_letter)
     for (int i = 0; i < 20; i++)
         h_enqueue(c, "it.small", "S", "small", 5, NULL);
     s_prefill(&env, "it.a", 300);
-    h_relay_start(&env, NULL,
-                  (const char *const[]){
-                      dead_letter ? "relay.on_reject=dead_letter" : "relay.on_reject=retry",
-                      "kafka.batch.size=8000", "kafka.topic.metadata.propagation.max.ms=1000",
-                      "relay.retry_backoff=300ms", NULL});
+    const char *args[8] = {dead_letter ? "relay.on_reject=dead_letter" : "relay.on_reject=retry",
+                           "kafka.batch.size=8000", "kafka.topic.metadata.propagation.max.ms=1000",
+                           "relay.retry_backoff=300ms"};
+    if (transactions) { /* small ones: the refused rows share them with others */
+        args[4] = "relay.transactions=on";
+        args[5] = "relay.transaction_rows=50";
+        args[6] = "relay.batch_size=50";
+    }
+    h_relay_start(&env, NULL, args);
     const char *reasons[][2] = {
         {"it.small", "too large"}, {"it.missing", "unknown topic"}, {"it.denied", "authoriz"}};
     int64_t ids[] = {big, missing, denied};
@@ -407,19 +411,37 @@ static void refusals(bool dead_letter)
     assert_int_equal(drain_exactly_once((const char *const[]){"it.a", "it.small", "it.missing",
                                                               "it.denied", NULL}),
                      323);
+    if (transactions) {
+        /* A refusal aborts the transaction it came in (its other rows go
+         * again in the next): some did, and the rest committed. */
+        double aborted = relay_metric("outboxd_kafka_transactions_total{result=\"aborted\"}");
+        double committed = relay_metric("outboxd_kafka_transactions_total{result=\"committed\"}");
+        print_message("refusals in transactions: %.0f aborted, %.0f committed\n", aborted,
+                      committed);
+        assert_true(aborted > 0);
+        assert_true(committed > 0);
+    }
     PQfinish(c);
 }
 
 static void test_refusals_dead_letter(void **state)
 {
     (void)state;
-    refusals(true);
+    refusals(true, false);
 }
 
 static void test_refusals_retry(void **state)
 {
     (void)state;
-    refusals(false);
+    refusals(false, false);
+}
+
+/* The same with relay.transactions, read back read_committed: the refused
+ * rows' keys wait while every other row commits once, then each goes. */
+static void test_txn_refusals_retry(void **state)
+{
+    (void)state;
+    refusals(false, true);
 }
 
 /* Issue 37 (items 7, 8): a topic the relay may describe but not write (a
@@ -864,6 +886,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_txn_zombie, teardown_env),
         cmocka_unit_test_teardown(test_txn_coordinator_killed, teardown_env),
         cmocka_unit_test_teardown(test_txn_all_brokers_down, teardown_env),
+        cmocka_unit_test_teardown(test_txn_refusals_retry, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }
