@@ -66,6 +66,7 @@ struct obx_kafka {
     struct {
         char topic[250];
         char reason[96];
+        rd_kafka_resp_err_t err;
     } txn_refused[4];
     int n_txn_refused;
 };
@@ -132,11 +133,12 @@ static void note_txn_refusal(struct obx_kafka *k, const char *buf)
         RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
         RD_KAFKA_RESP_ERR_TOPIC_EXCEPTION,
     };
-    bool refuses = false;
+    rd_kafka_resp_err_t err = RD_KAFKA_RESP_ERR_NO_ERROR;
     for (size_t i = 0; i < sizeof(topic_errors) / sizeof(topic_errors[0]); i++)
-        refuses = refuses || strcmp(why, rd_kafka_err2str(topic_errors[i])) == 0;
+        if (strcmp(why, rd_kafka_err2str(topic_errors[i])) == 0)
+            err = topic_errors[i];
     size_t len = (size_t)(q - t);
-    if (!refuses || len == 0 || len >= sizeof(k->txn_refused[0].topic))
+    if (!err || len == 0 || len >= sizeof(k->txn_refused[0].topic))
         return;
     for (int i = 0; i < k->n_txn_refused; i++)
         if (strlen(k->txn_refused[i].topic) == len && memcmp(k->txn_refused[i].topic, t, len) == 0)
@@ -145,17 +147,18 @@ static void note_txn_refusal(struct obx_kafka *k, const char *buf)
     k->txn_refused[k->n_txn_refused].topic[len] = '\0';
     snprintf(k->txn_refused[k->n_txn_refused].reason, sizeof(k->txn_refused[0].reason),
              "%s (adding the topic to a transaction)", why);
+    k->txn_refused[k->n_txn_refused].err = err;
     k->n_txn_refused++;
 }
 
-/* The reason the coordinator refused `topic` in the open transaction, or
- * NULL. */
-static const char *txn_refusal_of(const struct obx_kafka *k, const char *topic)
+/* The refusal of `topic` by the coordinator in the open transaction, or
+ * -1. */
+static int txn_refusal_of(const struct obx_kafka *k, const char *topic)
 {
     for (int i = 0; i < k->n_txn_refused; i++)
         if (strcmp(k->txn_refused[i].topic, topic) == 0)
-            return k->txn_refused[i].reason;
-    return NULL;
+            return i;
+    return -1;
 }
 
 static int serve(struct obx_kafka *k);
@@ -171,12 +174,15 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *m, void *opaqu
     if (k->closing)
         return;
     const char *refused = NULL;
-    if (m->err && k->n_txn_refused > 0 &&
-        (m->err == RD_KAFKA_RESP_ERR__PURGE_QUEUE || m->err == RD_KAFKA_RESP_ERR__PURGE_INFLIGHT))
-        refused = txn_refusal_of(k, rd_kafka_topic_name(m->rkt));
-    if (refused) {
+    int ri = m->err && k->n_txn_refused > 0 &&
+                     (m->err == RD_KAFKA_RESP_ERR__PURGE_QUEUE ||
+                      m->err == RD_KAFKA_RESP_ERR__PURGE_INFLIGHT)
+                 ? txn_refusal_of(k, rd_kafka_topic_name(m->rkt))
+                 : -1;
+    if (ri >= 0) {
         outcome = OBX_DELIVERY_TOPIC_REFUSED;
-        obx_labelled_inc(&k->publish_errors, "TOPIC_REFUSED_IN_TRANSACTION");
+        refused = k->txn_refused[ri].reason;
+        obx_labelled_inc(&k->publish_errors, rd_kafka_err2name(k->txn_refused[ri].err));
     } else if (m->err) {
         /* librdkafka knows whether the record may have reached the broker
          * (a request timed out in flight): then it is not "not persisted". */
