@@ -42,6 +42,7 @@ struct h_env {
     bool real_kafka;
     struct h_kafka kafka;
     char internal[512];
+    bool kafka_trimmed; /* records were deleted on purpose (h_kafka_delete_records) */
     pid_t relay_pid;
     int relay_starts;
     const char *relay_env[4]; /* extra NAME=value for the relay, NULL-ended */
@@ -202,6 +203,10 @@ void h_kafka_read_all(struct h_env *e, const char *const *topics, struct h_recor
  * aborted transaction wrote is left out) or a read_uncommitted one. */
 void h_kafka_read_all_as(struct h_env *e, const char *const *topics, bool committed,
                          struct h_records *out);
+/* Deletes the records of `topic` [`partition`] below offset `before`
+ * (Kafka's DeleteRecords, as retention would; a real cluster). The
+ * readers above then start where the partition now begins. */
+void h_kafka_delete_records(struct h_env *e, const char *topic, int32_t partition, int64_t before);
 /* How many partitions of `topic` hold no record yet. */
 int h_kafka_empty_partitions(struct h_env *e, const char *topic);
 void h_records_free(struct h_records *r);

@@ -424,6 +424,68 @@ static void refusals(bool dead_letter, bool transactions)
     PQfinish(c);
 }
 
+/* Issue 37.12: records deleted under a recovery pass between two of its
+ * chunks (retention, DeleteRecords). The pass goes on from the first
+ * record left (auto.offset.reset = earliest), and finds those; librdkafka's
+ * default would jump to the end and publish their rows again. The pass is
+ * held between its chunks by a lock on a row its first chunk marks. */
+static void test_recovery_position_deleted(void **state)
+{
+    (void)state;
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    s_prefill(&env, "it.c", 1000); /* one partition: offset order is id order */
+    /* All 1,000 records in Kafka, no row marked: the relay's loop sleeps at
+     * its first acknowledgement while librdkafka sends the rest. */
+    h_relay_start(&env, "ack.after=sleep(60000)",
+                  (const char *const[]){"relay.on_sent=mark", NULL});
+    const char *const topic[] = {"it.c", NULL};
+    struct h_records recs = {0};
+    for (int64_t deadline = h_now_ms() + 30000; recs.n < 1000 && h_now_ms() < deadline;) {
+        h_records_free(&recs);
+        h_sleep_ms(300);
+        h_kafka_read_all(&env, topic, &recs);
+    }
+    assert_int_equal(recs.n, 1000);
+    h_records_free(&recs);
+    assert_int_equal(h_relay_stop(&env, SIGKILL, 10000), 128 + SIGKILL);
+
+    PGconn *c = h_connect(&env), *lock = h_connect(&env);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"), 1000);
+    h_sql(lock, "BEGIN");
+    h_sql(lock, "SELECT FROM outbox.events WHERE id = (SELECT min(id) FROM outbox.events)"
+                " FOR UPDATE");
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_sent=mark", "recovery.chunk_records=100",
+                                        "log.level=debug", NULL});
+    /* Its first chunk (offsets 0..99) read, its mark waits for the lock. */
+    int64_t deadline = h_now_ms() + 30000;
+    while (h_sql_int(c, "SELECT count(*) FROM pg_locks WHERE NOT granted") == 0) {
+        if (h_now_ms() > deadline)
+            fail_msg("the recovery pass's first mark never waited for the lock (see %s)", env.dir);
+        h_sleep_ms(20);
+    }
+    h_kafka_delete_records(&env, "it.c", 0, 500);
+    h_sql(lock, "COMMIT");
+    PQfinish(lock);
+    s_wait_drained(&env, 60000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    /* Left in Kafka: the records from 500 on, which the pass found (their
+     * rows marked, not published again), and new copies of the rows whose
+     * records were deleted before the pass read them (100..499). */
+    h_kafka_read_all(&env, topic, &recs);
+    size_t dups = 0;
+    for (size_t i = 0; i < recs.n; i++)
+        for (size_t j = i + 1; j < recs.n; j++)
+            dups += recs.v[i].outbox_id == recs.v[j].outbox_id;
+    print_message("after 500 records were deleted under the pass: %zu records, %zu rows twice\n",
+                  recs.n, dups);
+    assert_int_equal(dups, 0);
+    assert_int_equal(recs.n, 900);
+    h_records_free(&recs);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"), 0);
+    PQfinish(c);
+}
+
 static void test_refusals_dead_letter(void **state)
 {
     (void)state;
@@ -880,6 +942,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_compression_gzip, teardown_env),
         cmocka_unit_test_teardown(test_compression_lz4, teardown_env),
         cmocka_unit_test_teardown(test_compression_zstd, teardown_env),
+        cmocka_unit_test_teardown(test_recovery_position_deleted, teardown_env),
         cmocka_unit_test_teardown(test_txn_delivery, teardown_env),
         cmocka_unit_test_teardown(test_txn_crash_windows, teardown_env),
         cmocka_unit_test_teardown(test_txn_replication_window, teardown_env),
