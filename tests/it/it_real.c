@@ -924,6 +924,43 @@ static void test_txn_all_brokers_down(void **state)
                   h_relay_events(&env, "transactions_lost", NULL));
 }
 
+/* kill -9 at random moments, writers running, with transactions: each
+ * next relay's init aborts what the killed one left open, its pass
+ * (read_committed) finds what committed; a read_committed consumer sees
+ * every row once, whatever the moment (test_kill_loop's, without the
+ * replication window's excuse). OBX_KILLS, OBX_SEED as there. */
+static void test_txn_kill_loop(void **state)
+{
+    (void)state;
+    struct writers ws;
+    const char *k = getenv("OBX_KILLS");
+    int kills = k ? atoi(k) : 12;
+    unsigned seed = getenv("OBX_SEED") ? (unsigned)atoi(getenv("OBX_SEED")) : (unsigned)time(NULL);
+    srand(seed);
+    h_env_start_real(&env, TOPICS, 0, NULL);
+    s_prefill(&env, "it.c", 2000);
+    writers_start(&ws, 10);
+    for (int i = 0; i < kills; i++) {
+        h_relay_start(&env, NULL, TXN_ARGS);
+        h_sleep_ms(400 + rand() % 1400);
+        int rc = h_relay_stop(&env, SIGKILL, 10000);
+        if (rc != 128 + SIGKILL)
+            fail_msg("kill %d (seed %u): the relay had already exited with %d (see %s)", i, seed,
+                     rc, env.dir);
+    }
+    h_relay_start(&env, NULL, TXN_ARGS);
+    h_sleep_ms(1000);
+    int written = writers_stop(&ws);
+    s_wait_drained(&env, 90000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    size_t uncommitted = 0;
+    size_t n = expect_committed_once("kill loop in transactions", &uncommitted);
+    assert_true(n >= (size_t)written + 2000);
+    print_message("kill loop in transactions (seed %u): %d kills, %zu rows once each for "
+                  "read_committed, %zu records of aborted transactions\n",
+                  seed, kills, n, uncommitted - n);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -950,6 +987,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_txn_coordinator_killed, teardown_env),
         cmocka_unit_test_teardown(test_txn_all_brokers_down, teardown_env),
         cmocka_unit_test_teardown(test_txn_refusals_retry, teardown_env),
+        cmocka_unit_test_teardown(test_txn_kill_loop, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }
