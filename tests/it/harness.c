@@ -1537,7 +1537,9 @@ static void records_add(struct h_records *out, const rd_kafka_message_t *m)
     }
 }
 
-int h_kafka_empty_partitions(struct h_env *e, const char *topic)
+/* A quiet client of the brokers' own listener, for the harness's looks
+ * and changes; `what` names it in a failure. */
+static rd_kafka_t *kafka_client(struct h_env *e, const char *what)
 {
     char err[512];
     rd_kafka_conf_t *conf = rd_kafka_conf_new();
@@ -1545,7 +1547,13 @@ int h_kafka_empty_partitions(struct h_env *e, const char *topic)
     rd_kafka_conf_set(conf, "log_level", "3", err, sizeof(err));
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
     if (!rk)
-        fail_msg("watermark reader: %s", err);
+        fail_msg("%s: %s", what, err);
+    return rk;
+}
+
+int h_kafka_empty_partitions(struct h_env *e, const char *topic)
+{
+    rd_kafka_t *rk = kafka_client(e, "watermark reader");
     const struct rd_kafka_metadata *md = NULL;
     rd_kafka_topic_t *rkt = rd_kafka_topic_new(rk, topic, NULL);
     int empty = -1;
@@ -1569,13 +1577,8 @@ int h_kafka_empty_partitions(struct h_env *e, const char *topic)
 
 void h_kafka_delete_records(struct h_env *e, const char *topic, int32_t partition, int64_t before)
 {
-    char err[512], what[512] = "";
-    rd_kafka_conf_t *conf = rd_kafka_conf_new();
-    rd_kafka_conf_set(conf, "bootstrap.servers", e->internal, err, sizeof(err));
-    rd_kafka_conf_set(conf, "log_level", "3", err, sizeof(err));
-    rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, err, sizeof(err));
-    if (!rk)
-        fail_msg("admin client: %s", err);
+    char what[512] = "";
+    rd_kafka_t *rk = kafka_client(e, "admin client");
     rd_kafka_topic_partition_list_t *offsets = rd_kafka_topic_partition_list_new(1);
     rd_kafka_topic_partition_list_add(offsets, topic, partition)->offset = before;
     rd_kafka_DeleteRecords_t *del = rd_kafka_DeleteRecords_new(offsets);

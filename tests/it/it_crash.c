@@ -315,10 +315,9 @@ static void test_kill_loop(void **state)
 {
     (void)state;
     struct writers ws;
-    const char *k = getenv("OBX_KILLS");
-    int kills = k ? atoi(k) : 25;
-    unsigned seed = getenv("OBX_SEED") ? (unsigned)atoi(getenv("OBX_SEED")) : (unsigned)time(NULL);
-    srand(seed);
+    int kills;
+    unsigned seed;
+    s_kill_loop_settings(25, &kills, &seed);
     h_env_start(&env, TOPICS_SPEC);
     s_prefill(&env, "it.c", 3000);
     /* Paced so that the whole run stays well inside the mock's ~5 MiB per

@@ -933,10 +933,9 @@ static void test_txn_kill_loop(void **state)
 {
     (void)state;
     struct writers ws;
-    const char *k = getenv("OBX_KILLS");
-    int kills = k ? atoi(k) : 12;
-    unsigned seed = getenv("OBX_SEED") ? (unsigned)atoi(getenv("OBX_SEED")) : (unsigned)time(NULL);
-    srand(seed);
+    int kills;
+    unsigned seed;
+    s_kill_loop_settings(12, &kills, &seed);
     h_env_start_real(&env, TOPICS, 0, NULL);
     s_prefill(&env, "it.c", 2000);
     writers_start(&ws, 10);

@@ -6,7 +6,9 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <setjmp.h>
 #include <cmocka.h>
@@ -126,6 +128,14 @@ void s_prefill(struct h_env *e, const char *topic, int rows)
           " jsonb_build_object('g', g::text) FROM generate_series(1, %d) g",
           topic, rows);
     PQfinish(c);
+}
+
+void s_kill_loop_settings(int default_kills, int *kills, unsigned *seed)
+{
+    const char *k = getenv("OBX_KILLS"), *sv = getenv("OBX_SEED");
+    *kills = k ? atoi(k) : default_kills;
+    *seed = sv ? (unsigned)atoi(sv) : (unsigned)time(NULL);
+    srand(*seed);
 }
 
 void s_wait_sent(struct h_env *e, int64_t n, int timeout_ms)

@@ -49,6 +49,9 @@ void s_run_writers(struct s_writer *ws, int n);
 
 /* Inserts `rows` rows into `topic` directly (50 keys, 'row N' payloads). */
 void s_prefill(struct h_env *e, const char *topic, int rows);
+/* A kill loop's count (OBX_KILLS, else `default_kills`) and its random
+ * seed (OBX_SEED, else the time), seeded. */
+void s_kill_loop_settings(int default_kills, int *kills, unsigned *seed);
 /* Rows with sent_at set. */
 int64_t s_sent_count(struct h_env *e);
 /* Fails the test unless at least n rows are sent within timeout_ms. */
