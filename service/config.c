@@ -69,7 +69,9 @@ static const struct key_def keys[] = {
      "on: rows go to Kafka in transactions (a transactional.id derived from the database's "
      "system identifier and name, or kafka.transactional.id), so a relay that took over "
      "fences the one before and a read_committed consumer sees each row once, also after "
-     "a crash or a frozen relay; relay.shards 1 only (see doc/operations.md, Transactions)"},
+     "a crash or a frozen relay; with relay.shards, each relay's id is its session's, and a "
+     "relay that takes a lost owner's slots fences that owner's (see doc/operations.md, "
+     "Transactions)"},
     {"relay.transaction_rows", KEY_INT, OFF(transaction_rows), "1000", 1, 1000000, NULL, 0,
      "with relay.transactions: a transaction takes no more fetched rows once it holds this "
      "many, and commits when their delivery reports are in (it commits sooner when no "
@@ -585,11 +587,12 @@ int obx_config_validate(const struct obx_config *cfg, char *err, size_t errlen)
                  "relay.transactions = on (the relay then runs the transactions), or remove it");
         return -1;
     }
-    if (cfg->transactions && cfg->shards > 1) {
+    if (txn_id && cfg->shards > 1) {
         snprintf(err, errlen,
-                 "relay.transactions = on works with relay.shards = 1 only (%d set): the "
-                 "fencing of a slot's previous owner needs a transactional.id per slot, which "
-                 "is not built yet",
+                 "kafka.transactional.id cannot be set with relay.shards = %d: each relay "
+                 "sharing the slots needs an id of its own, which it derives from the outbox "
+                 "and its Postgres session (and fences the ids of a slot's lost owner with); "
+                 "remove it",
                  cfg->shards);
         return -1;
     }

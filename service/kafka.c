@@ -69,6 +69,17 @@ struct obx_kafka {
         rd_kafka_resp_err_t err;
     } txn_refused[4];
     int n_txn_refused;
+    /* relay.transactions with relay.shards: producers made only to fence
+     * the ids of slots' lost owners (obx_kafka_txn_fence), one run at a
+     * time; their configurations are made on the loop. */
+    uv_work_t fence_work;
+    bool fence_busy;
+    rd_kafka_conf_t **fence_confs;
+    char **fence_ids;
+    size_t n_fence;
+    obx_kafka_fence_fn fence_done;
+    void *fence_arg;
+    char fence_error[320]; /* written by the worker */
 };
 
 /* Errors that refuse a whole batch, not a record: any record in it may be
@@ -1040,6 +1051,94 @@ int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason)
 int obx_kafka_txn_end(struct obx_kafka *k, enum obx_txn_end end)
 {
     return txn_call(k, false, end);
+}
+
+static void fence_work(uv_work_t *w)
+{
+    struct obx_kafka *k = w->data;
+    for (size_t i = 0; i < k->n_fence && !k->fence_error[0]; i++) {
+        char why[256];
+        rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, k->fence_confs[i], why, sizeof(why));
+        if (!rk) {
+            snprintf(k->fence_error, sizeof(k->fence_error), "a producer for %s: %s",
+                     k->fence_ids[i], why);
+            break;
+        }
+        k->fence_confs[i] = NULL; /* the producer owns it */
+        /* -1: twice transaction.timeout.ms: an owner's commit under way is
+         * waited for, an open transaction aborted. */
+        rd_kafka_error_t *e = rd_kafka_init_transactions(rk, -1);
+        if (e) {
+            snprintf(k->fence_error, sizeof(k->fence_error), "init_transactions for %s: %s",
+                     k->fence_ids[i], rd_kafka_error_string(e));
+            rd_kafka_error_destroy(e);
+        }
+        rd_kafka_destroy(rk);
+    }
+}
+
+static void fence_free(struct obx_kafka *k)
+{
+    for (size_t i = 0; i < k->n_fence; i++) {
+        if (k->fence_confs && k->fence_confs[i])
+            rd_kafka_conf_destroy(k->fence_confs[i]);
+        if (k->fence_ids)
+            obx_free(k->fence_ids[i]);
+    }
+    obx_free(k->fence_confs);
+    obx_free(k->fence_ids);
+    k->fence_confs = NULL;
+    k->fence_ids = NULL;
+    k->n_fence = 0;
+}
+
+static void fence_after(uv_work_t *w, int status)
+{
+    struct obx_kafka *k = w->data;
+    char why[320];
+    snprintf(why, sizeof(why), "%s", status != 0 ? "cancelled" : k->fence_error);
+    bool ok = why[0] == '\0';
+    fence_free(k);
+    k->fence_busy = false;
+    if (!k->closing && k->fence_done)
+        k->fence_done(ok, why, k->fence_arg);
+    unref(k);
+}
+
+int obx_kafka_txn_fence(struct obx_kafka *k, const char *const *ids, size_t n,
+                        obx_kafka_fence_fn done, void *arg)
+{
+    if (k->fence_busy || k->closing || n == 0)
+        return -1;
+    k->fence_confs = obx_calloc(n, sizeof(*k->fence_confs));
+    k->fence_ids = obx_calloc(n, sizeof(*k->fence_ids));
+    k->n_fence = n;
+    bool ok = k->fence_confs && k->fence_ids;
+    for (size_t i = 0; ok && i < n; i++) {
+        char why[256];
+        k->fence_ids[i] = obx_strdup(ids[i]);
+        k->fence_confs[i] = rd_kafka_conf_dup(k->conf_copy);
+        ok = k->fence_ids[i] && k->fence_confs[i] &&
+             rd_kafka_conf_set(k->fence_confs[i], "transactional.id", ids[i], why, sizeof(why)) ==
+                 RD_KAFKA_CONF_OK;
+    }
+    if (!ok) {
+        if (!k->fence_confs || !k->fence_ids)
+            k->n_fence = 0;
+        fence_free(k);
+        return -1;
+    }
+    k->fence_error[0] = '\0';
+    k->fence_done = done;
+    k->fence_arg = arg;
+    k->fence_work.data = k;
+    if (uv_queue_work(k->poll.loop, &k->fence_work, fence_work, fence_after) != 0) {
+        fence_free(k);
+        return -1;
+    }
+    k->fence_busy = true;
+    k->refs++;
+    return 0;
 }
 
 void obx_kafka_set_history(struct obx_kafka *k, const char *history)

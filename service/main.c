@@ -55,8 +55,17 @@ struct app {
      * the relay exists (obx_kafka_new serves librdkafka's queue once): the
      * relay gets it as soon as it does. */
     char early_fatal[256];
-    char txn_id[256];      /* relay.transactions: the transactional.id of the session's producer */
-    struct obx_http *http; /* NULL when http.listen is empty */
+    char txn_id[256]; /* relay.transactions: the transactional.id of the session's producer */
+    /* relay.transactions with relay.shards: this session's backend pid (its
+     * transactional.id ends with it), the pids of slots' lost owners still
+     * to fence (the claims say them; kept until a fence succeeds), and the
+     * pass op_recover puts off until the fence and the init are done. */
+    long session_pid;
+    long fence_pids[64];
+    size_t n_fence_pids;
+    int pass_shards;
+    char pass_slots[8192];   /* "{0,3,...}": up to 1,024 slots */
+    struct obx_http *http;   /* NULL when http.listen is empty */
     struct obx_maint *maint; /* backlog figures and retention */
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
@@ -128,6 +137,21 @@ static bool transactional_id(struct app *a, char *out, size_t len)
     return true;
 }
 
+static void lost_owners_fenced(bool ok, const char *reason, void *arg);
+
+/* Fences the transactional ids of the slots' lost owners (relay.shards),
+ * then lost_owners_fenced goes on. */
+static int fence_lost_owners(struct app *a, const char *base)
+{
+    char ids[sizeof(a->fence_pids) / sizeof(a->fence_pids[0])][300];
+    const char *list[sizeof(a->fence_pids) / sizeof(a->fence_pids[0])];
+    for (size_t i = 0; i < a->n_fence_pids; i++) {
+        snprintf(ids[i], sizeof(ids[i]), "%s-%ld", base, a->fence_pids[i]);
+        list[i] = ids[i];
+    }
+    return obx_kafka_txn_fence(a->kafka, list, a->n_fence_pids, lost_owners_fenced, a);
+}
+
 static int op_recover(void *io, int shards, const char *owned_slots)
 {
     struct app *a = io;
@@ -137,13 +161,52 @@ static int op_recover(void *io, int shards, const char *owned_slots)
      * producer with this outbox's transactional.id, whose init aborts the
      * transaction an earlier one (another relay, or this one's lost
      * session) left open, or waits for the end of one it was committing. */
-    if (!transactional_id(a, a->txn_id, sizeof(a->txn_id))) {
+    char base[224]; /* room for "-PID" in txn_id */
+    if (!transactional_id(a, base, sizeof(base))) {
         obx_error("relay.transactions: the server does not say its system identifier "
                   "(pg_control_system() refused), from which the transactional.id comes: set "
                   "kafka.transactional.id, the same for every relay of this outbox");
         return -1;
     }
+    a->pass_shards = shards;
+    snprintf(a->pass_slots, sizeof(a->pass_slots), "%s", owned_slots ? owned_slots : "");
+    if (shards <= 1) {
+        snprintf(a->txn_id, sizeof(a->txn_id), "%s", base);
+        return obx_kafka_txn_init(a->kafka, a->txn_id);
+    }
+    /* With slots, each relay's id is its session's (no two relays share
+     * one, so none fences another while both run); the lost owners of the
+     * slots it took are fenced by theirs first. */
+    snprintf(a->txn_id, sizeof(a->txn_id), "%s-%ld", base, a->session_pid);
+    if (a->n_fence_pids > 0)
+        return fence_lost_owners(a, base);
     return obx_kafka_txn_init(a->kafka, a->txn_id);
+}
+
+static void lost_owners_fenced(bool ok, const char *reason, void *arg)
+{
+    struct app *a = arg;
+    int64_t now = (int64_t)uv_now(&a->loop);
+    if (obx_relay_state(a->relay) != OBX_RELAY_RECOVERING)
+        return; /* the session went meanwhile: the next one's pass fences again */
+    if (!ok) {
+        obx_warn("kafka: fencing the transactional producers of the slots' lost owners failed "
+                 "(%s); the pass waits and tries again",
+                 reason);
+        obx_relay_on_recovered(a->relay, false, now);
+        return;
+    }
+    char pids[200] = "";
+    for (size_t i = 0, used = 0; i < a->n_fence_pids && used < sizeof(pids); i++)
+        used += (size_t)snprintf(pids + used, sizeof(pids) - used, "%s%ld", i ? ", " : "",
+                                 a->fence_pids[i]);
+    obx_event(OBX_LOG_INFO, "owners_fenced",
+              "kafka: the transactional producers of the slots' lost owners (sessions %s) are "
+              "fenced: what they left open is ended, and they cannot commit",
+              pids);
+    a->n_fence_pids = 0;
+    if (obx_kafka_txn_init(a->kafka, a->txn_id) != 0)
+        obx_relay_on_recovered(a->relay, false, now);
 }
 
 static int op_txn_begin(void *producer, const char **reason)
@@ -155,6 +218,25 @@ static int op_txn_end(void *io, enum obx_txn_end end)
 {
     struct app *a = io;
     return obx_kafka_txn_end(a->kafka, end);
+}
+
+/* The claim's "fence_pids" ("12,34"): owners of slots now held that lost
+ * them; kept, once each, until a fence of their ids succeeds. */
+static void note_lost_owners(struct app *a, const char *pids)
+{
+    const size_t cap = sizeof(a->fence_pids) / sizeof(a->fence_pids[0]);
+    for (const char *p = pids; *p;) {
+        char *end;
+        long pid = strtol(p, &end, 10);
+        if (end == p)
+            break;
+        bool known = false;
+        for (size_t i = 0; i < a->n_fence_pids; i++)
+            known = known || a->fence_pids[i] == pid;
+        if (!known && a->n_fence_pids < cap)
+            a->fence_pids[a->n_fence_pids++] = pid;
+        p = *end == ',' ? end + 1 : end;
+    }
 }
 
 static void claimed(void *arg, const PGresult *res, const char *error)
@@ -177,6 +259,9 @@ static void claimed(void *arg, const PGresult *res, const char *error)
                           ? -1
                           : strtoll(obx_store_col(res, 0, "cursor_hwm"), NULL, 10),
     };
+    a->session_pid = strtol(obx_store_col(res, 0, "session_pid"), NULL, 10);
+    if (a->cfg.transactions)
+        note_lost_owners(a, obx_store_col(res, 0, "fence_pids"));
     const char *repaired = obx_store_col(res, 0, "repaired");
     if (strcmp(repaired, "0") != 0)
         obx_warn("postgres: %s unsent rows of the slots taken carried a transaction id from "
@@ -311,10 +396,10 @@ static void kafka_txn_done(bool init, enum obx_txn_end end, enum obx_txn_result 
         obx_relay_on_txn_ended(a->relay, end, result, reason, now);
         return;
     }
-    /* The pass op_recover put off (relay.transactions: relay.shards 1, every
-     * row). */
+    /* The pass op_recover put off. */
     if (result == OBX_TXN_OK && obx_relay_state(a->relay) == OBX_RELAY_RECOVERING &&
-        obx_recovery_start(a->recovery, 1, NULL) == 0) {
+        obx_recovery_start(a->recovery, a->pass_shards, a->pass_slots[0] ? a->pass_slots : NULL) ==
+            0) {
         obx_event(OBX_LOG_INFO, "transactions_ready",
                   "kafka: transactional producer ready (transactional.id %s); earlier producers "
                   "with it are fenced and their open transaction ended",

@@ -603,18 +603,24 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
                 }
                 p->next = m->offset + 1;
             }
-            if (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF && m->offset > p->next)
+            bool eof = m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF;
+            if (eof && m->offset > p->next)
                 p->next = m->offset; /* past control records and aborted ones */
-            if (p->next >= p->end ||
-                (m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF && m->offset < 0)) {
+            /* An end below the planned one. Under read_uncommitted a new
+             * leader's high watermark lags for a moment: the records
+             * planned are there or coming, and reading goes on
+             * (NO_PROGRESS_MS bounds it). Under read_committed it is the
+             * last stable offset: a transaction still open (another
+             * producer's: the init before the pass ended this outbox's)
+             * holds it, perhaps for minutes. Nothing of ours can be behind
+             * it, and the pass ends there, storing no further than it read,
+             * so that the next pass reads the rest. */
+            if (eof && m->offset >= 0 && p->next < p->end && rec->cfg->transactions)
+                p->end = p->next;
+            if (p->next >= p->end || (eof && m->offset < 0)) {
                 p->done = true;
                 open_parts--;
             }
-            /* An end below the planned one (a new leader whose high
-             * watermark lags, or another producer's open transaction under
-             * read_committed) is not the end: the records planned are
-             * there or coming, and storing the planned end over them would
-             * skip them. Reading goes on; NO_PROGRESS_MS bounds it. */
         }
         rd_kafka_message_destroy(m);
     }

@@ -891,7 +891,9 @@ static void relay_kick(struct obx_relay *r, int64_t now)
          * open transaction hold theirs until its commit). */
         bool alone_due = r->held.n > 0 && held_due_alone(&r->held, now);
         bool seat_free = rows_in_use(&r->rows) < (size_t)r->set.max_in_flight;
-        bool more = !r->draining && !r->cur.caught_up && !alone_due && seat_free;
+        /* Nor while a recovery pass is due (slots taken): it waits for
+         * this transaction, since its init replaces the producer. */
+        bool more = !r->draining && !r->cur.caught_up && !alone_due && seat_free && r->recovered;
         if (txn_end_due(&r->txn, fetch_out(r), more, now))
             start_txn_end(r, now);
     }
@@ -920,6 +922,8 @@ static void relay_kick(struct obx_relay *r, int64_t now)
     if (!r->recovered) {
         if (r->rows.orphans > 0 || (r->set.log_mode && r->n_outstanding > 0 && !r->log.loaded))
             return; /* the pass must see where this or a lost session's records landed */
+        if (r->txn.on && r->txn.state != TXN_NONE)
+            return; /* the init before the pass replaces the producer: the transaction ends first */
         if (owner_active(&r->owner) && !r->owner.known)
             return; /* the pass is over the slots a claim gives */
         r->pass_unknowns = r->unknowns;

@@ -743,13 +743,24 @@ const char *obx_store_sql_claim_slots(void)
      * ended, so that no large transaction still running holds ids below
      * it (its rows would come late, below the cursor, more than a fetch
      * takes). */
-    return "SELECT array_to_string(owned, ',') AS owned, members, share, free, other_shards,"
-           "       repaired,"
+    /* fence_pids (relay.transactions): the sessions that owned a slot held
+     * now and lost it without giving it back, as this statement's snapshot
+     * saw them before claim_slots() wrote the new owners; their relays'
+     * transactional producers are fenced before the pass over the slot. */
+    return "WITH before AS MATERIALIZED (SELECT slot, owner_pid, given_back"
+           "                             FROM outbox.slot_owners WHERE shards = $1::int)"
+           " SELECT array_to_string(c.owned, ',') AS owned, c.members, c.share, c.free,"
+           "       c.other_shards, c.repaired,"
            "       (SELECT max(n.hwm) FROM (SELECT hwm, snap FROM outbox.log_cursor"
            "                                ORDER BY batch DESC LIMIT 16) n"
            "        WHERE pg_snapshot_xmax(n.snap) <= pg_snapshot_xmin(pg_current_snapshot()))"
-           "         AS cursor_hwm"
-           " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean)";
+           "         AS cursor_hwm,"
+           "       pg_backend_pid() AS session_pid,"
+           "       array_to_string(ARRAY(SELECT DISTINCT b.owner_pid FROM before b"
+           "                             WHERE b.slot = ANY (c.owned) AND NOT b.given_back"
+           "                               AND b.owner_pid <> pg_backend_pid() ORDER BY 1),"
+           "                       ',') AS fence_pids"
+           " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
 }
 
 const char *obx_store_sql_backlog(void)

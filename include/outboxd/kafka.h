@@ -154,6 +154,17 @@ int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason);
  * running or the producer is gone. */
 int obx_kafka_txn_end(struct obx_kafka *k, enum obx_txn_end end);
 
+/* relay.transactions with relay.shards: each relay has a transactional.id
+ * of its own, and one that takes a slot its owner lost (without giving it
+ * back) fences that owner's id first: a producer with each of `ids` is
+ * made and initialised, in the thread pool, which ends whatever that
+ * owner left open (aborted, or its commit finished) and fences it should
+ * it wake up. `done` answers on the loop. 0 when started; -1 when a fence
+ * runs already or it could not start (then nothing comes). */
+typedef void (*obx_kafka_fence_fn)(bool ok, const char *reason, void *arg);
+int obx_kafka_txn_fence(struct obx_kafka *k, const char *const *ids, size_t n,
+                        obx_kafka_fence_fn done, void *arg);
+
 /* Serves librdkafka's queue from the housekeeping timer too. */
 void obx_kafka_housekeeping(struct obx_kafka *k);
 

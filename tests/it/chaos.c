@@ -10,7 +10,7 @@
  *             [--mode M] [--sharing] [--transactions]
  *
  * --transactions (with --kafka real): only the schedules whose relays run
- * with relay.transactions (half of those of one active relay), where a
+ * with relay.transactions (half of them, relay.shards or not), where a
  * read_committed reader must see no duplicate in any window.
  *
  * Schedule k of a run has the seed S + k; `--seed X --schedules 1` replays
@@ -188,7 +188,7 @@ struct schedule {
     int n_guests;     /* relays that join later, one for each join fault */
     const char *mode; /* relay.on_sent: mark, delete or log */
     int shards;       /* relay.shards: above 1, every relay publishes its slots */
-    bool txn;         /* relay.transactions (real Kafka, relay.shards 1): no duplicate excused */
+    bool txn;         /* relay.transactions (real Kafka): no duplicate excused */
     int duration_ms;
     int n_faults;
     struct fault f[MAX_FAULTS];
@@ -253,10 +253,10 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
     s->shards = 1;
     if ((s->n_relays > 1 || s->n_guests > 0) && rnd_in(&sr, 0, 1))
         s->shards = rnd_in(&sr, 2, 6);
-    /* relay.transactions in half the real cluster's schedules of one
-     * active relay (the mock cannot fence). Drawn apart, as above. */
+    /* relay.transactions in half the real cluster's schedules (the mock
+     * cannot fence), relay.shards or not. Drawn apart, as above. */
     struct rng tr = {seed ^ 0x7a5c7105eedULL};
-    s->txn = opt_real && s->shards == 1 && rnd_in(&tr, 0, 1);
+    s->txn = opt_real && rnd_in(&tr, 0, 1);
     /* relay.on_reject = retry in a third of the schedules: refused rows
      * and topics wait and are tried alone (through the second producer)
      * until taken. Drawn apart, as above. */

@@ -864,6 +864,61 @@ static void test_txn_zombie(void **state)
     assert_true(uncommitted > n);
 }
 
+/* The zombie with relay.shards: two relays share 4 slots, each with a
+ * transactional.id of its session. The first is frozen (SIGSTOP) with a
+ * transaction open and records of it in the log, its session terminated;
+ * the second takes its slots, fences its id (the claim names the lost
+ * owner), ends its own transaction, and runs the pass over them; the
+ * frozen one goes on 3 s later and cannot commit. A read_committed
+ * consumer sees every row once. */
+static void test_txn_shards_zombie(void **state)
+{
+    (void)state;
+    char ci_a[700], ci_b[700];
+    struct h_env *b = &second;
+    struct writers ws;
+    static const char *const slow[] = {"postgres.reconnect_backoff_min=1s",
+                                       "postgres.reconnect_backoff_max=2s"};
+    h_env_start_real(&env, TOPICS, H_PG_TCP, NULL);
+    *b = env;
+    snprintf(b->relay_name, sizeof(b->relay_name), "b");
+    b->http_port = h_free_port();
+    snprintf(ci_a, sizeof(ci_a), "postgres.conninfo=%s application_name=aa", env.conninfo);
+    snprintf(ci_b, sizeof(ci_b), "postgres.conninfo=%s application_name=bb", env.conninfo);
+    h_relay_start(&env, NULL,
+                  (const char *const[]){ci_a, slow[0], slow[1], "relay.shards=4",
+                                        "relay.transactions=on", "relay.transaction_rows=2000",
+                                        "kafka.batch.num.messages=1", NULL});
+    h_relay_start(b, NULL,
+                  (const char *const[]){ci_b, slow[0], slow[1], "relay.shards=4",
+                                        "relay.transactions=on", "relay.transaction_rows=500",
+                                        "relay.batch_size=500", NULL});
+    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+    h_wait_event(b, "transactions_ready", NULL, 1, 30000);
+    s_prefill(&env, "it.a", 8000);
+    writers_start(&ws, 5);
+    s_wait_sent(&env, 3000, 60000); /* both publish; the first's transactions are large */
+    h_sleep_ms(500);
+    kill(env.relay_pid, SIGSTOP);
+    PGconn *c = h_connect(&env);
+    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                             " WHERE application_name = 'aa'") >= 1);
+    PQfinish(c);
+    h_wait_event(b, "owners_fenced", NULL, 1, 30000);
+    h_sleep_ms(3000);
+    kill(env.relay_pid, SIGCONT);
+    h_sleep_ms(3000);
+    int written = writers_stop(&ws);
+    s_wait_drained(b, 90000);
+    h_relay_stop(&env, SIGTERM, 30000); /* fenced and back, or stopped */
+    assert_int_equal(h_relay_stop(b, SIGTERM, 30000), 0);
+    size_t uncommitted;
+    size_t n = expect_committed_once("zombie with slots", &uncommitted);
+    assert_true(n >= (size_t)written + 8000);
+    print_message("zombie with slots: the frozen relay's aborted records: %zu\n", uncommitted - n);
+    assert_true(uncommitted > n);
+}
+
 /* The transaction coordinator's broker killed -9 in the middle of a
  * stream of transactions, and started again: the relay finds the new
  * coordinator (or, fenced when its transaction outlived the timeout,
@@ -987,6 +1042,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_txn_all_brokers_down, teardown_env),
         cmocka_unit_test_teardown(test_txn_refusals_retry, teardown_env),
         cmocka_unit_test_teardown(test_txn_kill_loop, teardown_env),
+        cmocka_unit_test_teardown(test_txn_shards_zombie, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }

@@ -220,16 +220,18 @@ static void test_validate(void **state)
     assert_int_equal(obx_config_set_arg(cfg, "postgres.reconnect_backoff_min=1s", err, sizeof(err)),
                      0);
 
-    /* relay.transactions: one relay per outbox for now, and a
-     * transactional.id only with it. */
+    /* relay.transactions: with relay.shards too, and a transactional.id
+     * set by hand only with it and one relay (with slots each relay
+     * derives its own). */
     assert_int_equal(obx_config_set_arg(cfg, "relay.transactions=on", err, sizeof(err)), 0);
     assert_int_equal(obx_config_validate(cfg, err, sizeof(err)), 0);
     assert_int_equal(obx_config_set_arg(cfg, "relay.shards=4", err, sizeof(err)), 0);
+    assert_int_equal(obx_config_validate(cfg, err, sizeof(err)), 0);
+    assert_int_equal(obx_config_set_arg(cfg, "kafka.transactional.id=orders", err, sizeof(err)), 0);
     assert_int_equal(obx_config_validate(cfg, err, sizeof(err)), -1);
-    assert_non_null(strstr(err, "relay.transactions = on works with relay.shards = 1 only (4"));
+    assert_non_null(strstr(err, "kafka.transactional.id cannot be set with relay.shards = 4"));
     assert_int_equal(obx_config_set_arg(cfg, "relay.shards=1", err, sizeof(err)), 0);
     assert_int_equal(obx_config_set_arg(cfg, "relay.transactions=off", err, sizeof(err)), 0);
-    assert_int_equal(obx_config_set_arg(cfg, "kafka.transactional.id=orders", err, sizeof(err)), 0);
     assert_int_equal(obx_config_validate(cfg, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "kafka.transactional.id is set but relay.transactions is off"));
     assert_int_equal(obx_config_set_arg(cfg, "relay.transactions=on", err, sizeof(err)), 0);

@@ -51,6 +51,7 @@ static const struct obx_relay_ops txn_ops = {
     .mark_fetch = fake_mark_fetch,
     .produce = fake_produce,
     .recover = fake_recover,
+    .claim = fake_claim,
     .stopped = fake_stopped,
     .wake_at = fake_wake_at,
     .txn_begin = fake_txn_begin,
@@ -289,6 +290,44 @@ static void test_txn_old_commits(void **state)
     assert_int_equal(c->f.n_marked, 4);
 }
 
+/* relay.shards: a slot taken while a transaction is open. The pass for
+ * it comes after a new producer's init (which would drop the open
+ * transaction), so the transaction ends first: it takes no more rows, and
+ * once its reports are in it commits, its rows are marked, and the pass
+ * goes. */
+static void test_txn_slot_taken_pass_waits(void **state)
+{
+    struct ctx *c = *state;
+    struct obx_relay_settings s = settings;
+    s.transactions = true;
+    s.transaction_rows = 4;
+    s.shards = 4;
+    obx_relay_free(c->r);
+    assert_int_equal(obx_relay_new(&s, &txn_ops, &c->f, &c->f, &c->r), 0);
+    obx_relay_on_pg_ready(c->r, 0);
+    claimed(c, "0,1", 2, 2, 1);
+    assert_int_equal(c->f.recovers, 1);
+    obx_relay_on_recovered(c->r, true, 2);
+    fetched(c, 1, 4, 3);
+    assert_int_equal(tf.begins, 1);
+    ack(c, 0, true, 4);
+    ack(c, 1, true, 5);
+    obx_relay_tick(c->r, 300);
+    claimed(c, "0,1,3", 1, 4, 300); /* the other relay left: one more slot */
+    obx_relay_tick(c->r, 301);
+    assert_int_equal(c->f.recovers, 1); /* not while the transaction is open */
+    ack(c, 2, true, 302);
+    ack(c, 3, true, 303);
+    assert_int_equal(tf.commits, 1);
+    assert_int_equal(c->f.recovers, 1);
+    obx_relay_on_txn_ended(c->r, OBX_TXN_COMMIT, OBX_TXN_OK, "", 304);
+    assert_int_equal(c->f.marks, 1);
+    obx_relay_on_marked(c->r, 305);
+    assert_int_equal(c->f.recovers, 2);
+    assert_string_equal(c->f.recover_slots, "{0,1,3}");
+    assert_int_equal(tf.begins, 1);
+}
+
 /* As OBX_IN_FIXTURE (cmocka_alloc.h), with this file's setup. */
 #define IN_TXN_FIXTURE(fn)                                                                         \
     static void fn##_in_fixture(void **state)                                                      \
@@ -309,7 +348,8 @@ static void test_txn_old_commits(void **state)
     X(test_txn_lost_session_ignores_its_end)                                                       \
     X(test_txn_begin_refused_waits)                                                                \
     X(test_txn_full_seats_commit)                                                                  \
-    X(test_txn_old_commits)
+    X(test_txn_old_commits)                                                                        \
+    X(test_txn_slot_taken_pass_waits)
 
 TESTS(IN_TXN_FIXTURE)
 
