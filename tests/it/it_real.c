@@ -804,6 +804,34 @@ static void test_txn_replication_window(void **state)
     assert_true(uncommitted > n); /* the window was open: otherwise this test showed nothing */
 }
 
+/* Two relays on the same servers for the zombie tests: the first (env,
+ * application_name aa) and a second (b, bb), with slow reconnects; their
+ * conninfo settings into ci_a and ci_b. */
+static const char *const zombie_slow[] = {"postgres.reconnect_backoff_min=1s",
+                                          "postgres.reconnect_backoff_max=2s"};
+
+static struct h_env *zombie_pair(char *ci_a, char *ci_b, size_t len)
+{
+    struct h_env *b = &second;
+    h_env_start_real(&env, TOPICS, H_PG_TCP, NULL);
+    *b = env;
+    snprintf(b->relay_name, sizeof(b->relay_name), "b");
+    b->http_port = h_free_port();
+    snprintf(ci_a, len, "postgres.conninfo=%s application_name=aa", env.conninfo);
+    snprintf(ci_b, len, "postgres.conninfo=%s application_name=bb", env.conninfo);
+    return b;
+}
+
+/* The first relay frozen (SIGSTOP) and its Postgres session terminated. */
+static void zombie_freeze_and_cut(void)
+{
+    kill(env.relay_pid, SIGSTOP);
+    PGconn *c = h_connect(&env);
+    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                             " WHERE application_name = 'aa'") >= 1);
+    PQfinish(c);
+}
+
 /* The zombie: the active relay frozen (SIGSTOP) with rows in flight, its
  * session terminated, the standby takes over (its init fences the frozen
  * one's producer and aborts its open transaction); the frozen one goes on
@@ -816,16 +844,9 @@ static void test_txn_zombie(void **state)
 {
     (void)state;
     char ci_a[700], ci_b[700];
-    struct h_env *b = &second;
     struct writers ws;
-    static const char *const slow[] = {"postgres.reconnect_backoff_min=1s",
-                                       "postgres.reconnect_backoff_max=2s"};
-    h_env_start_real(&env, TOPICS, H_PG_TCP, NULL);
-    *b = env;
-    snprintf(b->relay_name, sizeof(b->relay_name), "b");
-    b->http_port = h_free_port();
-    snprintf(ci_a, sizeof(ci_a), "postgres.conninfo=%s application_name=aa", env.conninfo);
-    snprintf(ci_b, sizeof(ci_b), "postgres.conninfo=%s application_name=bb", env.conninfo);
+    const char *const *slow = zombie_slow;
+    struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a));
     /* The first relay sends one record a request, in transactions of
      * 2,000 rows, through a backlog: a transaction of it is always open
      * with records in the log. */
@@ -842,11 +863,7 @@ static void test_txn_zombie(void **state)
     writers_start(&ws, 2);
     s_wait_sent(&env, 2000, 30000); /* a transaction committed */
     h_sleep_ms(500);                /* the next one is sending */
-    kill(env.relay_pid, SIGSTOP);
-    PGconn *c = h_connect(&env);
-    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                             " WHERE application_name = 'aa'") >= 1);
-    PQfinish(c);
+    zombie_freeze_and_cut();
     h_wait_event(b, "transactions_ready", NULL, 1, 30000);
     h_sleep_ms(3000);
     kill(env.relay_pid, SIGCONT);
@@ -875,16 +892,9 @@ static void test_txn_shards_zombie(void **state)
 {
     (void)state;
     char ci_a[700], ci_b[700];
-    struct h_env *b = &second;
     struct writers ws;
-    static const char *const slow[] = {"postgres.reconnect_backoff_min=1s",
-                                       "postgres.reconnect_backoff_max=2s"};
-    h_env_start_real(&env, TOPICS, H_PG_TCP, NULL);
-    *b = env;
-    snprintf(b->relay_name, sizeof(b->relay_name), "b");
-    b->http_port = h_free_port();
-    snprintf(ci_a, sizeof(ci_a), "postgres.conninfo=%s application_name=aa", env.conninfo);
-    snprintf(ci_b, sizeof(ci_b), "postgres.conninfo=%s application_name=bb", env.conninfo);
+    const char *const *slow = zombie_slow;
+    struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a));
     h_relay_start(&env, NULL,
                   (const char *const[]){ci_a, slow[0], slow[1], "relay.shards=4",
                                         "relay.transactions=on", "relay.transaction_rows=2000",
@@ -899,11 +909,7 @@ static void test_txn_shards_zombie(void **state)
     writers_start(&ws, 5);
     s_wait_sent(&env, 3000, 60000); /* both publish; the first's transactions are large */
     h_sleep_ms(500);
-    kill(env.relay_pid, SIGSTOP);
-    PGconn *c = h_connect(&env);
-    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                             " WHERE application_name = 'aa'") >= 1);
-    PQfinish(c);
+    zombie_freeze_and_cut();
     h_wait_event(b, "owners_fenced", NULL, 1, 30000);
     h_sleep_ms(3000);
     kill(env.relay_pid, SIGCONT);
