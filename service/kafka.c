@@ -1008,7 +1008,8 @@ static int txn_init_start(struct obx_kafka *k)
         return -1;
     if (rd_kafka_outq_len(k->rk) > 0)
         obx_warn("kafka: the producer replaced for a new session still held %d records; they "
-                 "are dropped (their transaction is aborted by the new one's init)",
+                 "are dropped (their transaction is aborted by the next init or fence of its "
+                 "transactional.id, or at its timeout)",
                  rd_kafka_outq_len(k->rk));
     retire_producer(k);
     k->txn_broken = false;
@@ -1025,6 +1026,11 @@ int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id)
     snprintf(k->txn_id, sizeof(k->txn_id), "%s", transactional_id);
     k->txn_init_waiting = true;
     return k->probe_busy ? 0 : txn_init_start(k);
+}
+
+const char *obx_kafka_txn_id(const struct obx_kafka *k)
+{
+    return k->txn_id;
 }
 
 int obx_kafka_txn_begin(struct obx_kafka *k, const char **reason)
@@ -1108,7 +1114,9 @@ static void fence_after(uv_work_t *w, int status)
 int obx_kafka_txn_fence(struct obx_kafka *k, const char *const *ids, size_t n,
                         obx_kafka_fence_fn done, void *arg)
 {
-    if (k->fence_busy || k->closing || n == 0)
+    /* Not beside an init: one of a session gone could answer while this
+     * session's pass waits for the fence. */
+    if (k->fence_busy || k->txn_busy || k->txn_init_waiting || k->closing || n == 0)
         return -1;
     k->fence_confs = obx_calloc(n, sizeof(*k->fence_confs));
     k->fence_ids = obx_calloc(n, sizeof(*k->fence_ids));

@@ -235,6 +235,10 @@ static void note_lost_owners(struct app *a, const char *pids)
             known = known || a->fence_pids[i] == pid;
         if (!known && a->n_fence_pids < cap)
             a->fence_pids[a->n_fence_pids++] = pid;
+        else if (!known)
+            obx_warn("kafka: more than %zu lost slot owners to fence; session %ld is not "
+                     "fenced (its open transaction ends at its timeout)",
+                     cap, pid);
         p = *end == ',' ? end + 1 : end;
     }
 }
@@ -394,6 +398,14 @@ static void kafka_txn_done(bool init, enum obx_txn_end end, enum obx_txn_result 
     int64_t now = (int64_t)uv_now(&a->loop);
     if (!init) {
         obx_relay_on_txn_ended(a->relay, end, result, reason, now);
+        return;
+    }
+    /* An init of a session gone (another id), or one this session's pass
+     * must not follow yet (lost owners still to fence): the pass waits and
+     * asks again. */
+    if (obx_relay_state(a->relay) == OBX_RELAY_RECOVERING &&
+        (strcmp(obx_kafka_txn_id(a->kafka), a->txn_id) != 0 || a->n_fence_pids > 0)) {
+        obx_relay_on_recovered(a->relay, false, now);
         return;
     }
     /* The pass op_recover put off. */

@@ -602,21 +602,19 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
                     rc = -1;
                 }
                 p->next = m->offset + 1;
+            } else if (!m->err && p->next < p->end) {
+                p->next = p->end; /* a record past the end: all below it came */
             }
             bool eof = m->err == RD_KAFKA_RESP_ERR__PARTITION_EOF;
             if (eof && m->offset > p->next)
                 p->next = m->offset; /* past control records and aborted ones */
-            /* An end below the planned one. Under read_uncommitted a new
-             * leader's high watermark lags for a moment: the records
-             * planned are there or coming, and reading goes on
-             * (NO_PROGRESS_MS bounds it). Under read_committed it is the
-             * last stable offset: a transaction still open (another
-             * producer's: the init before the pass ended this outbox's)
-             * holds it, perhaps for minutes. Nothing of ours can be behind
-             * it, and the pass ends there, storing no further than it read,
-             * so that the next pass reads the rest. */
-            if (eof && m->offset >= 0 && p->next < p->end && rec->cfg->transactions)
-                p->end = p->next;
+            /* An end below the planned one is not the end: under
+             * read_uncommitted a new leader's high watermark lags for a
+             * moment; under read_committed another producer's transaction
+             * still open holds the last stable offset (another relay's,
+             * with relay.shards: it ends within half its timeout), and
+             * records that committed after it wait behind it. Reading goes
+             * on; NO_PROGRESS_MS bounds it. */
             if (p->next >= p->end || (eof && m->offset < 0)) {
                 p->done = true;
                 open_parts--;
@@ -632,24 +630,22 @@ static int scan(struct obx_recovery *rec, rd_kafka_t *rk)
     return rc;
 }
 
-static void scan_work(uv_work_t *w)
+/* A consumer for the pass: reading what committed (`committed`), or
+ * everything. NULL with rec->error set. */
+static rd_kafka_t *recovery_consumer(struct obx_recovery *rec, bool committed)
 {
-    struct obx_recovery *rec = w->data;
     rd_kafka_conf_t *conf;
     char err[400];
 
     if (obx_kafka_conf_build(rec->cfg, OBX_KAFKA_CONSUMER, &conf, err, sizeof(err)) != 0) {
         snprintf(rec->error, sizeof(rec->error), "%s", err);
-        return;
+        return NULL;
     }
     const char *const settings[][2] = {
         {"group.id", "outboxd-recovery"}, /* required by the API; nothing is committed */
         {"enable.auto.commit", "false"},
         {"enable.partition.eof", "true"},
-        /* With relay.transactions, what committed only: an aborted
-         * transaction's records were never published, and their rows go
-         * again. (The init before the pass ended any open one.) */
-        {"isolation.level", rec->cfg->transactions ? "read_committed" : "read_uncommitted"},
+        {"isolation.level", committed ? "read_committed" : "read_uncommitted"},
         /* A position that retention removed while the pass read elsewhere
          * (between chunks): go on from the first record left, not from
          * the end (librdkafka's default), which would skip records the
@@ -668,13 +664,44 @@ static void scan_work(uv_work_t *w)
     if (!rk) {
         rd_kafka_conf_destroy(conf);
         snprintf(rec->error, sizeof(rec->error), "cannot create the recovery consumer: %s", err);
-        return;
+        return NULL;
     }
     rd_kafka_poll_set_consumer(rk);
-    if (scan(rec, rk) != 0 && !rec->error[0])
-        snprintf(rec->error, sizeof(rec->error), "scan failed");
+    return rk;
+}
+
+static void consumer_done(rd_kafka_t *rk)
+{
     rd_kafka_consumer_close(rk);
     rd_kafka_destroy(rk);
+}
+
+static void scan_work(uv_work_t *w)
+{
+    struct obx_recovery *rec = w->data;
+    /* With relay.transactions the pass reads what committed only: an
+     * aborted transaction's records were never published, and their rows
+     * go again (the init before the pass ended this outbox's open one).
+     * It plans with a read_uncommitted consumer all the same: a
+     * read_committed one's "high watermark" is the last stable offset,
+     * below records that committed after another producer's transaction
+     * (another relay's, with relay.shards) that is still open; the pass
+     * reads on until that one ends and its end is passed. */
+    if (!rec->planned && rec->cfg->transactions) {
+        rd_kafka_t *planner = recovery_consumer(rec, false);
+        if (!planner)
+            return;
+        int rc = plan_partitions(rec, planner);
+        consumer_done(planner);
+        if (rc != 0)
+            return;
+    }
+    rd_kafka_t *rk = recovery_consumer(rec, rec->cfg->transactions);
+    if (!rk)
+        return;
+    if (scan(rec, rk) != 0 && !rec->error[0])
+        snprintf(rec->error, sizeof(rec->error), "scan failed");
+    consumer_done(rk);
 }
 
 /* ---- back on the loop ---- */

@@ -145,6 +145,8 @@ const struct obx_labelled *obx_kafka_publish_errors(const struct obx_kafka *k);
  * answer comes through cb.txn_done; -1 when a call is still running or the
  * producer could not be replaced (then nothing comes). */
 int obx_kafka_txn_init(struct obx_kafka *k, const char *transactional_id);
+/* The transactional.id of the last init started ("" before any). */
+const char *obx_kafka_txn_id(const struct obx_kafka *k);
 /* Begins a transaction (local, at once): 0, or -1 with *reason, or -2
  * when the producer hit a fatal error (fenced: its transaction timed out
  * at the broker, or another producer took its id): only the next
