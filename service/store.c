@@ -746,8 +746,11 @@ const char *obx_store_sql_claim_slots(void)
     /* fence_pids (relay.transactions): the sessions that owned a slot held
      * now and lost it without giving it back, as this statement's snapshot
      * saw them before claim_slots() wrote the new owners; their relays'
-     * transactional producers are fenced before the pass over the slot. */
-    return "WITH before AS MATERIALIZED (SELECT slot, owner_pid, given_back"
+     * transactional producers are fenced before the pass over the slot.
+     * Not a session still there (one that gave the slot back as this
+     * statement began: its given_back was not committed yet), unless its
+     * pid is another session's now. */
+    return "WITH before AS MATERIALIZED (SELECT slot, owner_pid, owned_since, given_back"
            "                             FROM outbox.slot_owners WHERE shards = $1::int)"
            " SELECT array_to_string(c.owned, ',') AS owned, c.members, c.share, c.free,"
            "       c.other_shards, c.repaired,"
@@ -758,7 +761,12 @@ const char *obx_store_sql_claim_slots(void)
            "       pg_backend_pid() AS session_pid,"
            "       array_to_string(ARRAY(SELECT DISTINCT b.owner_pid FROM before b"
            "                             WHERE b.slot = ANY (c.owned) AND NOT b.given_back"
-           "                               AND b.owner_pid <> pg_backend_pid() ORDER BY 1),"
+           "                               AND b.owner_pid <> pg_backend_pid()"
+           "                               AND NOT EXISTS (SELECT FROM pg_stat_activity a"
+           "                                               WHERE a.pid = b.owner_pid"
+           "                                                 AND a.backend_start"
+           "                                                     <= b.owned_since)"
+           "                             ORDER BY 1),"
            "                       ',') AS fence_pids"
            " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
 }
