@@ -859,8 +859,8 @@ static void test_txn_zombie(void **state)
         b, NULL,
         (const char *const[]){ci_b, slow[0], slow[1], TXN_ARGS[0], TXN_ARGS[1], TXN_ARGS[2], NULL});
     h_wait_event(b, "standing_by", NULL, 1, 15000);
-    s_prefill(&env, "it.a", 20000);
-    writers_start(&ws, 2);
+    s_prefill(&env, "it.a", 8000);
+    writers_start(&ws, 5);
     s_wait_sent(&env, 2000, 30000); /* a transaction committed */
     h_sleep_ms(500);                /* the next one is sending */
     zombie_freeze_and_cut();
@@ -996,7 +996,7 @@ static void test_txn_kill_loop(void **state)
     struct writers ws;
     int kills;
     unsigned seed;
-    s_kill_loop_settings(12, &kills, &seed);
+    s_kill_loop_settings(10, &kills, &seed);
     h_env_start_real(&env, TOPICS, 0, NULL);
     s_prefill(&env, "it.c", 2000);
     writers_start(&ws, 10);
