@@ -63,6 +63,7 @@ struct app {
     long session_pid;
     long fence_pids[64];
     size_t n_fence_pids;
+    size_t n_fencing; /* the first n_fencing of them: the fence running */
     int pass_shards;
     char pass_slots[8192];   /* "{0,3,...}": up to 1,024 slots */
     struct obx_http *http;   /* NULL when http.listen is empty */
@@ -149,7 +150,8 @@ static int fence_lost_owners(struct app *a, const char *base)
         snprintf(ids[i], sizeof(ids[i]), "%s-%ld", base, a->fence_pids[i]);
         list[i] = ids[i];
     }
-    return obx_kafka_txn_fence(a->kafka, list, a->n_fence_pids, lost_owners_fenced, a);
+    a->n_fencing = a->n_fence_pids; /* claims of a next session may add more meanwhile */
+    return obx_kafka_txn_fence(a->kafka, list, a->n_fencing, lost_owners_fenced, a);
 }
 
 static int op_recover(void *io, int shards, const char *owned_slots)
@@ -187,8 +189,22 @@ static void lost_owners_fenced(bool ok, const char *reason, void *arg)
 {
     struct app *a = arg;
     int64_t now = (int64_t)uv_now(&a->loop);
+    if (ok) {
+        char pids[200] = "";
+        for (size_t i = 0, used = 0; i < a->n_fencing && used < sizeof(pids); i++)
+            used += (size_t)snprintf(pids + used, sizeof(pids) - used, "%s%ld", i ? ", " : "",
+                                     a->fence_pids[i]);
+        obx_event(OBX_LOG_INFO, "owners_fenced",
+                  "kafka: the transactional producers of the slots' lost owners (sessions %s) "
+                  "are fenced: what they left open is ended, and they cannot commit",
+                  pids);
+        a->n_fence_pids -= a->n_fencing;
+        memmove(a->fence_pids, a->fence_pids + a->n_fencing,
+                a->n_fence_pids * sizeof(a->fence_pids[0]));
+    }
+    a->n_fencing = 0;
     if (obx_relay_state(a->relay) != OBX_RELAY_RECOVERING)
-        return; /* the session went meanwhile: the next one's pass fences again */
+        return; /* the session went meanwhile: its next pass goes on from here */
     if (!ok) {
         obx_warn("kafka: fencing the transactional producers of the slots' lost owners failed "
                  "(%s); the pass waits and tries again",
@@ -196,16 +212,7 @@ static void lost_owners_fenced(bool ok, const char *reason, void *arg)
         obx_relay_on_recovered(a->relay, false, now);
         return;
     }
-    char pids[200] = "";
-    for (size_t i = 0, used = 0; i < a->n_fence_pids && used < sizeof(pids); i++)
-        used += (size_t)snprintf(pids + used, sizeof(pids) - used, "%s%ld", i ? ", " : "",
-                                 a->fence_pids[i]);
-    obx_event(OBX_LOG_INFO, "owners_fenced",
-              "kafka: the transactional producers of the slots' lost owners (sessions %s) are "
-              "fenced: what they left open is ended, and they cannot commit",
-              pids);
-    a->n_fence_pids = 0;
-    if (obx_kafka_txn_init(a->kafka, a->txn_id) != 0)
+    if (a->n_fence_pids > 0 || obx_kafka_txn_init(a->kafka, a->txn_id) != 0)
         obx_relay_on_recovered(a->relay, false, now);
 }
 

@@ -87,7 +87,7 @@ int obx_relay_new(const struct obx_relay_settings *s, const struct obx_relay_ops
     if (!r)
         return -1;
     r->set = *s;
-    r->failure_warned_at = INT64_MIN / 2; /* the first such report warns */
+    r->failure_warned_at = r->unknown_warned_at = INT64_MIN / 2; /* the first of each warns */
     r->full_warned_at = INT64_MIN / 2;
     r->ops = ops;
     r->io = io;
@@ -1653,11 +1653,13 @@ static void not_delivered(struct obx_relay *r, struct seat *s, enum obx_delivery
     if (b)
         b->retry_at = now + r->set.retry_backoff_ms;
     /* Such reports come in bursts (a whole request timed out, a
-     * transaction's records with it): one warning a second, the rest at
-     * debug. */
-    enum obx_log_level level = now - r->failure_warned_at >= 1000 ? OBX_LOG_WARN : OBX_LOG_DEBUG;
+     * transaction's records with it): one warning a second of each kind,
+     * the rest at debug (a row that may have landed is always said). */
+    int64_t *warned_at =
+        outcome == OBX_DELIVERY_UNKNOWN ? &r->unknown_warned_at : &r->failure_warned_at;
+    enum obx_log_level level = now - *warned_at >= 1000 ? OBX_LOG_WARN : OBX_LOG_DEBUG;
     if (level == OBX_LOG_WARN)
-        r->failure_warned_at = now;
+        *warned_at = now;
     if (outcome == OBX_DELIVERY_UNKNOWN) {
         /* Publishing it again blindly could duplicate it: the recovery pass
          * reads Kafka first and marks it if it landed. */

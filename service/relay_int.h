@@ -101,7 +101,8 @@ struct obx_relay {
     int64_t hard_deadline;  /* stop, whatever is in flight (shutdown.timeout) */
 
     int64_t last_progress;     /* see obx_relay_last_progress */
-    int64_t failure_warned_at; /* last "not delivered" or "may or may not be in Kafka" warning */
+    int64_t failure_warned_at; /* last "not delivered" warning */
+    int64_t unknown_warned_at; /* last "may or may not be in Kafka" warning */
     int64_t full_warned_at;    /* last "rows in flight cannot be stored" error */
     int64_t state_since;       /* when the state last changed */
     int64_t stalled_ms;        /* > 0 while a stall is reported */
