@@ -1340,15 +1340,33 @@ void h_wait_event(struct h_env *e, const char *event, const char *detail, long n
     note_long_wait(t0, "event", event);
 }
 
-long h_relay_log_count(struct h_env *e, const char *needle)
+/* The lines of PATH that contain NEEDLE (0 when it cannot be read). */
+static long count_lines(const char *path, const char *needle)
 {
-    char path[300], line[4096];
+    char line[4096];
     long n = 0;
-    FILE *f = fopen(h_relay_log_path(e, path, sizeof(path)), "r");
+    FILE *f = fopen(path, "r");
     while (f && fgets(line, sizeof(line), f))
         n += strstr(line, needle) != NULL;
     if (f)
         fclose(f);
+    return n;
+}
+
+long h_relay_log_count(struct h_env *e, const char *needle)
+{
+    char path[300];
+    return count_lines(h_relay_log_path(e, path, sizeof(path)), needle);
+}
+
+long h_kafka_log_count(struct h_env *e, const char *needle)
+{
+    char path[400];
+    long n = 0;
+    for (int i = 1; e->real_kafka && i <= (e->kafka.nodes ? e->kafka.nodes : 3); i++) {
+        snprintf(path, sizeof(path), "%s/kafka/n%d/kafka.log", e->dir, i);
+        n += count_lines(path, needle);
+    }
     return n;
 }
 

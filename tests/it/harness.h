@@ -168,6 +168,8 @@ int h_relay_backend_waiting(PGconn *c, const char *query_prefix);
 void h_wait_log(struct h_env *e, const char *needle, int timeout_ms);
 /* Lines of the relay's log holding `needle`. */
 long h_relay_log_count(struct h_env *e, const char *needle);
+/* The lines of the real cluster's node logs that contain NEEDLE (0 on the mock). */
+long h_kafka_log_count(struct h_env *e, const char *needle);
 /* Lines of the relay's (JSON) log that carry "event":"<event>", and
  * `detail` if not NULL: what tests wait for rather than a message's words;
  * h_wait_event waits until there are at least n. */
