@@ -58,9 +58,12 @@ struct app {
     char txn_id[256]; /* relay.transactions: the transactional.id of the session's producer */
     /* relay.transactions with relay.shards: this session's backend pid (its
      * transactional.id ends with it), the pids of slots' lost owners still
-     * to fence (the claims say them; kept until a fence succeeds), and the
-     * pass op_recover puts off until the fence and the init are done. */
+     * to fence (the claims say them, or with relay.shards = 1 the relay
+     * lock's repair; kept until a fence succeeds; 0 is the id of a relay
+     * alone), and the pass op_recover puts off until the fence and the
+     * init are done. */
     long session_pid;
+    long single_fenced_session; /* the session whose fence took a relay alone's id */
     long fence_pids[64];
     size_t n_fence_pids;
     size_t n_fencing; /* the first n_fencing of them: the fence running */
@@ -123,6 +126,8 @@ static int op_mark_fetch(void *io, const struct obx_mark *m, const struct obx_fe
  * kafka.transactional.id, else one derived from the server's system
  * identifier (the same on a promoted standby, another on a restored copy)
  * and the database's name. False when neither is known. */
+static bool derived_transactional_id(struct app *a, char *out, size_t len);
+
 static bool transactional_id(struct app *a, char *out, size_t len)
 {
     const char *set = obx_config_kafka_get(&a->cfg, "transactional.id");
@@ -130,6 +135,12 @@ static bool transactional_id(struct app *a, char *out, size_t len)
         snprintf(out, len, "%s", set);
         return true;
     }
+    return derived_transactional_id(a, out, len);
+}
+
+/* The id outboxd derives (relays with relay.shards add "-PID" to it). */
+static bool derived_transactional_id(struct app *a, char *out, size_t len)
+{
     const char *history = obx_pg_history(a->pg); /* "SYSTEM_ID.TIMELINE" */
     size_t sys_len = strcspn(history, ".");
     if (sys_len == 0)
@@ -139,15 +150,19 @@ static bool transactional_id(struct app *a, char *out, size_t len)
 }
 
 static void lost_owners_fenced(bool ok, const char *reason, void *arg);
+static void note_lost_owners(struct app *a, const char *pids);
 
 /* Fences the transactional ids of the slots' lost owners (relay.shards),
- * then lost_owners_fenced goes on. */
+ * then lost_owners_fenced goes on. `base`: the derived id. */
 static int fence_lost_owners(struct app *a, const char *base)
 {
     char ids[sizeof(a->fence_pids) / sizeof(a->fence_pids[0])][300];
     const char *list[sizeof(a->fence_pids) / sizeof(a->fence_pids[0])];
     for (size_t i = 0; i < a->n_fence_pids; i++) {
-        snprintf(ids[i], sizeof(ids[i]), "%s-%ld", base, a->fence_pids[i]);
+        if (a->fence_pids[i] == 0)
+            snprintf(ids[i], sizeof(ids[i]), "%s", base);
+        else
+            snprintf(ids[i], sizeof(ids[i]), "%s-%ld", base, a->fence_pids[i]);
         list[i] = ids[i];
     }
     a->n_fencing = a->n_fence_pids; /* claims of a next session may add more meanwhile */
@@ -170,18 +185,29 @@ static int op_recover(void *io, int shards, const char *owned_slots)
                   "kafka.transactional.id, the same for every relay of this outbox");
         return -1;
     }
+    char derived[224];
+    if (!derived_transactional_id(a, derived, sizeof(derived)))
+        snprintf(derived, sizeof(derived), "%s", base);
     a->pass_shards = shards;
     snprintf(a->pass_slots, sizeof(a->pass_slots), "%s", owned_slots ? owned_slots : "");
     if (shards <= 1) {
+        /* A relay alone after relays with slots (relay.shards changed):
+         * the ones that lost their slots are fenced first, by their ids. */
         snprintf(a->txn_id, sizeof(a->txn_id), "%s", base);
-        return obx_kafka_txn_init(a->kafka, a->txn_id);
+        note_lost_owners(a, obx_pg_lost_slot_owners(a->pg));
+    } else {
+        /* With slots, each relay's id is its session's (no two relays
+         * share one, so none fences another while both run); the lost
+         * owners of the slots it took are fenced by theirs first, and
+         * once a session the id of a relay alone, which may have been
+         * lost just before (relay.shards changed; a relay alone and
+         * relays with slots never hold the relay lock together). */
+        snprintf(a->txn_id, sizeof(a->txn_id), "%s-%ld", base, a->session_pid);
+        if (a->single_fenced_session != a->session_pid)
+            note_lost_owners(a, "0");
     }
-    /* With slots, each relay's id is its session's (no two relays share
-     * one, so none fences another while both run); the lost owners of the
-     * slots it took are fenced by theirs first. */
-    snprintf(a->txn_id, sizeof(a->txn_id), "%s-%ld", base, a->session_pid);
     if (a->n_fence_pids > 0)
-        return fence_lost_owners(a, base);
+        return fence_lost_owners(a, derived);
     return obx_kafka_txn_init(a->kafka, a->txn_id);
 }
 
@@ -190,13 +216,19 @@ static void lost_owners_fenced(bool ok, const char *reason, void *arg)
     struct app *a = arg;
     int64_t now = (int64_t)uv_now(&a->loop);
     if (ok) {
-        char pids[200] = "";
-        for (size_t i = 0, used = 0; i < a->n_fencing && used < sizeof(pids); i++)
-            used += (size_t)snprintf(pids + used, sizeof(pids) - used, "%s%ld", i ? ", " : "",
-                                     a->fence_pids[i]);
+        char pids[240] = "";
+        for (size_t i = 0, used = 0; i < a->n_fencing && used < sizeof(pids); i++) {
+            if (a->fence_pids[i] == 0)
+                a->single_fenced_session = a->session_pid;
+            used += a->fence_pids[i] == 0
+                        ? (size_t)snprintf(pids + used, sizeof(pids) - used, "%sa relay alone's",
+                                           i ? ", " : "")
+                        : (size_t)snprintf(pids + used, sizeof(pids) - used, "%ssession %ld",
+                                           i ? ", " : "", a->fence_pids[i]);
+        }
         obx_event(OBX_LOG_INFO, "owners_fenced",
-                  "kafka: the transactional producers of the slots' lost owners (sessions %s) "
-                  "are fenced: what they left open is ended, and they cannot commit",
+                  "kafka: the transactional producers of the outbox's lost owners (%s) are "
+                  "fenced: what they left open is ended, and they cannot commit",
                   pids);
         a->n_fence_pids -= a->n_fencing;
         memmove(a->fence_pids, a->fence_pids + a->n_fencing,

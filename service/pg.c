@@ -78,12 +78,14 @@ struct obx_pg {
     char system_id[24], ready_system_id[24], stored_system_id[24];
     long timeline, ready_timeline, stored_timeline; /* stored: outbox.history's, before */
     uint64_t history_changes;
-    bool history_warned; /* said once that the server refuses it */
-    bool pooler_noted;   /* said once that a session pooler is in between */
-    char history[64];    /* obx_pg_history() of the ready session */
-    char dbname[128];    /* the server's current_database(), with the history */
-    PGresult *result;    /* first result of the statement in flight */
-    char target[256];    /* "host:port/db as user", for logs; no password */
+    bool history_warned;        /* said once that the server refuses it */
+    bool pooler_noted;          /* said once that a session pooler is in between */
+    char history[64];           /* obx_pg_history() of the ready session */
+    char dbname[128];           /* the server's current_database(), with the history */
+    bool fence_slot_owners;     /* relay.transactions, relay.shards = 1 */
+    char lost_slot_owners[512]; /* obx_pg_lost_slot_owners() */
+    PGresult *result;           /* first result of the statement in flight */
+    char target[256];           /* "host:port/db as user", for logs; no password */
     struct pg_request req;
 
     struct obx_row *rows; /* batch_size rows, decoded from each fetch */
@@ -425,6 +427,7 @@ static void continue_connect(struct obx_pg *pg)
 static void try_lock(struct obx_pg *pg)
 {
     pg->repairing = false;
+    pg->lost_slot_owners[0] = '\0';
     change_state(pg, OBX_PG_LOCKING, "try the relay lock");
     /* With relay.shards above 1 the relays hold it shared, each publishing
      * the slots it owns: a single relay (relay.shards = 1) and they exclude
@@ -606,6 +609,11 @@ const char *obx_pg_dbname(const struct obx_pg *pg)
     return pg->dbname;
 }
 
+const char *obx_pg_lost_slot_owners(const struct obx_pg *pg)
+{
+    return pg->lost_slot_owners;
+}
+
 /* The lock is held and the rows repaired: the relay may go. */
 static void become_ready(struct obx_pg *pg)
 {
@@ -643,6 +651,8 @@ static void finish_repair(struct obx_pg *pg, const PGresult *res)
         obx_warn("postgres: %s unsent rows carried a transaction id from another cluster "
                  "(restored or replicated); they now carry this one's and are published once",
                  PQgetvalue(res, 0, 0));
+    snprintf(pg->lost_slot_owners, sizeof(pg->lost_slot_owners), "%s",
+             PQnfields(res) > 1 ? PQgetvalue(res, 0, 1) : "");
     become_ready(pg);
 }
 
@@ -689,7 +699,8 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
         return;
     }
     pg->repairing = true;
-    send_setup_statement(pg, OBX_STORE_SQL_REPAIR_XIDS);
+    send_setup_statement(pg, pg->fence_slot_owners ? OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS
+                                                   : OBX_STORE_SQL_REPAIR_XIDS);
 }
 
 /* After a PQsend*: the statement goes out, or the connection is dropped. */
@@ -1001,6 +1012,7 @@ int obx_pg_new(uv_loop_t *loop, const struct obx_config *cfg, const struct obx_p
     pg->arg = arg;
     pg->statement_timeout_ms = cfg->pg_statement_timeout_ms;
     pg->shards = cfg->shards;
+    pg->fence_slot_owners = cfg->transactions && cfg->shards <= 1;
     pg->backoff_min_ms = cfg->pg_backoff_min_ms;
     pg->backoff_max_ms = cfg->pg_backoff_max_ms;
     pg->state = OBX_PG_DISCONNECTED;

@@ -105,6 +105,10 @@ const char *obx_pg_history(const struct obx_pg *pg);
  * the connection string's name, which a pooler may alias); "" when the
  * server would not tell its history. */
 const char *obx_pg_dbname(const struct obx_pg *pg);
+/* relay.shards = 1: the sessions ("12,34", or "") of relays with
+ * relay.shards above 1 that lost slots without giving them back, as the
+ * session's repair found them when it took the relay lock. */
+const char *obx_pg_lost_slot_owners(const struct obx_pg *pg);
 
 /* A growable text buffer holding a Postgres array literal ("{1,2}",
  * "{\"a\",NULL}") for a text-format parameter. */

@@ -262,7 +262,24 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
  * commits for ever (sql/006). One row: how many. */
+/* A relay alone (relay.shards = 1) once it holds the relay lock: the rows
+ * repaired (column 0). */
 #define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
+/* The same with relay.transactions, and the sessions of relays with
+ * relay.shards above 1 that lost slots without giving them back, whose
+ * transactional producers it fences before its pass (column 1, "12,34").
+ * Such a relay's session is gone (this one holds the lock they share),
+ * unless its pid is another session's now. */
+#define OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS                                                  \
+    "SELECT outbox.repair_writer_xids(),"                                                          \
+    "       array_to_string(ARRAY(SELECT DISTINCT o.owner_pid FROM outbox.slot_owners o"           \
+    "                             WHERE o.shards > 1 AND NOT o.given_back"                         \
+    "                               AND o.owner_pid <> pg_backend_pid()"                           \
+    "                               AND NOT EXISTS (SELECT FROM pg_stat_activity a"                \
+    "                                               WHERE a.pid = o.owner_pid"                     \
+    "                                                 AND a.backend_start <= o.owned_since)"       \
+    "                             ORDER BY 1),"                                                    \
+    "                       ',') AS lost_slot_owners"
 /* The partitions of outbox.events, as a parenthesised list of oids (for
  * "relid IN"): statistics are kept per partition, none for the parent. */
 #define OBX_STORE_SQL_EVENTS_PARTITIONS                                                            \

@@ -822,14 +822,23 @@ static struct h_env *zombie_pair(char *ci_a, char *ci_b, size_t len)
     return b;
 }
 
-/* The first relay frozen (SIGSTOP) and its Postgres session terminated. */
+/* A relay frozen (SIGSTOP) and its Postgres sessions (application_name
+ * `app`) terminated. */
+static void freeze_and_cut(struct h_env *r, const char *app)
+{
+    kill(r->relay_pid, SIGSTOP);
+    PGconn *c = h_connect(&env);
+    assert_true(h_sql_int(c,
+                          "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                          " WHERE application_name = '%s'",
+                          app) >= 1);
+    PQfinish(c);
+}
+
+/* The first relay of zombie_pair frozen and cut. */
 static void zombie_freeze_and_cut(void)
 {
-    kill(env.relay_pid, SIGSTOP);
-    PGconn *c = h_connect(&env);
-    assert_true(h_sql_int(c, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                             " WHERE application_name = 'aa'") >= 1);
-    PQfinish(c);
+    freeze_and_cut(&env, "aa");
 }
 
 /* The zombie: the active relay frozen (SIGSTOP) with rows in flight, its
@@ -910,7 +919,7 @@ static void test_txn_shards_zombie(void **state)
     s_wait_sent(&env, 3000, 60000); /* both publish; the first's transactions are large */
     h_sleep_ms(500);
     zombie_freeze_and_cut();
-    h_wait_event(b, "owners_fenced", NULL, 1, 30000);
+    h_wait_event(b, "owners_fenced", "session", 1, 30000);
     h_sleep_ms(3000);
     kill(env.relay_pid, SIGCONT);
     h_sleep_ms(3000);
@@ -922,6 +931,60 @@ static void test_txn_shards_zombie(void **state)
     size_t n = expect_committed_once("zombie with slots", &uncommitted);
     assert_true(n >= (size_t)written + 8000);
     print_message("zombie with slots: the frozen relay's aborted records: %zu\n", uncommitted - n);
+    assert_true(uncommitted > n);
+}
+
+/* relay.shards changed, both ways, each time over a zombie: a relay
+ * alone (relay.shards = 1, transactional.id the outbox's) is frozen with a
+ * transaction open and cut off; a relay with 4 slots (an id of its
+ * session) takes over and fences the lone relay's id before its pass.
+ * Later that one is frozen and cut off in turn, and the first, standing by
+ * since, takes the relay lock alone and fences the lost slot owner's id
+ * (its session, from outbox.slot_owners) first. Each zombie goes on 3 s
+ * after the fence and cannot commit: a read_committed consumer sees every
+ * row once. */
+static void test_txn_shards_change_zombie(void **state)
+{
+    (void)state;
+    char ci_a[700], ci_b[700];
+    struct writers ws;
+    const char *const *slow = zombie_slow;
+    struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a));
+    h_relay_start(&env, NULL,
+                  (const char *const[]){ci_a, slow[0], slow[1], "relay.transactions=on",
+                                        "relay.transaction_rows=2000", "kafka.batch.num.messages=1",
+                                        NULL});
+    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+    h_relay_start(b, NULL,
+                  (const char *const[]){ci_b, slow[0], slow[1], "relay.shards=4",
+                                        "relay.transactions=on", "relay.transaction_rows=2000",
+                                        "kafka.batch.num.messages=1", NULL});
+    h_wait_event(b, "standing_by", NULL, 1, 15000);
+    s_prefill(&env, "it.a", 5000);
+    writers_start(&ws, 5);
+    s_wait_sent(&env, 1500, 30000);
+    h_sleep_ms(500); /* the alone relay's next transaction is sending */
+    zombie_freeze_and_cut();
+    h_wait_event(b, "owners_fenced", "a relay alone", 1, 30000);
+    h_sleep_ms(3000);
+    kill(env.relay_pid, SIGCONT);
+    int64_t sent = s_sent_count(&env);
+    s_wait_sent(&env, sent + 1500, 60000);
+    h_sleep_ms(500); /* the slot owner's next transaction is sending */
+    freeze_and_cut(b, "bb");
+    h_wait_event(&env, "owners_fenced", "session", 1, 30000);
+    h_sleep_ms(3000);
+    kill(b->relay_pid, SIGCONT);
+    h_sleep_ms(2000);
+    int written = writers_stop(&ws);
+    s_wait_drained(&env, 90000);
+    h_relay_stop(b, SIGTERM, 30000); /* standing by, or stopped when fenced */
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    size_t uncommitted;
+    size_t n = expect_committed_once("relay.shards changed over zombies", &uncommitted);
+    assert_true(n >= (size_t)written + 5000);
+    print_message("relay.shards changed over zombies: their aborted records: %zu\n",
+                  uncommitted - n);
     assert_true(uncommitted > n);
 }
 
@@ -1049,6 +1112,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_txn_refusals_retry, teardown_env),
         cmocka_unit_test_teardown(test_txn_kill_loop, teardown_env),
         cmocka_unit_test_teardown(test_txn_shards_zombie, teardown_env),
+        cmocka_unit_test_teardown(test_txn_shards_change_zombie, teardown_env),
     };
     return H_RUN_SUITE(tests, argc, argv);
 }
