@@ -41,6 +41,9 @@
 #define HOUSEKEEPING_MS 100
 /* Kafka reachability (for /readyz and metrics) is asked this often. */
 #define KAFKA_PROBE_MS 5000
+/* relay.transactions: fences of lost owners' ids that fail in a row before
+ * the relay gives them up (each waits for init_transactions' timeout). */
+#define FENCE_GIVE_UP 5
 /* After teardown, how long worker threads may keep the loop alive. */
 #define LAST_EXIT_MS 300
 
@@ -64,6 +67,8 @@ struct app {
      * init are done. */
     long session_pid;
     long single_fenced_session; /* the session whose fence took a relay alone's id */
+    long fencing_session;       /* the session of the fence running */
+    int fence_failures;         /* fences failed in a row (FENCE_GIVE_UP) */
     long fence_pids[64];
     size_t n_fence_pids;
     size_t n_fencing; /* the first n_fencing of them: the fence running */
@@ -165,8 +170,14 @@ static int fence_lost_owners(struct app *a, const char *base)
             snprintf(ids[i], sizeof(ids[i]), "%s-%ld", base, a->fence_pids[i]);
         list[i] = ids[i];
     }
-    a->n_fencing = a->n_fence_pids; /* claims of a next session may add more meanwhile */
-    return obx_kafka_txn_fence(a->kafka, list, a->n_fencing, lost_owners_fenced, a);
+    /* Claims of a next session may add more meanwhile; a fence still
+     * running (refused here) keeps its own count. */
+    size_t n = a->n_fence_pids;
+    if (obx_kafka_txn_fence(a->kafka, list, n, lost_owners_fenced, a) != 0)
+        return -1;
+    a->n_fencing = n;
+    a->fencing_session = a->session_pid;
+    return 0;
 }
 
 static int op_recover(void *io, int shards, const char *owned_slots)
@@ -186,15 +197,21 @@ static int op_recover(void *io, int shards, const char *owned_slots)
         return -1;
     }
     char derived[224];
-    if (!derived_transactional_id(a, derived, sizeof(derived)))
-        snprintf(derived, sizeof(derived), "%s", base);
+    bool have_derived = derived_transactional_id(a, derived, sizeof(derived));
     a->pass_shards = shards;
     snprintf(a->pass_slots, sizeof(a->pass_slots), "%s", owned_slots ? owned_slots : "");
     if (shards <= 1) {
         /* A relay alone after relays with slots (relay.shards changed):
-         * the ones that lost their slots are fenced first, by their ids. */
+         * the ones that lost their slots are fenced first, by their ids
+         * (derived ones: kafka.transactional.id is refused with slots). */
         snprintf(a->txn_id, sizeof(a->txn_id), "%s", base);
-        note_lost_owners(a, obx_pg_lost_slot_owners(a->pg));
+        if (have_derived)
+            note_lost_owners(a, obx_pg_lost_slot_owners(a->pg));
+        else if (obx_pg_lost_slot_owners(a->pg)[0])
+            obx_warn("kafka: relays with relay.shards above 1 lost slots (sessions %s), but "
+                     "their transactional.ids cannot be told without the server's system "
+                     "identifier: they are not fenced",
+                     obx_pg_lost_slot_owners(a->pg));
     } else {
         /* With slots, each relay's id is its session's (no two relays
          * share one, so none fences another while both run); the lost
@@ -211,36 +228,58 @@ static int op_recover(void *io, int shards, const char *owned_slots)
     return obx_kafka_txn_init(a->kafka, a->txn_id);
 }
 
+/* The first n_fencing lost owners, as a log's words. */
+static void fencing_words(const struct app *a, char *out, size_t len)
+{
+    out[0] = '\0';
+    for (size_t i = 0, used = 0; i < a->n_fencing && used < len; i++)
+        used += a->fence_pids[i] == 0
+                    ? (size_t)snprintf(out + used, len - used, "%sa relay alone's", i ? ", " : "")
+                    : (size_t)snprintf(out + used, len - used, "%ssession %ld", i ? ", " : "",
+                                       a->fence_pids[i]);
+}
+
+/* The first n_fencing lost owners leave the list (fenced, or given up). */
+static void fencing_done(struct app *a)
+{
+    for (size_t i = 0; i < a->n_fencing; i++)
+        if (a->fence_pids[i] == 0)
+            a->single_fenced_session = a->fencing_session;
+    a->n_fence_pids -= a->n_fencing;
+    memmove(a->fence_pids, a->fence_pids + a->n_fencing,
+            a->n_fence_pids * sizeof(a->fence_pids[0]));
+    a->fence_failures = 0;
+}
+
 static void lost_owners_fenced(bool ok, const char *reason, void *arg)
 {
     struct app *a = arg;
     int64_t now = (int64_t)uv_now(&a->loop);
+    char words[240];
+    fencing_words(a, words, sizeof(words));
     if (ok) {
-        char pids[240] = "";
-        for (size_t i = 0, used = 0; i < a->n_fencing && used < sizeof(pids); i++) {
-            if (a->fence_pids[i] == 0)
-                a->single_fenced_session = a->session_pid;
-            used += a->fence_pids[i] == 0
-                        ? (size_t)snprintf(pids + used, sizeof(pids) - used, "%sa relay alone's",
-                                           i ? ", " : "")
-                        : (size_t)snprintf(pids + used, sizeof(pids) - used, "%ssession %ld",
-                                           i ? ", " : "", a->fence_pids[i]);
-        }
         obx_event(OBX_LOG_INFO, "owners_fenced",
                   "kafka: the transactional producers of the outbox's lost owners (%s) are "
                   "fenced: what they left open is ended, and they cannot commit",
-                  pids);
-        a->n_fence_pids -= a->n_fencing;
-        memmove(a->fence_pids, a->fence_pids + a->n_fencing,
-                a->n_fence_pids * sizeof(a->fence_pids[0]));
+                  words);
+        fencing_done(a);
+    } else if (++a->fence_failures >= FENCE_GIVE_UP) {
+        /* A coordinator that keeps refusing an id (no right to it, its
+         * partition offline) refuses its zombie's commit as well; a relay
+         * that waited for ever would publish nothing. */
+        obx_warn("kafka: fencing the transactional producers of the outbox's lost owners (%s) "
+                 "failed %d times (%s); given up, the pass goes on",
+                 words, a->fence_failures, reason);
+        fencing_done(a);
+        ok = true;
     }
     a->n_fencing = 0;
     if (obx_relay_state(a->relay) != OBX_RELAY_RECOVERING)
         return; /* the session went meanwhile: its next pass goes on from here */
     if (!ok) {
-        obx_warn("kafka: fencing the transactional producers of the slots' lost owners failed "
-                 "(%s); the pass waits and tries again",
-                 reason);
+        obx_warn("kafka: fencing the transactional producers of the outbox's lost owners (%s) "
+                 "failed (%s); the pass waits and tries again",
+                 words, reason);
         obx_relay_on_recovered(a->relay, false, now);
         return;
     }

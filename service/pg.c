@@ -78,14 +78,14 @@ struct obx_pg {
     char system_id[24], ready_system_id[24], stored_system_id[24];
     long timeline, ready_timeline, stored_timeline; /* stored: outbox.history's, before */
     uint64_t history_changes;
-    bool history_warned;        /* said once that the server refuses it */
-    bool pooler_noted;          /* said once that a session pooler is in between */
-    char history[64];           /* obx_pg_history() of the ready session */
-    char dbname[128];           /* the server's current_database(), with the history */
-    bool fence_slot_owners;     /* relay.transactions, relay.shards = 1 */
-    char lost_slot_owners[512]; /* obx_pg_lost_slot_owners() */
-    PGresult *result;           /* first result of the statement in flight */
-    char target[256];           /* "host:port/db as user", for logs; no password */
+    bool history_warned;         /* said once that the server refuses it */
+    bool pooler_noted;           /* said once that a session pooler is in between */
+    char history[64];            /* obx_pg_history() of the ready session */
+    char dbname[128];            /* the server's current_database(), with the history */
+    bool fence_slot_owners;      /* relay.transactions, relay.shards = 1 */
+    char lost_slot_owners[1024]; /* obx_pg_lost_slot_owners(): 64 pids at most */
+    PGresult *result;            /* first result of the statement in flight */
+    char target[256];            /* "host:port/db as user", for logs; no password */
     struct pg_request req;
 
     struct obx_row *rows; /* batch_size rows, decoded from each fetch */

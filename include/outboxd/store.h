@@ -278,7 +278,7 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
     "                               AND NOT EXISTS (SELECT FROM pg_stat_activity a"                \
     "                                               WHERE a.pid = o.owner_pid"                     \
     "                                                 AND a.backend_start <= o.owned_since)"       \
-    "                             ORDER BY 1),"                                                    \
+    "                             ORDER BY 1 LIMIT 64),"                                           \
     "                       ',') AS lost_slot_owners"
 /* The partitions of outbox.events, as a parenthesised list of oids (for
  * "relid IN"): statistics are kept per partition, none for the parent. */

@@ -986,6 +986,16 @@ static void test_txn_shards_change_zombie(void **state)
     print_message("relay.shards changed over zombies: their aborted records: %zu\n",
                   uncommitted - n);
     assert_true(uncommitted > n);
+    /* Each zombie went on with requests of its open transaction out, and
+     * the brokers refused them: its id had been fenced (by the relay with
+     * slots, and by the relay alone), not merely aborted by itself. */
+    const char *fenced = "fenced by newer producer instance";
+    long fenced_a = h_relay_log_count(&env, fenced), fenced_b = h_relay_log_count(b, fenced);
+    print_message("relay.shards changed over zombies: refusals as fenced: the relay alone %ld, "
+                  "the relay with slots %ld\n",
+                  fenced_a, fenced_b);
+    assert_true(fenced_a >= 1);
+    assert_true(fenced_b >= 1);
 }
 
 /* The transaction coordinator's broker killed -9 in the middle of a
