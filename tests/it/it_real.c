@@ -822,6 +822,19 @@ static struct h_env *zombie_pair(char *ci_a, char *ci_b, size_t len)
     return b;
 }
 
+/* The first relay of zombie_pair alone, in transactions of 2,000 rows
+ * sent one record a request through a backlog: a transaction of it is
+ * always open with records in the log. */
+static void zombie_start_alone(const char *ci_a)
+{
+    const char *const *slow = zombie_slow;
+    h_relay_start(&env, NULL,
+                  (const char *const[]){ci_a, slow[0], slow[1], "relay.transactions=on",
+                                        "relay.transaction_rows=2000", "kafka.batch.num.messages=1",
+                                        NULL});
+    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+}
+
 /* A relay frozen (SIGSTOP) and its Postgres sessions (application_name
  * `app`) terminated. */
 static void freeze_and_cut(struct h_env *r, const char *app)
@@ -856,14 +869,7 @@ static void test_txn_zombie(void **state)
     struct writers ws;
     const char *const *slow = zombie_slow;
     struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a));
-    /* The first relay sends one record a request, in transactions of
-     * 2,000 rows, through a backlog: a transaction of it is always open
-     * with records in the log. */
-    h_relay_start(&env, NULL,
-                  (const char *const[]){ci_a, slow[0], slow[1], "relay.transactions=on",
-                                        "relay.transaction_rows=2000", "kafka.batch.num.messages=1",
-                                        NULL});
-    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+    zombie_start_alone(ci_a);
     h_relay_start(
         b, NULL,
         (const char *const[]){ci_b, slow[0], slow[1], TXN_ARGS[0], TXN_ARGS[1], TXN_ARGS[2], NULL});
@@ -950,11 +956,7 @@ static void test_txn_shards_change_zombie(void **state)
     struct writers ws;
     const char *const *slow = zombie_slow;
     struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a));
-    h_relay_start(&env, NULL,
-                  (const char *const[]){ci_a, slow[0], slow[1], "relay.transactions=on",
-                                        "relay.transaction_rows=2000", "kafka.batch.num.messages=1",
-                                        NULL});
-    h_wait_event(&env, "transactions_ready", NULL, 1, 30000);
+    zombie_start_alone(ci_a);
     h_relay_start(b, NULL,
                   (const char *const[]){ci_b, slow[0], slow[1], "relay.shards=4",
                                         "relay.transactions=on", "relay.transaction_rows=2000",
