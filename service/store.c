@@ -762,13 +762,10 @@ const char *obx_store_sql_claim_slots(void)
            "       array_to_string(ARRAY(SELECT DISTINCT b.owner_pid FROM before b"
            "                             WHERE b.slot = ANY (c.owned) AND NOT b.given_back"
            "                               AND b.owner_pid <> pg_backend_pid()"
-           "                               AND NOT EXISTS (SELECT FROM pg_stat_activity a"
-           "                                               WHERE a.pid = b.owner_pid"
-           "                                                 AND a.backend_start"
-           "                                                     <= b.owned_since)"
-           "                             ORDER BY 1),"
-           "                       ',') AS fence_pids"
-           " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
+           "                               AND " OBX_STORE_SQL_OWNER_GONE(
+               "b") "                             ORDER BY 1),"
+                    "                       ',') AS fence_pids"
+                    " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
 }
 
 const char *obx_store_sql_backlog(void)

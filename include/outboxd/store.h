@@ -261,10 +261,14 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
 #define OBX_STORE_SQL_SKIP_IDS "SELECT outbox.skip_ids_past($1::bigint)"
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
- * commits for ever (sql/006). One row: how many. */
-/* A relay alone (relay.shards = 1) once it holds the relay lock: the rows
- * repaired (column 0). */
+ * commits for ever (sql/006). A relay alone (relay.shards = 1) runs it once
+ * it holds the relay lock. One row: how many (column 0). */
 #define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
+/* A slot owner of outbox.slot_owners (alias o) whose session is gone: no
+ * session of its pid that began before it took the slot. */
+#define OBX_STORE_SQL_OWNER_GONE(o)                                                                \
+    "NOT EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = " o ".owner_pid"                     \
+    "            AND a.backend_start <= " o ".owned_since)"
 /* The same with relay.transactions, and the sessions of relays with
  * relay.shards above 1 that lost slots without giving them back, whose
  * transactional producers it fences before its pass (column 1, "12,34").
@@ -275,11 +279,9 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
     "       array_to_string(ARRAY(SELECT DISTINCT o.owner_pid FROM outbox.slot_owners o"           \
     "                             WHERE o.shards > 1 AND NOT o.given_back"                         \
     "                               AND o.owner_pid <> pg_backend_pid()"                           \
-    "                               AND NOT EXISTS (SELECT FROM pg_stat_activity a"                \
-    "                                               WHERE a.pid = o.owner_pid"                     \
-    "                                                 AND a.backend_start <= o.owned_since)"       \
-    "                             ORDER BY 1 LIMIT 64),"                                           \
-    "                       ',') AS lost_slot_owners"
+    "                               AND " OBX_STORE_SQL_OWNER_GONE(                                \
+        "o") "                             ORDER BY 1 LIMIT 64),"                                  \
+             "                       ',') AS lost_slot_owners"
 /* The partitions of outbox.events, as a parenthesised list of oids (for
  * "relid IN"): statistics are kept per partition, none for the parent. */
 #define OBX_STORE_SQL_EVENTS_PARTITIONS                                                            \
