@@ -15,6 +15,7 @@ static const char *const fp_names[OBX_FP_COUNT] = {
     "fetch.after",           "produce.after",     "ack.after",
     "mark.before_commit",    "mark.after_commit", "recover.after_scan",
     "recover.before_commit", "txn.before_commit", "txn.after_commit",
+    "txn.before_fence",
 };
 
 const char *obx_failpoint_name(enum obx_fp_id id)

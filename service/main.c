@@ -72,6 +72,11 @@ struct app {
     long fence_pids[64];
     size_t n_fence_pids;
     size_t n_fencing; /* the first n_fencing of them: the fence running */
+    /* Lost owners fenced (or given up on) that the next claim takes off
+     * the slots this relay owns (outbox.forget_fenced, sql/013); the first
+     * n_fenced_sent of them went with the claim in flight. */
+    long fenced_pids[64];
+    size_t n_fenced_pids, n_fenced_sent;
     int pass_shards;
     char pass_slots[8192];   /* "{0,3,...}": up to 1,024 slots */
     struct obx_http *http;   /* NULL when http.listen is empty */
@@ -173,7 +178,8 @@ static int fence_lost_owners(struct app *a, const char *base)
     /* Claims of a next session may add more meanwhile; a fence still
      * running (refused here) keeps its own count. */
     size_t n = a->n_fence_pids;
-    if (obx_kafka_txn_fence(a->kafka, list, n, lost_owners_fenced, a) != 0)
+    if (OBX_FAILPOINT(OBX_FP_TXN_BEFORE_FENCE) != 0 ||
+        obx_kafka_txn_fence(a->kafka, list, n, lost_owners_fenced, a) != 0)
         return -1;
     a->n_fencing = n;
     a->fencing_session = a->session_pid;
@@ -242,9 +248,12 @@ static void fencing_words(const struct app *a, char *out, size_t len)
 /* The first n_fencing lost owners leave the list (fenced, or given up). */
 static void fencing_done(struct app *a)
 {
-    for (size_t i = 0; i < a->n_fencing; i++)
+    for (size_t i = 0; i < a->n_fencing; i++) {
         if (a->fence_pids[i] == 0)
             a->single_fenced_session = a->fencing_session;
+        else if (a->n_fenced_pids < sizeof(a->fenced_pids) / sizeof(a->fenced_pids[0]))
+            a->fenced_pids[a->n_fenced_pids++] = a->fence_pids[i];
+    }
     a->n_fence_pids -= a->n_fencing;
     memmove(a->fence_pids, a->fence_pids + a->n_fencing,
             a->n_fence_pids * sizeof(a->fence_pids[0]));
@@ -342,6 +351,9 @@ static void claimed(void *arg, const PGresult *res, const char *error)
                           : strtoll(obx_store_col(res, 0, "cursor_hwm"), NULL, 10),
     };
     a->session_pid = strtol(obx_store_col(res, 0, "session_pid"), NULL, 10);
+    a->n_fenced_pids -= a->n_fenced_sent; /* off the slots now */
+    memmove(a->fenced_pids, a->fenced_pids + a->n_fenced_sent,
+            a->n_fenced_pids * sizeof(a->fenced_pids[0]));
     if (a->cfg.transactions)
         note_lost_owners(a, obx_store_col(res, 0, "fence_pids"));
     const char *repaired = obx_store_col(res, 0, "repaired");
@@ -361,6 +373,13 @@ static int op_claim(void *io, int shards, const char *give_back, bool take)
     values[OBX_CLAIM_SHARDS] = a->shards_text;
     values[OBX_CLAIM_GIVE_BACK] = give_back;
     values[OBX_CLAIM_TAKE] = take ? "true" : "false";
+    char fenced[sizeof(a->fenced_pids) / sizeof(a->fenced_pids[0]) * 12 + 3] = "{";
+    for (size_t i = 0, used = 1; i < a->n_fenced_pids; i++)
+        used += (size_t)snprintf(fenced + used, sizeof(fenced) - used, "%s%ld", i ? "," : "",
+                                 a->fenced_pids[i]);
+    strcat(fenced, "}");
+    values[OBX_CLAIM_FENCED] = fenced;
+    a->n_fenced_sent = a->n_fenced_pids;
     return obx_pg_send(a->pg, obx_store_sql_claim_slots(), OBX_CLAIM_NPARAMS, values, 0, claimed,
                        a);
 }

@@ -26,6 +26,7 @@ static const char *const migrations[] = {
     [10] = "sql/010_log_newest.sql",
     [11] = "sql/011_history.sql",
     [12] = "sql/012_history_header.sql",
+    [13] = "sql/013_unfenced_owners.sql",
 };
 /* clang-format on */
 
@@ -744,13 +745,16 @@ const char *obx_store_sql_claim_slots(void)
      * it (its rows would come late, below the cursor, more than a fetch
      * takes). */
     /* fence_pids (relay.transactions): the sessions that owned a slot held
-     * now and lost it without giving it back, as this statement's snapshot
-     * saw them before claim_slots() wrote the new owners; their relays'
-     * transactional producers are fenced before the pass over the slot.
-     * Not a session still there (one that gave the slot back as this
-     * statement began: its given_back was not committed yet), unless its
-     * pid is another session's now. */
-    return "WITH before AS MATERIALIZED (SELECT slot, owner_pid, owned_since, given_back"
+     * now and lost it without giving it back, and those before them that
+     * nobody fenced, as this statement's snapshot saw them before
+     * claim_slots() wrote the new owners; their relays' transactional
+     * producers are fenced before the pass over the slot. Not a session
+     * still there (one that gave the slot back as this statement began:
+     * its given_back was not committed yet), unless its pid is another
+     * session's now, nor one this session fenced ($4): forget_fenced()
+     * takes those off the slots, after the claim. */
+    /* clang-format off */
+    return "WITH before AS MATERIALIZED (SELECT slot, owner_pid, owned_since, given_back, unfenced"
            "                             FROM outbox.slot_owners WHERE shards = $1::int)"
            " SELECT array_to_string(c.owned, ',') AS owned, c.members, c.share, c.free,"
            "       c.other_shards, c.repaired,"
@@ -759,13 +763,17 @@ const char *obx_store_sql_claim_slots(void)
            "        WHERE pg_snapshot_xmax(n.snap) <= pg_snapshot_xmin(pg_current_snapshot()))"
            "         AS cursor_hwm,"
            "       pg_backend_pid() AS session_pid,"
-           "       array_to_string(ARRAY(SELECT DISTINCT b.owner_pid FROM before b"
-           "                             WHERE b.slot = ANY (c.owned) AND NOT b.given_back"
-           "                               AND b.owner_pid <> pg_backend_pid()"
-           "                               AND " OBX_STORE_SQL_OWNER_GONE(
-               "b") "                             ORDER BY 1),"
-                    "                       ',') AS fence_pids"
-                    " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
+           "       array_to_string(ARRAY(SELECT DISTINCT l.pid"
+           "                             FROM before b," OBX_STORE_SQL_LOST_OWNERS("b")
+           "                             WHERE b.slot = ANY (c.owned)"
+           "                               AND l.pid <> pg_backend_pid()"
+           "                               AND l.pid <> ALL ($4::int[])"
+           "                               AND " OBX_STORE_SQL_OWNER_GONE("b")
+           "                             ORDER BY 1), ',') AS fence_pids,"
+           "       CASE WHEN cardinality($4::int[]) > 0"
+           "            THEN outbox.forget_fenced($1::int, $4::int[]) END AS forgotten"
+           " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
+    /* clang-format on */
 }
 
 const char *obx_store_sql_backlog(void)
@@ -1086,7 +1094,8 @@ static const struct obx_store_param plan_types[OBX_PLAN_NPARAMS] = {SLOTS_TYPES(
 static const struct obx_store_param claim_types[OBX_CLAIM_NPARAMS] = {
     [OBX_CLAIM_SHARDS] = {"shards", "int"},
     [OBX_CLAIM_GIVE_BACK] = {"slots given back", "int[]"},
-    [OBX_CLAIM_TAKE] = {"take", "boolean"}};
+    [OBX_CLAIM_TAKE] = {"take", "boolean"},
+    [OBX_CLAIM_FENCED] = {"fenced", "int[]"}};
 static const struct obx_store_param backlog_types[OBX_BACKLOG_NPARAMS] = {
     [OBX_BACKLOG_FLOOR] = {"floor", "bigint"},
     [OBX_BACKLOG_XMIN] = {"xmin", "xid8"},

@@ -25,6 +25,7 @@ enum obx_fp_id {
     OBX_FP_RECOVER_BEFORE_COMMIT, /* recovery's mark about to be committed */
     OBX_FP_TXN_BEFORE_COMMIT,     /* transaction's reports in, its commit not sent */
     OBX_FP_TXN_AFTER_COMMIT,      /* transaction committed, its rows not yet marked */
+    OBX_FP_TXN_BEFORE_FENCE,      /* slots' lost owners named, their fence not begun */
     OBX_FP_COUNT
 };
 

@@ -137,6 +137,7 @@ enum obx_claim_param {
     OBX_CLAIM_SHARDS,    /* int: relay.shards */
     OBX_CLAIM_GIVE_BACK, /* int[]: slots given back */
     OBX_CLAIM_TAKE,      /* boolean: take free slots up to the share */
+    OBX_CLAIM_FENCED,    /* int[]: lost owners this session fenced (relay.transactions) */
     OBX_CLAIM_NPARAMS
 };
 
@@ -194,7 +195,7 @@ struct obx_store_statement {
 int obx_store_statements(int on_sent, struct obx_store_statement *out);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 12
+#define OBX_SCHEMA_VERSION 13
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -264,24 +265,31 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
  * commits for ever (sql/006). A relay alone (relay.shards = 1) runs it once
  * it holds the relay lock. One row: how many (column 0). */
 #define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
-/* A slot owner of outbox.slot_owners (alias o) whose session is gone: no
- * session of its pid that began before it took the slot. */
+/* The lost owners of a row of outbox.slot_owners (alias o), as rows of
+ * l(pid): its owner unless it gave the slot back, and the owners before
+ * it that nobody fenced (sql/013). */
+#define OBX_STORE_SQL_LOST_OWNERS(o)                                                               \
+    " LATERAL (SELECT " o ".owner_pid WHERE NOT " o ".given_back"                                  \
+    "          UNION ALL SELECT unnest(" o ".unfenced)) AS l(pid)"
+/* ... whose session is gone: no session of its pid that began before the
+ * row's owner took the slot. */
 #define OBX_STORE_SQL_OWNER_GONE(o)                                                                \
-    "NOT EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = " o ".owner_pid"                     \
+    "NOT EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = l.pid"                               \
     "            AND a.backend_start <= " o ".owned_since)"
 /* The same with relay.transactions, and the sessions of relays with
  * relay.shards above 1 that lost slots without giving them back, whose
  * transactional producers it fences before its pass (column 1, "12,34").
  * Such a relay's session is gone (this one holds the lock they share),
  * unless its pid is another session's now. */
+/* clang-format off */
 #define OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS                                                  \
     "SELECT outbox.repair_writer_xids(),"                                                          \
-    "       array_to_string(ARRAY(SELECT DISTINCT o.owner_pid FROM outbox.slot_owners o"           \
-    "                             WHERE o.shards > 1 AND NOT o.given_back"                         \
-    "                               AND o.owner_pid <> pg_backend_pid()"                           \
-    "                               AND " OBX_STORE_SQL_OWNER_GONE(                                \
-        "o") "                             ORDER BY 1 LIMIT 64),"                                  \
-             "                       ',') AS lost_slot_owners"
+    "       array_to_string(ARRAY(SELECT DISTINCT l.pid"                                           \
+    "                             FROM outbox.slot_owners o," OBX_STORE_SQL_LOST_OWNERS("o")       \
+    "                             WHERE o.shards > 1 AND l.pid <> pg_backend_pid()"                \
+    "                               AND " OBX_STORE_SQL_OWNER_GONE("o")                            \
+    "                             ORDER BY 1 LIMIT 64), ',') AS lost_slot_owners"
+/* clang-format on */
 /* The partitions of outbox.events, as a parenthesised list of oids (for
  * "relid IN"): statistics are kept per partition, none for the parent. */
 #define OBX_STORE_SQL_EVENTS_PARTITIONS                                                            \

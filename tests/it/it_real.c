@@ -23,15 +23,17 @@
 
 static struct h_env env;
 
-/* A second relay on the same outbox (test_txn_zombie): stopped by the
- * teardown too, whatever failed. */
-static struct h_env second;
+/* A second and a third relay on the same outbox (the zombie tests):
+ * stopped by the teardown too, whatever failed. */
+static struct h_env second, third;
 
 static int teardown_env(void **state)
 {
     (void)state;
     if (second.relay_pid > 0)
         h_relay_stop(&second, SIGKILL, 10000);
+    if (third.relay_pid > 0)
+        h_relay_stop(&third, SIGKILL, 10000);
     h_env_stop(&env);
     return 0;
 }
@@ -896,25 +898,32 @@ static void test_txn_zombie(void **state)
     assert_true(uncommitted > n);
 }
 
-/* The zombie with relay.shards: two relays share 4 slots, each with a
- * transactional.id of its session. The first is frozen (SIGSTOP) with a
- * transaction open and records of it in the log, its session terminated;
- * the second takes its slots, fences its id (the claim names the lost
- * owner), ends its own transaction, and runs the pass over them; the
- * frozen one goes on 3 s later and cannot commit. A read_committed
+/* The zombie with relay.shards, and a chain of lost owners: two relays
+ * share 4 slots, each with a transactional.id of its session. The first
+ * is frozen (SIGSTOP) with a transaction open and records of it in the
+ * log, its session terminated. The second takes its slots and dies
+ * (failpoint txn.before_fence) before it fences the first: the slots now
+ * name the second as their owner and the first as still to fence
+ * (sql/013). A third relay takes every slot and fences both, and the
+ * frozen one, going on 3 s later, cannot commit. A read_committed
  * consumer sees every row once. */
 static void test_txn_shards_zombie(void **state)
 {
     (void)state;
-    char ci_a[700], ci_b[700];
+    char ci_a[700], ci_b[700], ci_c[700], first_words[40];
     struct writers ws;
     const char *const *slow = zombie_slow;
-    struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a));
+    struct h_env *b = zombie_pair(ci_a, ci_b, sizeof(ci_a)), *c = &third;
+    *c = env;
+    snprintf(c->relay_name, sizeof(c->relay_name), "c");
+    c->http_port = h_free_port();
+    snprintf(ci_c, sizeof(ci_c), "postgres.conninfo=%s application_name=cc", env.conninfo);
     h_relay_start(&env, NULL,
                   (const char *const[]){ci_a, slow[0], slow[1], "relay.shards=4",
                                         "relay.transactions=on", "relay.transaction_rows=2000",
                                         "kafka.batch.num.messages=1", NULL});
-    h_relay_start(b, NULL,
+    /* Its first fence is of a relay alone's id, before its first pass. */
+    h_relay_start(b, "txn.before_fence=crash@2",
                   (const char *const[]){ci_b, slow[0], slow[1], "relay.shards=4",
                                         "relay.transactions=on", "relay.transaction_rows=500",
                                         "relay.batch_size=500", NULL});
@@ -924,20 +933,43 @@ static void test_txn_shards_zombie(void **state)
     writers_start(&ws, 5);
     s_wait_sent(&env, 3000, 60000); /* both publish; the first's transactions are large */
     h_sleep_ms(500);
+    PGconn *pc = h_connect(&env);
+    long first = h_sql_int(pc, "SELECT min(owner_pid) FROM outbox.slot_owners"
+                               " WHERE shards = 4 AND owner_name = 'aa'");
+    assert_true(first > 0);
     zombie_freeze_and_cut();
-    h_wait_event(b, "owners_fenced", "session", 1, 30000);
+    assert_int_equal(h_relay_wait(b, 30000), 128 + SIGKILL);
+    assert_true(h_sql_int(pc,
+                          "SELECT count(*) FROM outbox.slot_owners WHERE shards = 4"
+                          " AND owner_name = 'bb' AND %ld = ANY (unfenced)",
+                          first) >= 1);
+    h_relay_start(c, NULL,
+                  (const char *const[]){ci_c, slow[0], slow[1], "relay.shards=4",
+                                        "relay.transactions=on", "relay.transaction_rows=500",
+                                        "relay.batch_size=500", NULL});
+    snprintf(first_words, sizeof(first_words), "session %ld", first);
+    h_wait_event(c, "owners_fenced", first_words, 1, 30000);
     h_sleep_ms(3000);
     kill(env.relay_pid, SIGCONT);
     h_sleep_ms(3000);
     int written = writers_stop(&ws);
-    s_wait_drained(b, 90000);
+    s_wait_drained(c, 90000);
+    /* The third's claims took the owners it fenced off the slots. */
+    assert_int_equal(h_sql_int(pc, "SELECT count(*) FROM outbox.slot_owners"
+                                   " WHERE shards = 4 AND cardinality(unfenced) > 0"),
+                     0);
+    PQfinish(pc);
     h_relay_stop(&env, SIGTERM, 30000); /* fenced and back, or stopped */
-    assert_int_equal(h_relay_stop(b, SIGTERM, 30000), 0);
+    assert_int_equal(h_relay_stop(c, SIGTERM, 30000), 0);
     size_t uncommitted;
     size_t n = expect_committed_once("zombie with slots", &uncommitted);
     assert_true(n >= (size_t)written + 8000);
-    print_message("zombie with slots: the frozen relay's aborted records: %zu\n", uncommitted - n);
+    long fenced = h_relay_log_count(&env, "fenced by newer producer instance");
+    print_message("zombie with slots, fenced by the third relay: the frozen relay's aborted "
+                  "records: %zu, its requests refused as fenced: %ld\n",
+                  uncommitted - n, fenced);
     assert_true(uncommitted > n);
+    assert_true(fenced >= 1);
 }
 
 /* relay.shards changed, both ways, each time over a zombie: a relay

@@ -1,0 +1,61 @@
+-- outboxd schema, version 13: a slot remembers every lost owner whose
+-- transactional producer nobody has fenced yet.
+--
+-- Apply with: psql -v ON_ERROR_STOP=1 -f sql/013_unfenced_owners.sql (after
+-- 012). Idempotent. Nothing here touches outbox.events or enqueue().
+--
+-- With relay.transactions and relay.shards above 1, a relay that takes a
+-- slot whose owner lost it (its session ended without giving it back)
+-- fences that owner's transactional producer before its pass over the
+-- slot. If it dies before that fence, the next taker saw only it as the
+-- owner before, not the first one, whose zombie could still commit. So a
+-- handover carries the owner before (when it did not give the slot back)
+-- and the ones it had not fenced into `unfenced`; the claim names them all
+-- to the taker, and outbox.forget_fenced() drops those it fenced.
+
+BEGIN;
+SET LOCAL client_min_messages = warning;
+DO $$ BEGIN PERFORM pg_advisory_xact_lock(1868724324, 0); END $$;
+
+-- Backend pids, newest first, 64 at most (the relay fences no more at once).
+ALTER TABLE outbox.slot_owners ADD COLUMN IF NOT EXISTS unfenced integer[] NOT NULL DEFAULT '{}';
+
+CREATE OR REPLACE FUNCTION outbox.slot_owners_handover() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.unfenced := ARRAY(
+        SELECT u FROM unnest(CASE WHEN OLD.given_back THEN '{}'::integer[]
+                                  ELSE ARRAY[OLD.owner_pid] END || OLD.unfenced)
+                      WITH ORDINALITY AS x(u, n)
+        WHERE u <> NEW.owner_pid
+        GROUP BY u ORDER BY min(n) LIMIT 64);
+    RETURN NEW;
+END
+$$;
+DROP TRIGGER IF EXISTS slot_owners_handover ON outbox.slot_owners;
+CREATE TRIGGER slot_owners_handover
+    BEFORE UPDATE OF owner_pid, owned_since ON outbox.slot_owners
+    FOR EACH ROW
+    WHEN (OLD.owner_pid IS DISTINCT FROM NEW.owner_pid
+          OR OLD.owned_since IS DISTINCT FROM NEW.owned_since)
+    EXECUTE FUNCTION outbox.slot_owners_handover();
+
+-- The calling session fenced p_fenced: they leave the slots it owns.
+CREATE OR REPLACE FUNCTION outbox.forget_fenced(p_shards integer, p_fenced integer[])
+RETURNS integer
+LANGUAGE sql AS $$
+    WITH f AS (
+        UPDATE outbox.slot_owners
+        SET unfenced = ARRAY(SELECT u FROM unnest(unfenced) AS u WHERE u <> ALL (p_fenced))
+        WHERE shards = p_shards AND owner_pid = pg_catalog.pg_backend_pid()
+          AND unfenced && p_fenced
+        RETURNING 1)
+    SELECT count(*)::integer FROM f;
+$$;
+REVOKE ALL ON FUNCTION outbox.forget_fenced(integer, integer[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.forget_fenced(integer, integer[]) TO outboxd_relay;
+
+INSERT INTO outbox.schema_migrations (version, name)
+VALUES (13, '013_unfenced_owners') ON CONFLICT (version) DO NOTHING;
+
+COMMIT;
