@@ -72,9 +72,10 @@ struct app {
     long fence_pids[64];
     size_t n_fence_pids;
     size_t n_fencing; /* the first n_fencing of them: the fence running */
-    /* Lost owners fenced (or given up on) that the next claim takes off
-     * the slots this relay owns (outbox.forget_fenced, sql/013); the first
-     * n_fenced_sent of them went with the claim in flight. */
+    /* Lost owners fenced (or given up on; without transactions, every one
+     * named) that the next claim takes off the slots this relay holds
+     * (outbox.owners_to_fence, sql/013); the first n_fenced_sent of them
+     * went with the claim in flight. */
     long fenced_pids[64];
     size_t n_fenced_pids, n_fenced_sent;
     int pass_shards;
@@ -178,7 +179,10 @@ static int fence_lost_owners(struct app *a, const char *base)
     /* Claims of a next session may add more meanwhile; a fence still
      * running (refused here) keeps its own count. */
     size_t n = a->n_fence_pids;
-    if (OBX_FAILPOINT(OBX_FP_TXN_BEFORE_FENCE) != 0 ||
+    bool owners = false; /* a slot's lost owner, not only a relay alone's id */
+    for (size_t i = 0; i < n; i++)
+        owners = owners || a->fence_pids[i] != 0;
+    if ((owners && OBX_FAILPOINT(OBX_FP_TXN_BEFORE_FENCE) != 0) ||
         obx_kafka_txn_fence(a->kafka, list, n, lost_owners_fenced, a) != 0)
         return -1;
     a->n_fencing = n;
@@ -320,12 +324,30 @@ static void note_lost_owners(struct app *a, const char *pids)
         bool known = false;
         for (size_t i = 0; i < a->n_fence_pids; i++)
             known = known || a->fence_pids[i] == pid;
+        for (size_t i = 0; i < a->n_fenced_pids; i++)
+            known = known || a->fenced_pids[i] == pid; /* fenced, the claim not yet told */
         if (!known && a->n_fence_pids < cap)
             a->fence_pids[a->n_fence_pids++] = pid;
         else if (!known)
             obx_warn("kafka: more than %zu lost slot owners to fence; session %ld is not "
                      "fenced (its open transaction ends at its timeout)",
                      cap, pid);
+        p = *end == ',' ? end + 1 : end;
+    }
+}
+
+/* Without transactions the claim's lost owners are not fenced, and the
+ * next claim takes them off the slots: a relay alone with transactions
+ * run later would fence them for nothing. */
+static void forget_lost_owners(struct app *a, const char *pids)
+{
+    const size_t cap = sizeof(a->fenced_pids) / sizeof(a->fenced_pids[0]);
+    for (const char *p = pids; *p && a->n_fenced_pids < cap;) {
+        char *end;
+        long pid = strtol(p, &end, 10);
+        if (end == p)
+            break;
+        a->fenced_pids[a->n_fenced_pids++] = pid;
         p = *end == ',' ? end + 1 : end;
     }
 }
@@ -356,6 +378,8 @@ static void claimed(void *arg, const PGresult *res, const char *error)
             a->n_fenced_pids * sizeof(a->fenced_pids[0]));
     if (a->cfg.transactions)
         note_lost_owners(a, obx_store_col(res, 0, "fence_pids"));
+    else
+        forget_lost_owners(a, obx_store_col(res, 0, "fence_pids"));
     const char *repaired = obx_store_col(res, 0, "repaired");
     if (strcmp(repaired, "0") != 0)
         obx_warn("postgres: %s unsent rows of the slots taken carried a transaction id from "

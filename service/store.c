@@ -744,34 +744,21 @@ const char *obx_store_sql_claim_slots(void)
      * ended, so that no large transaction still running holds ids below
      * it (its rows would come late, below the cursor, more than a fetch
      * takes). */
-    /* fence_pids (relay.transactions): the sessions that owned a slot held
-     * now and lost it without giving it back, and those before them that
-     * nobody fenced, as this statement's snapshot saw them before
-     * claim_slots() wrote the new owners; their relays' transactional
-     * producers are fenced before the pass over the slot. Not a session
-     * still there (one that gave the slot back as this statement began:
-     * its given_back was not committed yet), unless its pid is another
-     * session's now, nor one this session fenced ($4): forget_fenced()
-     * takes those off the slots, after the claim. */
+    /* fence_pids (relay.transactions): the owners of the slots held now
+     * that lost them without giving them back, and those before them that
+     * nobody fenced (sql/013), but the ones this session fenced ($4), which
+     * leave the slots here; their relays' transactional producers are
+     * fenced before the pass over the slots. Read after claim_slots() wrote
+     * the new owners (its trigger carries the one before). */
     /* clang-format off */
-    return "WITH before AS MATERIALIZED (SELECT slot, owner_pid, owned_since, given_back, unfenced"
-           "                             FROM outbox.slot_owners WHERE shards = $1::int)"
-           " SELECT array_to_string(c.owned, ',') AS owned, c.members, c.share, c.free,"
+    return "SELECT array_to_string(c.owned, ',') AS owned, c.members, c.share, c.free,"
            "       c.other_shards, c.repaired,"
            "       (SELECT max(n.hwm) FROM (SELECT hwm, snap FROM outbox.log_cursor"
            "                                ORDER BY batch DESC LIMIT 16) n"
            "        WHERE pg_snapshot_xmax(n.snap) <= pg_snapshot_xmin(pg_current_snapshot()))"
            "         AS cursor_hwm,"
            "       pg_backend_pid() AS session_pid,"
-           "       array_to_string(ARRAY(SELECT DISTINCT l.pid"
-           "                             FROM before b," OBX_STORE_SQL_LOST_OWNERS("b")
-           "                             WHERE b.slot = ANY (c.owned)"
-           "                               AND l.pid <> pg_backend_pid()"
-           "                               AND l.pid <> ALL ($4::int[])"
-           "                               AND " OBX_STORE_SQL_OWNER_GONE("b")
-           "                             ORDER BY 1), ',') AS fence_pids,"
-           "       CASE WHEN cardinality($4::int[]) > 0"
-           "            THEN outbox.forget_fenced($1::int, $4::int[]) END AS forgotten"
+           "       array_to_string(outbox.owners_to_fence($1::int, $4::int[]), ',') AS fence_pids"
            " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
     /* clang-format on */
 }

@@ -11,7 +11,7 @@
 -- owner before, not the first one, whose zombie could still commit. So a
 -- handover carries the owner before (when it did not give the slot back)
 -- and the ones it had not fenced into `unfenced`; the claim names them all
--- to the taker, and outbox.forget_fenced() drops those it fenced.
+-- to the taker (outbox.owners_to_fence()), and drops those it fenced.
 
 BEGIN;
 SET LOCAL client_min_messages = warning;
@@ -40,20 +40,34 @@ CREATE TRIGGER slot_owners_handover
           OR OLD.owned_since IS DISTINCT FROM NEW.owned_since)
     EXECUTE FUNCTION outbox.slot_owners_handover();
 
--- The calling session fenced p_fenced: they leave the slots it owns.
-CREATE OR REPLACE FUNCTION outbox.forget_fenced(p_shards integer, p_fenced integer[])
-RETURNS integer
-LANGUAGE sql AS $$
-    WITH f AS (
+-- For the claim, after claim_slots(): the calling session fenced p_fenced,
+-- which leave the slots it holds; returns the lost owners of those slots
+-- still to fence. A pid is in `unfenced` only if its owner lost the slot
+-- without giving it back: the trigger reads given_back as committed (the
+-- claim's upsert waits for a give-back under way), so no test of the
+-- owner's session is needed. Not the slots it gave back: their rows may be
+-- another relay's to take at this moment.
+DROP FUNCTION IF EXISTS outbox.forget_fenced(integer, integer[]);
+CREATE OR REPLACE FUNCTION outbox.owners_to_fence(p_shards integer, p_fenced integer[])
+RETURNS integer[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_me integer := pg_catalog.pg_backend_pid();
+BEGIN
+    IF cardinality(p_fenced) > 0 THEN
         UPDATE outbox.slot_owners
         SET unfenced = ARRAY(SELECT u FROM unnest(unfenced) AS u WHERE u <> ALL (p_fenced))
-        WHERE shards = p_shards AND owner_pid = pg_catalog.pg_backend_pid()
-          AND unfenced && p_fenced
-        RETURNING 1)
-    SELECT count(*)::integer FROM f;
+        WHERE shards = p_shards AND owner_pid = v_me AND NOT given_back
+          AND unfenced && p_fenced;
+    END IF;
+    RETURN ARRAY(SELECT DISTINCT u FROM outbox.slot_owners o, unnest(o.unfenced) AS u
+                 WHERE o.shards = p_shards AND o.owner_pid = v_me AND NOT o.given_back
+                   AND u <> v_me AND u <> ALL (p_fenced)
+                 ORDER BY 1);
+END
 $$;
-REVOKE ALL ON FUNCTION outbox.forget_fenced(integer, integer[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.forget_fenced(integer, integer[]) TO outboxd_relay;
+REVOKE ALL ON FUNCTION outbox.owners_to_fence(integer, integer[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.owners_to_fence(integer, integer[]) TO outboxd_relay;
 
 INSERT INTO outbox.schema_migrations (version, name)
 VALUES (13, '013_unfenced_owners') ON CONFLICT (version) DO NOTHING;

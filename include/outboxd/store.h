@@ -265,30 +265,27 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
  * commits for ever (sql/006). A relay alone (relay.shards = 1) runs it once
  * it holds the relay lock. One row: how many (column 0). */
 #define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
-/* The lost owners of a row of outbox.slot_owners (alias o), as rows of
- * l(pid): its owner unless it gave the slot back, and the owners before
- * it that nobody fenced (sql/013). */
-#define OBX_STORE_SQL_LOST_OWNERS(o)                                                               \
-    " LATERAL (SELECT " o ".owner_pid WHERE NOT " o ".given_back"                                  \
-    "          UNION ALL SELECT unnest(" o ".unfenced)) AS l(pid)"
-/* ... whose session is gone: no session of its pid that began before the
- * row's owner took the slot. */
+/* A slot owner of outbox.slot_owners (alias o) whose session is gone: no
+ * session of its pid that began before it took the slot. */
 #define OBX_STORE_SQL_OWNER_GONE(o)                                                                \
-    "NOT EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = l.pid"                               \
+    "NOT EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = " o ".owner_pid"                     \
     "            AND a.backend_start <= " o ".owned_since)"
 /* The same with relay.transactions, and the sessions of relays with
- * relay.shards above 1 that lost slots without giving them back, whose
- * transactional producers it fences before its pass (column 1, "12,34").
- * Such a relay's session is gone (this one holds the lock they share),
+ * relay.shards above 1 whose transactional producers it fences before its
+ * pass (column 1, "12,34"): the owners of slots that lost them without
+ * giving them back, and those before them nobody fenced (sql/013). Such
+ * an owner's session is gone (this relay holds the lock they share),
  * unless its pid is another session's now. */
 /* clang-format off */
 #define OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS                                                  \
     "SELECT outbox.repair_writer_xids(),"                                                          \
-    "       array_to_string(ARRAY(SELECT DISTINCT l.pid"                                           \
-    "                             FROM outbox.slot_owners o," OBX_STORE_SQL_LOST_OWNERS("o")       \
-    "                             WHERE o.shards > 1 AND l.pid <> pg_backend_pid()"                \
-    "                               AND " OBX_STORE_SQL_OWNER_GONE("o")                            \
-    "                             ORDER BY 1 LIMIT 64), ',') AS lost_slot_owners"
+    "       array_to_string(ARRAY("                                                                \
+    "         SELECT DISTINCT l.pid FROM outbox.slot_owners o,"                                    \
+    "           LATERAL (SELECT o.owner_pid"                                                       \
+    "                    WHERE NOT o.given_back AND " OBX_STORE_SQL_OWNER_GONE("o")                \
+    "                    UNION ALL SELECT unnest(o.unfenced)) AS l(pid)"                           \
+    "         WHERE o.shards > 1 AND l.pid <> pg_backend_pid()"                                    \
+    "         ORDER BY 1 LIMIT 64), ',') AS lost_slot_owners"
 /* clang-format on */
 /* The partitions of outbox.events, as a parenthesised list of oids (for
  * "relid IN"): statistics are kept per partition, none for the parent. */
