@@ -255,7 +255,8 @@ static void fencing_done(struct app *a)
     for (size_t i = 0; i < a->n_fencing; i++) {
         if (a->fence_pids[i] == 0)
             a->single_fenced_session = a->fencing_session;
-        else if (a->n_fenced_pids < sizeof(a->fenced_pids) / sizeof(a->fenced_pids[0]))
+        else if (a->pass_shards > 1 && /* a relay alone never claims */
+                 a->n_fenced_pids < sizeof(a->fenced_pids) / sizeof(a->fenced_pids[0]))
             a->fenced_pids[a->n_fenced_pids++] = a->fence_pids[i];
     }
     a->n_fence_pids -= a->n_fencing;

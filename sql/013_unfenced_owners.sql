@@ -44,8 +44,12 @@ CREATE TRIGGER slot_owners_handover
 -- which leave the slots it holds; returns the lost owners of those slots
 -- still to fence. A pid is in `unfenced` only if its owner lost the slot
 -- without giving it back: the trigger reads given_back as committed (the
--- claim's upsert waits for a give-back under way), so no test of the
--- owner's session is needed. Not the slots it gave back: their rows may be
+-- claim's upsert waits for a give-back under way). But a give-back's
+-- advisory unlock outlives its statement if that fails (a timeout), so a
+-- pid that is a member of the count now (its lock read live, not from a
+-- per-transaction snapshot) is left for later: a running relay is not
+-- fenced, and one that reuses a lost owner's pid fences that owner's id
+-- itself, with its own. Not the slots it gave back: their rows may be
 -- another relay's to take at this moment.
 DROP FUNCTION IF EXISTS outbox.forget_fenced(integer, integer[]);
 CREATE OR REPLACE FUNCTION outbox.owners_to_fence(p_shards integer, p_fenced integer[])
@@ -53,7 +57,9 @@ RETURNS integer[]
 LANGUAGE plpgsql AS $$
 DECLARE
     v_me integer := pg_catalog.pg_backend_pid();
+    v_db oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database());
 BEGIN
+    p_fenced := coalesce(p_fenced, '{}');
     IF cardinality(p_fenced) > 0 THEN
         UPDATE outbox.slot_owners
         SET unfenced = ARRAY(SELECT u FROM unnest(unfenced) AS u WHERE u <> ALL (p_fenced))
@@ -63,6 +69,10 @@ BEGIN
     RETURN ARRAY(SELECT DISTINCT u FROM outbox.slot_owners o, unnest(o.unfenced) AS u
                  WHERE o.shards = p_shards AND o.owner_pid = v_me AND NOT o.given_back
                    AND u <> v_me AND u <> ALL (p_fenced)
+                   AND NOT EXISTS (SELECT FROM pg_catalog.pg_locks l
+                                   WHERE l.locktype = 'advisory' AND l.database = v_db
+                                     AND l.classid = 1868724339 AND l.objid = p_shards
+                                     AND l.objsubid = 2 AND l.granted AND l.pid = u)
                  ORDER BY 1);
 END
 $$;

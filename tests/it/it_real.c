@@ -966,12 +966,13 @@ static void test_txn_shards_zombie(void **state)
     size_t uncommitted;
     size_t n = expect_committed_once("zombie with slots", &uncommitted);
     assert_true(n >= (size_t)written + 8000);
+    /* A figure, not a check: the frozen relay may notice its lost session
+     * and purge what it held before a request of it reaches a broker. */
     long fenced = h_relay_log_count(&env, "fenced by newer producer instance");
     print_message("zombie with slots, fenced by the third relay: the frozen relay's aborted "
                   "records: %zu, its requests refused as fenced: %ld\n",
                   uncommitted - n, fenced);
     assert_true(uncommitted > n);
-    assert_true(fenced >= 1);
 }
 
 /* relay.shards changed, both ways, each time over a zombie: a relay
