@@ -27,6 +27,7 @@ static const char *const migrations[] = {
     [11] = "sql/011_history.sql",
     [12] = "sql/012_history_header.sql",
     [13] = "sql/013_unfenced_owners.sql",
+    [14] = "sql/014_log_floor_after_change.sql",
 };
 /* clang-format on */
 
@@ -344,7 +345,8 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
  * slots' cursors (outbox.log_floor: the lowest hwm, a snapshot that saw
  * only what all of theirs saw, every held key), ids above it, rows of the
  * writers it saw running or not yet begun, rows of its held keys; every
- * unsent row of the slots while one has no cursor row. The parts do not
+ * unsent row of the slots while there is no floor (no count has a cursor
+ * row about each of its slots, sql/014). The parts do not
  * overlap, and each gives its lowest ids first: the answer is the lowest
  * $1 uncovered rows not in flight, as the other full fetches. Parameters
  * as the full fetch of mark mode ($1 limit, $2..$4 held back, $5 most

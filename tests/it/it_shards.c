@@ -498,6 +498,66 @@ static void test_log_full_fetch_over_backlog(void **state)
     assert_int_equal(check_kafka(false), 0);
 }
 
+/* Log mode, relay.shards changed from 2 to 3 while slots of the new count
+ * have no cursor row yet (one of the 3 has one): outbox.log_floor() still
+ * gives a floor, from the newest cursor rows of both counts, not of a
+ * count used long before (sql/014; before, it gave none, and every
+ * statement read and tested the whole outbox until each slot had a row). What it leaves out, each
+ * row's own newest cursor row covers, as outbox.log_covers() says row by row; relays of the new
+ * count publish the rest, none twice. */
+static void test_log_floor_after_count_change(void **state)
+{
+    (void)state;
+    mode_of_test = "log";
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    relay_start_with(0, 2, NULL);
+    relay_start_with(1, 2, NULL);
+    PGconn *c = h_connect(&env);
+#define SOME_ROWS                                                                                  \
+    "SELECT count(outbox.enqueue('it.a', 'k-' || (g %% 50), 'x'::bytea))"                          \
+    " FROM generate_series(1, %d) g"
+    assert_int_equal(h_sql_int(c, SOME_ROWS, 2000), 2000);
+    expect_caught_up("2,000 rows under 2 slots", 20000);
+    for (int i = 1; i >= 0; i--)
+        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    /* The first cursor row of the new count, about slot 0 of 3, as its
+     * relay writes it (every row is published: up to the highest id, all
+     * committed); and a row about slot 0 of 4 from long before, below
+     * every other, which the floor must not go down to. */
+    h_sql(c, "INSERT INTO outbox.log_cursor (batch, hwm, snap, shards, slots)"
+             " SELECT max(batch) + 1, (SELECT max(id) FROM outbox.events),"
+             "        pg_current_snapshot(), 3, '{0}' FROM outbox.log_cursor");
+    h_sql(c, "INSERT INTO outbox.log_cursor (batch, hwm, snap, shards, slots)"
+             " SELECT min(batch) - 1000, 1, pg_current_snapshot(), 4, '{0}'"
+             " FROM outbox.log_cursor");
+    assert_int_equal(h_sql_int(c, SOME_ROWS, 500), 500);
+    const char *uncovered = "SELECT count(*) FROM outbox.events e"
+                            " WHERE NOT outbox.log_covers(e.id, e.topic, e.key, e.xid)";
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.log_floor(NULL, NULL)"), 1);
+    assert_int_equal(h_sql_int(c, "SELECT hwm FROM outbox.log_floor(NULL, NULL)"),
+                     h_sql_int(c, "SELECT min(hwm) FROM outbox.log_newest() WHERE shards < 4"));
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.log_floor(3, '{1,2}')"), 1);
+    assert_true(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished") >= 500);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.unpublished"),
+                     h_sql_int(c, "%s", uncovered));
+    /* Below the floor, every row is covered. */
+    assert_int_equal(h_sql_int(c,
+                               "%s AND e.id <= (SELECT hwm FROM outbox.log_floor(NULL, NULL))"
+                               " AND pg_visible_in_snapshot(e.xid,"
+                               "       (SELECT snap FROM outbox.log_floor(NULL, NULL)))",
+                               uncovered),
+                     0);
+    for (int i = 0; i < 3; i++)
+        relay_start_with(i, 3, NULL);
+    expect_caught_up("relay.shards changed from 2 to 3", 20000);
+    assert_int_equal(h_sql_int(c, "%s", uncovered), 0);
+    PQfinish(c);
+    for (int i = 2; i >= 0; i--)
+        assert_int_equal(h_relay_stop(relay(i), SIGTERM, 20000), 0);
+    assert_int_equal(check_kafka(false), 0);
+#undef SOME_ROWS
+}
+
 /* A relay alone (relay.shards = 1) and sharded relays exclude each other,
  * and two relays counting different slots publish nothing until they agree. */
 static void test_mixed_counts_refused(void **state)
@@ -719,6 +779,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_log_idle_slots_follow, teardown_env),
         cmocka_unit_test_teardown(test_log_lagging_slots_taken, teardown_env),
         cmocka_unit_test_teardown(test_log_full_fetch_over_backlog, teardown_env),
+        cmocka_unit_test_teardown(test_log_floor_after_count_change, teardown_env),
         cmocka_unit_test_teardown(test_mixed_counts_refused, teardown_env),
         cmocka_unit_test_teardown(test_first_take_reads_from_stored_offsets, teardown_env),
         cmocka_unit_test_teardown(test_lag_by_slot, teardown_env),
