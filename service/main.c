@@ -312,16 +312,25 @@ static int op_txn_end(void *io, enum obx_txn_end end)
     return obx_kafka_txn_end(a->kafka, end);
 }
 
+/* The next pid of a list such as "12,34" at *p (moved past it); false at
+ * its end. */
+static bool next_pid(const char **p, long *pid)
+{
+    char *end;
+    *pid = strtol(*p, &end, 10);
+    if (end == *p)
+        return false;
+    *p = *end == ',' ? end + 1 : end;
+    return true;
+}
+
 /* The claim's "fence_pids" ("12,34"): owners of slots now held that lost
  * them; kept, once each, until a fence of their ids succeeds. */
 static void note_lost_owners(struct app *a, const char *pids)
 {
     const size_t cap = sizeof(a->fence_pids) / sizeof(a->fence_pids[0]);
-    for (const char *p = pids; *p;) {
-        char *end;
-        long pid = strtol(p, &end, 10);
-        if (end == p)
-            break;
+    long pid;
+    for (const char *p = pids; next_pid(&p, &pid);) {
         bool known = false;
         for (size_t i = 0; i < a->n_fence_pids; i++)
             known = known || a->fence_pids[i] == pid;
@@ -333,7 +342,6 @@ static void note_lost_owners(struct app *a, const char *pids)
             obx_warn("kafka: more than %zu lost slot owners to fence; session %ld is not "
                      "fenced (its open transaction ends at its timeout)",
                      cap, pid);
-        p = *end == ',' ? end + 1 : end;
     }
 }
 
@@ -343,14 +351,9 @@ static void note_lost_owners(struct app *a, const char *pids)
 static void forget_lost_owners(struct app *a, const char *pids)
 {
     const size_t cap = sizeof(a->fenced_pids) / sizeof(a->fenced_pids[0]);
-    for (const char *p = pids; *p && a->n_fenced_pids < cap;) {
-        char *end;
-        long pid = strtol(p, &end, 10);
-        if (end == p)
-            break;
+    long pid;
+    for (const char *p = pids; a->n_fenced_pids < cap && next_pid(&p, &pid);)
         a->fenced_pids[a->n_fenced_pids++] = pid;
-        p = *end == ',' ? end + 1 : end;
-    }
 }
 
 static void claimed(void *arg, const PGresult *res, const char *error)

@@ -752,7 +752,6 @@ const char *obx_store_sql_claim_slots(void)
      * leave the slots here; their relays' transactional producers are
      * fenced before the pass over the slots. Read after claim_slots() wrote
      * the new owners (its trigger carries the one before). */
-    /* clang-format off */
     return "SELECT array_to_string(c.owned, ',') AS owned, c.members, c.share, c.free,"
            "       c.other_shards, c.repaired,"
            "       (SELECT max(n.hwm) FROM (SELECT hwm, snap FROM outbox.log_cursor"
@@ -762,7 +761,6 @@ const char *obx_store_sql_claim_slots(void)
            "       pg_backend_pid() AS session_pid,"
            "       array_to_string(outbox.owners_to_fence($1::int, $4::int[]), ',') AS fence_pids"
            " FROM outbox.claim_slots($1::int, $2::int[], $3::boolean) c";
-    /* clang-format on */
 }
 
 const char *obx_store_sql_backlog(void)
