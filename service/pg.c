@@ -104,9 +104,10 @@ struct obx_pg {
     struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
     int64_t *sorted_ids;       /* the mark's ids (relay.max_in_flight), sorted into ranges */
     size_t max_ids;
-    int setup_step; /* 0: the schema check and SETs; then each prepared statement;
-                     * then HISTORY_STEP */
-    bool repairing; /* LOCKING: the lock is held, the xid repair in flight */
+    int setup_step;     /* 0: the schema check and SETs; then each prepared statement;
+                         * then HISTORY_STEP */
+    bool repairing;     /* LOCKING: the lock is held, the xid repair in flight */
+    long long repaired; /* rows the repair statements of this lock gave this cluster's xid */
 };
 
 /* The statements of every cycle, prepared once a session, after the schema
@@ -647,10 +648,18 @@ static void finish_repair(struct obx_pg *pg, const PGresult *res)
         disconnect(pg, reason);
         return;
     }
-    if (strcmp(PQgetvalue(res, 0, 0), "0") != 0)
-        obx_warn("postgres: %s unsent rows carried a transaction id from another cluster "
+    long long n = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    pg->repaired += n;
+    if (n >= OBX_STORE_REPAIR_CHUNK) { /* a chunk each: there may be more */
+        pg->repairing = true;
+        send_setup_statement(pg, PQnfields(res) > 1 ? OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS
+                                                    : OBX_STORE_SQL_REPAIR_XIDS);
+        return;
+    }
+    if (pg->repaired > 0)
+        obx_warn("postgres: %lld unsent rows carried a transaction id from another cluster "
                  "(restored or replicated); they now carry this one's and are published once",
-                 PQgetvalue(res, 0, 0));
+                 pg->repaired);
     snprintf(pg->lost_slot_owners, sizeof(pg->lost_slot_owners), "%s",
              PQnfields(res) > 1 ? PQgetvalue(res, 0, 1) : "");
     become_ready(pg);
@@ -699,6 +708,7 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
         return;
     }
     pg->repairing = true;
+    pg->repaired = 0;
     send_setup_statement(pg, pg->fence_slot_owners ? OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS
                                                    : OBX_STORE_SQL_REPAIR_XIDS);
 }

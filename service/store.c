@@ -28,6 +28,7 @@ static const char *const migrations[] = {
     [12] = "sql/012_history_header.sql",
     [13] = "sql/013_unfenced_owners.sql",
     [14] = "sql/014_log_floor_after_change.sql",
+    [15] = "sql/015_log_cursor_rebase.sql",
 };
 /* clang-format on */
 
@@ -984,7 +985,8 @@ const char *obx_store_sql_dead_retry(void)
            "   DELETE FROM outbox.dead_letters WHERE id = ANY ($1::bigint[])"
            "   RETURNING id, topic, key, payload, headers, created_at),"
            " again AS ("
-           "   UPDATE outbox.events e SET xid = pg_current_xact_id(), sent_at = NULL"
+           "   UPDATE outbox.events e"
+           "   SET xid = pg_current_xact_id(), origin_xid = NULL, sent_at = NULL"
            "   FROM moved m WHERE e.id = m.id AND e.created_at = m.created_at RETURNING e.id),"
            " back AS ("
            "   INSERT INTO outbox.events (id, topic, key, payload, headers, created_at)"
@@ -1020,7 +1022,8 @@ const char *obx_store_sql_replay(void)
 {
     /* A new xid: log mode's cursor does not cover the row any more (in
      * mark mode the trigger of sql/004 does the same). */
-    return "UPDATE outbox.events SET sent_at = NULL, xid = pg_current_xact_id()" REPLAY_WHERE;
+    return "UPDATE outbox.events SET sent_at = NULL, xid = pg_current_xact_id(), origin_xid = "
+           "NULL" REPLAY_WHERE;
 }
 
 /* ---- the statements' parameter types (checked by test_store) ---- */

@@ -195,7 +195,7 @@ struct obx_store_statement {
 int obx_store_statements(int on_sent, struct obx_store_statement *out);
 
 /* The schema this outboxd needs: sql/00N_*.sql up to N. */
-#define OBX_SCHEMA_VERSION 14
+#define OBX_SCHEMA_VERSION 15
 
 /* One row, one column: the schema's version (0 if no migration ran). */
 #define OBX_STORE_SQL_SCHEMA_VERSION                                                               \
@@ -262,9 +262,17 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
 #define OBX_STORE_SQL_SKIP_IDS "SELECT outbox.skip_ids_past($1::bigint)"
 /* Gives unsent rows that carry another cluster's xid (a restore, logical
  * replication) this one's, so the keyset fetch does not take them for late
- * commits for ever (sql/006). A relay alone (relay.shards = 1) runs it once
- * it holds the relay lock. One row: how many (column 0). */
-#define OBX_STORE_SQL_REPAIR_XIDS "SELECT outbox.repair_writer_xids()"
+ * commits for ever (sql/006), after log mode's cursor was rebased if it is
+ * another cluster's (sql/015). A relay alone (relay.shards = 1) runs it
+ * once it holds the relay lock, OBX_STORE_REPAIR_CHUNK rows a statement,
+ * and again while a statement repaired that many: a restored outbox of
+ * millions of rows would not fit one statement's timeout. One row: how
+ * many (column 0). */
+#define OBX_STORE_REPAIR_CHUNK 10000
+#define OBX_STORE_STR_(x)      #x
+#define OBX_STORE_STR(x)       OBX_STORE_STR_(x)
+#define OBX_STORE_SQL_REPAIR_XIDS                                                                  \
+    "SELECT outbox.repair_writer_xids(1, NULL, " OBX_STORE_STR(OBX_STORE_REPAIR_CHUNK) ")"
 /* A slot owner of outbox.slot_owners (alias o) whose session is gone: no
  * session of its pid that began before it took the slot. */
 #define OBX_STORE_SQL_OWNER_GONE(o)                                                                \
@@ -278,7 +286,7 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
  * unless its pid is another session's now. */
 /* clang-format off */
 #define OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS                                                  \
-    "SELECT outbox.repair_writer_xids(),"                                                          \
+    "SELECT outbox.repair_writer_xids(1, NULL, " OBX_STORE_STR(OBX_STORE_REPAIR_CHUNK) "),"        \
     "       array_to_string(ARRAY("                                                                \
     "         SELECT DISTINCT l.pid FROM outbox.slot_owners o,"                                    \
     "           LATERAL (SELECT o.owner_pid"                                                       \

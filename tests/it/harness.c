@@ -266,15 +266,12 @@ void h_pooler_stop(struct h_env *e, int slot)
     e->pooler_pids[slot] = 0;
 }
 
-void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
+/* A new cluster (another system identifier) for a copy of the test
+ * database, with the roles of sql/; its conninfo. */
+static void start_copy_server(struct h_env *e, char *conninfo, size_t len, const char *log)
 {
-    char dump[300], data[300], log[300];
-    snprintf(dump, sizeof(dump), "%s/dump.custom", e->dir);
+    char data[300];
     snprintf(data, sizeof(data), "%s/copy", e->dir);
-    snprintf(log, sizeof(log), "%s/copy.log", e->dir);
-    char *const pg_dump[] = {PG_BINDIR "/pg_dump", "-Fc", "-f", dump, "-d", e->conninfo, NULL};
-    if (wait_exit(spawn(pg_dump, NULL, NULL, SIGKILL, log), 120000) != 0)
-        fail_msg("pg_dump failed, see %s", log);
     char *const initdb[] = {PG_BINDIR "/initdb", "-D",        data, "-A",   "trust",      "-U",
                             "postgres",          "--no-sync", "-E", "UTF8", "--locale=C", NULL};
     if (run_as_server(initdb, log) != 0)
@@ -284,10 +281,82 @@ void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
     assert_int_equal(PQstatus(c), CONNECTION_OK);
     h_sql(c, "CREATE ROLE outboxd_relay LOGIN; CREATE ROLE outboxd_writer NOLOGIN");
     PQfinish(c);
+}
+
+/* pg_dump of the test database (schema_only: its schema alone), restored
+ * into the copy's server. */
+static void dump_and_restore(struct h_env *e, bool schema_only, const char *conninfo,
+                             const char *log)
+{
+    char dump[300];
+    snprintf(dump, sizeof(dump), "%s/dump.custom", e->dir);
+    char *const pg_dump[] = {PG_BINDIR "/pg_dump",
+                             "-Fc",
+                             "-f",
+                             dump,
+                             "-d",
+                             e->conninfo,
+                             schema_only ? "--schema-only" : NULL,
+                             NULL};
+    if (wait_exit(spawn(pg_dump, NULL, NULL, SIGKILL, log), 120000) != 0)
+        fail_msg("pg_dump failed, see %s", log);
     char *const pg_restore[] = {
-        PG_BINDIR "/pg_restore", "--exit-on-error", "-d", conninfo, dump, NULL};
+        PG_BINDIR "/pg_restore", "--exit-on-error", "-d", (char *)conninfo, dump, NULL};
     if (wait_exit(spawn(pg_restore, NULL, NULL, SIGKILL, log), 120000) != 0)
         fail_msg("pg_restore failed, see %s", log);
+}
+
+void h_restore_copy(struct h_env *e, char *conninfo, size_t len)
+{
+    char log[300];
+    snprintf(log, sizeof(log), "%s/copy.log", e->dir);
+    start_copy_server(e, conninfo, len, log);
+    dump_and_restore(e, false, conninfo, log);
+}
+
+void h_logical_copy(struct h_env *e, char *conninfo, size_t len)
+{
+    char log[300];
+    snprintf(log, sizeof(log), "%s/copy.log", e->dir);
+    start_copy_server(e, conninfo, len, log);
+    dump_and_restore(e, true, conninfo, log);
+    PGconn *p = h_connect(e);
+    h_sql(p, "CREATE PUBLICATION obx_cut FOR ALL TABLES");
+    PQfinish(p);
+    PGconn *c = PQconnectdb(conninfo);
+    assert_int_equal(PQstatus(c), CONNECTION_OK);
+    h_sql(c, "CREATE SUBSCRIPTION obx_cut CONNECTION '%s' PUBLICATION obx_cut", e->conninfo);
+    PQfinish(c);
+}
+
+void h_logical_cut_over(struct h_env *e, const char *conninfo)
+{
+    PGconn *p = h_connect(e);
+    PGconn *c = PQconnectdb(conninfo);
+    assert_int_equal(PQstatus(c), CONNECTION_OK);
+    /* Every table copied, and the stream caught up with the publisher. */
+    char lsn[64];
+    PGresult *r = PQexec(p, "SELECT pg_current_wal_lsn()::text");
+    assert_int_equal(PQresultStatus(r), PGRES_TUPLES_OK);
+    snprintf(lsn, sizeof(lsn), "%s", PQgetvalue(r, 0, 0));
+    PQclear(r);
+    int64_t deadline = h_now_ms() + 60000;
+    while (h_sql_int(c, "SELECT count(*) FROM pg_subscription_rel WHERE srsubstate <> 'r'") > 0 ||
+           h_sql_int(p,
+                     "SELECT count(*) FROM pg_stat_replication"
+                     " WHERE application_name = 'obx_cut' AND replay_lsn >= '%s'",
+                     lsn) == 0) {
+        if (h_now_ms() > deadline)
+            fail_msg("the logical copy did not catch up in 60 s, see %s/copy.log", e->dir);
+        h_sleep_ms(50);
+    }
+    h_sql(c, "DROP SUBSCRIPTION obx_cut");
+    /* Sequences are not replicated: the cut-over moves the identity. */
+    int64_t last = h_sql_int(p, "SELECT pg_sequence_last_value("
+                                "pg_get_serial_sequence('outbox.events', 'id')::regclass)");
+    h_sql(c, "SELECT setval(pg_get_serial_sequence('outbox.events', 'id'), %lld)", (long long)last);
+    PQfinish(c);
+    PQfinish(p);
 }
 
 static void h_pg_restart_stop(struct h_env *e, int sig);

@@ -120,6 +120,12 @@ void h_pooler_stop(struct h_env *e, int slot);
  * the roles of sql/ created first: a restore, or a cut-over to a copy.
  * Writes the conninfo to it; one per env, stopped with it. */
 void h_restore_copy(struct h_env *e, char *conninfo, size_t len);
+/* A new cluster subscribed to every table of the test database by logical
+ * replication (its schema from pg_dump; the server needs wal_level=logical),
+ * and the cut-over to it: the copy caught up, the subscription dropped, the
+ * id identity set to the original's. */
+void h_logical_copy(struct h_env *e, char *conninfo, size_t len);
+void h_logical_cut_over(struct h_env *e, const char *conninfo);
 void h_pg_stop(struct h_env *e); /* fast shutdown */
 /* Applies sql/ and the checker's trigger to the database e->conninfo names
  * (h_env_start has done so for its own). */

@@ -259,7 +259,7 @@ static void test_multi_host(void **state)
  * content: none is a row lost, two a row published twice. Records of the
  * lost history (ids the old primary gave out after the standby stopped
  * receiving) may share a row's id with other content; they do not count. */
-static int64_t check_new_history(PGconn *np, const char *mode)
+static int64_t check_new_history(PGconn *np, const char *mode, bool ids_reused)
 {
     struct h_records recs = {0};
     h_kafka_read_all(&env, S_TOPICS, &recs);
@@ -326,7 +326,8 @@ static int64_t check_new_history(PGconn *np, const char *mode)
         fail_msg("%s mode: %d rows of the new history were never published (ids%s...)", mode, lost,
                  lost_ids);
     assert_int_equal(twice, 0);
-    assert_true(other_history > 0); /* ids were reused: the case under test */
+    if (ids_reused)
+        assert_true(other_history > 0); /* the case under test */
     assert_int_equal(same_header, 0);
     return max_id;
 }
@@ -356,13 +357,30 @@ static long lost_session_rows(void)
 static struct writer failover_writer;
 static bool failover_writing;
 
+/* Starts the failover tests' writer: rows_per_tx rows a transaction, one
+ * transaction every pace_ms; teardown_failover stops it if the test did
+ * not. */
+static void failover_writer_start(int rows_per_tx, int pace_ms)
+{
+    struct writer *wr = &failover_writer;
+    atomic_store(&wr->stop, 0);
+    wr->w = (struct s_writer){
+        .env = &env, .w = 0, .rows_per_tx = rows_per_tx, .stop = &wr->stop, .pace_ms = pace_ms};
+    assert_int_equal(pthread_create(&wr->t, NULL, s_writer_main, &wr->w), 0);
+    failover_writing = true;
+}
+
+static void failover_writer_stop(void)
+{
+    atomic_store(&failover_writer.stop, 1);
+    pthread_join(failover_writer.t, NULL);
+    failover_writing = false;
+}
+
 static int teardown_failover(void **state)
 {
-    if (failover_writing) {
-        atomic_store(&failover_writer.stop, 1);
-        pthread_join(failover_writer.t, NULL);
-        failover_writing = false;
-    }
+    if (failover_writing)
+        failover_writer_stop();
     return teardown_env(state);
 }
 
@@ -419,12 +437,7 @@ static void failover_async_standby(const char *mode, bool restarted)
     assert_true(h_broker_cmd(&env, "rtt all 100"));
 
     /* The primary alone takes a stream of rows, published as they come. */
-    struct writer *wr = &failover_writer;
-    atomic_store(&wr->stop, 0);
-    wr->w =
-        (struct s_writer){.env = &env, .w = 0, .rows_per_tx = 20, .stop = &wr->stop, .pace_ms = 1};
-    assert_int_equal(pthread_create(&wr->t, NULL, s_writer_main, &wr->w), 0);
-    failover_writing = true;
+    failover_writer_start(20, 1);
     deadline = h_now_ms() + 30000;
     while (h_sql_int(p,
                      "SELECT (SELECT count(*) FROM obx_test.committed WHERE id > %lld)"
@@ -444,9 +457,7 @@ static void failover_async_standby(const char *mode, bool restarted)
     int64_t old_top = h_sql_int(p, "SELECT max(id) FROM obx_test.committed");
     PQfinish(p);
     h_pg_crash(&env);
-    atomic_store(&wr->stop, 1);
-    pthread_join(wr->t, NULL);
-    failover_writing = false;
+    failover_writer_stop();
     assert_true(h_broker_cmd(&env, "rtt all 0")); /* what follows need not wait */
 
     /* The standby is promoted; the application writes there at once,
@@ -474,7 +485,7 @@ static void failover_async_standby(const char *mode, bool restarted)
      * moved the identity past them: no id is reissued after that. */
     h_wait_metric(&env, "outboxd_ids_skipped_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    int64_t max_in_kafka = check_new_history(sb, mode);
+    int64_t max_in_kafka = check_new_history(sb, mode, true);
     assert_true(h_sql_int(sb, "INSERT INTO outbox.events (topic, key, payload)"
                               " VALUES ('it.a', 'k', 'after'::bytea) RETURNING id") > max_in_kafka);
     PQfinish(sb);
@@ -531,12 +542,7 @@ static void restore_of_dump(const char *mode)
     s_prefill(&env, "it.a", 500);
     h_relay_start(&env, NULL, (const char *const[]){on_sent, NULL});
     expect_caught_up("start", 15000);
-    struct writer *wr = &failover_writer;
-    atomic_store(&wr->stop, 0);
-    wr->w =
-        (struct s_writer){.env = &env, .w = 0, .rows_per_tx = 10, .stop = &wr->stop, .pace_ms = 2};
-    assert_int_equal(pthread_create(&wr->t, NULL, s_writer_main, &wr->w), 0);
-    failover_writing = true;
+    failover_writer_start(10, 2);
     h_sleep_ms(500);
     PGconn *late = h_connect(&env);
     h_sql(late, "BEGIN");
@@ -545,9 +551,7 @@ static void restore_of_dump(const char *mode)
     h_sql(late, "COMMIT");
     PQfinish(late);
     h_sleep_ms(1000); /* more rows, published from the original alone */
-    atomic_store(&wr->stop, 1);
-    pthread_join(wr->t, NULL);
-    failover_writing = false;
+    failover_writer_stop();
     expect_caught_up("the writer stopped", 30000);
     kill(env.relay_pid, SIGKILL);
     assert_int_equal(h_relay_wait(&env, 10000), 128 + SIGKILL);
@@ -567,7 +571,7 @@ static void restore_of_dump(const char *mode)
     h_wait_metric(&env, "outboxd_ids_skipped_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     assert_int_equal(h_relay_events(&env, "history_changed", "was system"), 1);
-    int64_t max_in_kafka = check_new_history(cp, mode);
+    int64_t max_in_kafka = check_new_history(cp, mode, true);
     assert_true(h_sql_int(cp, "INSERT INTO outbox.events (topic, key, payload)"
                               " VALUES ('it.a', 'k', 'after'::bytea) RETURNING id") > max_in_kafka);
     PQfinish(cp);
@@ -589,6 +593,141 @@ static void test_restore_of_dump_log(void **state)
 {
     (void)state;
     restore_of_dump("log");
+}
+
+/* Issue 37.3: log mode across clusters. A row whose transaction the
+ * stored cursor saw running commits, and is not published (the relay
+ * stands still); the application moves to a copy in a new cluster whose
+ * xids are below the original's (6,000 burnt there first): a restored
+ * dump (rows and cursor rows keep their old xids and snapshots) or a
+ * logical-replication cut-over (rows get the copy's xids, the cursor rows
+ * keep the old snapshots). The relay on the copy must judge the late row
+ * by the cursor with the xid the row had there (before: sql/006's repair,
+ * or the copy's xids, made it look covered: lost). */
+static void late_row_across_clusters(bool logical)
+{
+    char copy[300], ci[400];
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    PGconn *p = h_connect(&env);
+    if (logical) {
+        h_sql(p, "ALTER SYSTEM SET wal_level = logical");
+        PQfinish(p);
+        h_pg_restart(&env, "fast");
+        p = h_connect(&env);
+    }
+    h_sql(p, "DO $$ BEGIN FOR i IN 1..6000 LOOP PERFORM pg_current_xact_id(); COMMIT; END LOOP;"
+             " END $$");
+    s_prefill(&env, "it.a", 500);
+    if (logical) /* the copy follows from here */
+        h_logical_copy(&env, copy, sizeof(copy));
+    h_relay_start(&env, NULL, (const char *const[]){"relay.on_sent=log", NULL});
+    expect_caught_up("start", 15000);
+    failover_writer_start(10, 2);
+    PGconn *late = h_connect(&env);
+    h_sql(late, "BEGIN");
+    int64_t late_id = h_sql_int(late, "SELECT outbox.enqueue('it.b', 'late', 'late row'::bytea)");
+    int64_t late_xid = h_sql_int(late, "SELECT pg_current_xact_id()::text::bigint");
+    /* The cursor goes past it while it runs. */
+    int64_t deadline = h_now_ms() + 15000;
+    while (h_sql_int(p,
+                     "SELECT count(*) FROM outbox.log_cursor c"
+                     " WHERE c.batch = (SELECT max(batch) FROM outbox.log_cursor)"
+                     "   AND c.hwm > %lld AND NOT pg_visible_in_snapshot('%lld'::xid8, c.snap)",
+                     (long long)late_id, (long long)late_xid) == 0) {
+        if (h_now_ms() > deadline)
+            fail_msg("the cursor did not pass row %lld while its writer ran", (long long)late_id);
+        h_sleep_ms(20);
+    }
+    assert_int_equal(kill(env.relay_pid, SIGSTOP), 0);
+    h_sql(late, "COMMIT");
+    PQfinish(late);
+    failover_writer_stop();
+    /* Stored, not covered, not published. */
+    assert_int_equal(
+        h_sql_int(p, "SELECT count(*) FROM outbox.unpublished WHERE id = %lld", (long long)late_id),
+        1);
+    PQfinish(p);
+    if (logical)
+        h_logical_cut_over(&env, copy);
+    else
+        h_restore_copy(&env, copy, sizeof(copy));
+    kill(env.relay_pid, SIGKILL);
+    assert_int_equal(h_relay_wait(&env, 10000), 128 + SIGKILL);
+
+    PGconn *cp = PQconnectdb(copy);
+    assert_int_equal(PQstatus(cp), CONNECTION_OK);
+    assert_true(h_sql_int(cp, "SELECT pg_current_xact_id()::text::bigint") < late_xid);
+    assert_int_equal(
+        h_sql_int(cp, "SELECT count(*) FROM outbox.events WHERE id = %lld", (long long)late_id), 1);
+    h_sql(cp, "INSERT INTO outbox.events (topic, key, payload)"
+              " SELECT 'it.c', 'c' || (g %% 5), convert_to('copy ' || g, 'UTF8')"
+              "   FROM generate_series(1, 300) g");
+    snprintf(ci, sizeof(ci), "postgres.conninfo=%s", copy);
+    snprintf(env.conninfo, sizeof(env.conninfo), "%s", copy);
+    h_relay_start(&env, NULL, (const char *const[]){ci, "relay.on_sent=log", NULL});
+    expect_caught_up("the move to the copy", 30000);
+    h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    check_new_history(cp, "log", false);
+    assert_true(h_relay_log_contains(&env, "log cursor's snapshots are of system"));
+    PQfinish(cp);
+}
+
+static void test_restore_of_dump_late_row_log(void **state)
+{
+    (void)state;
+    late_row_across_clusters(false);
+}
+
+static void test_logical_cut_over_late_row_log(void **state)
+{
+    (void)state;
+    late_row_across_clusters(true);
+}
+
+/* Issue 37.3: a large outbox restored in log mode from a cluster whose
+ * xids are ahead of this one's (250,000 rows, all covered by the cursor
+ * but the 10 of one writer its snapshot saw running). The rebase and the
+ * repair of every row must fit the statement timeout (3 s here): the
+ * repair goes in chunks (before: one UPDATE of every row, which outlasted
+ * it and was retried for ever). Only the 10 go out. */
+static void test_rebase_of_large_outbox_log(void **state)
+{
+    (void)state;
+    h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
+    PGconn *p = h_connect(&env);
+    h_sql(p, "INSERT INTO outbox.events (topic, key, payload)"
+             " SELECT 'it.a', 'k' || (g %% 1000), convert_to('row ' || g, 'UTF8')"
+             "   FROM generate_series(1, 250000) g");
+    /* As restored: another cluster's xids (one writer every 10 rows), its
+     * cursor row about every row, its system identifier. */
+    h_sql(p, "UPDATE outbox.events SET xid = (50000000 + id / 10)::text::xid8");
+    h_sql(p, "INSERT INTO outbox.log_cursor (batch, hwm, snap)"
+             " SELECT 1, m.top, (m.x - 5 || ':' || m.x + 1 || ':' || m.x - 5)::pg_snapshot"
+             " FROM (SELECT max(id) AS top, 50000000 + max(id) / 10 AS x FROM outbox.events) m");
+    h_sql(p, "INSERT INTO outbox.log_cursor_system (system_id) VALUES ('another')");
+    h_sql(p, "VACUUM ANALYZE outbox.events");
+    int64_t late = h_sql_int(p, "SELECT count(*) FROM outbox.unpublished");
+    assert_int_equal(late, 10);
+    h_relay_start(
+        &env, NULL,
+        (const char *const[]){"relay.on_sent=log", "postgres.statement_timeout=3s", NULL});
+    expect_caught_up("the relay's start", 120000);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+    assert_true(h_relay_log_contains(&env, "rebased (rows up to id 250000 it had not covered, "
+                                           "published now: 10)"));
+    assert_true(h_relay_log_contains(&env, "250000 unsent rows carried a transaction id"));
+    assert_false(h_relay_log_contains(&env, "statement timeout"));
+    struct h_records recs = {0};
+    h_kafka_read_all(&env, S_TOPICS, &recs);
+    assert_int_equal(recs.n, 10);
+    for (size_t j = 0; j < recs.n; j++)
+        assert_int_equal(
+            h_sql_int(p, "SELECT (%lld / 10 = (SELECT max(id) FROM outbox.events) / 10 - 5)::int",
+                      (long long)recs.v[j].outbox_id),
+            1);
+    h_records_free(&recs);
+    PQfinish(p);
 }
 
 /* Issue 21.5: after a failover the old primary, now a hot standby, is
@@ -1138,6 +1277,9 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_restore_of_dump_mark, teardown_failover),
         cmocka_unit_test_teardown(test_restore_of_dump_delete, teardown_failover),
         cmocka_unit_test_teardown(test_restore_of_dump_log, teardown_failover),
+        cmocka_unit_test_teardown(test_restore_of_dump_late_row_log, teardown_failover),
+        cmocka_unit_test_teardown(test_logical_cut_over_late_row_log, teardown_failover),
+        cmocka_unit_test_teardown(test_rebase_of_large_outbox_log, teardown_env),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
         cmocka_unit_test_teardown(test_sigterm_during_recovery, teardown_env),
