@@ -66,9 +66,9 @@ static const struct {
      "SELECT, INSERT, UPDATE on outbox.kafka_offsets", "to record offsets for crash recovery"},
     {"has_table_privilege('outbox.dead_letters', 'SELECT, INSERT')",
      "SELECT, INSERT on outbox.dead_letters", "to move refused rows aside"},
-    {"coalesce(has_function_privilege(to_regprocedure('outbox.repair_writer_xids()'), "
-     "'EXECUTE'), false)",
-     "EXECUTE on outbox.repair_writer_xids()",
+    {"coalesce(has_function_privilege("
+     "to_regprocedure('outbox.repair_writer_xids(integer, integer[], bigint)'), 'EXECUTE'), false)",
+     "EXECUTE on outbox.repair_writer_xids(integer, integer[], bigint)",
      "to repair rows restored with another cluster's xid"},
     {"coalesce(has_table_privilege(to_regclass('outbox.log_cursor'), "
      "'SELECT, INSERT, UPDATE, TRUNCATE'), false)",

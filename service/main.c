@@ -387,8 +387,8 @@ static void claimed(void *arg, const PGresult *res, const char *error)
     const char *repaired = obx_store_col(res, 0, "repaired");
     if (strcmp(repaired, "0") != 0)
         obx_warn("postgres: %s unsent rows of the slots taken carried a transaction id from "
-                 "another cluster (restored or replicated); they now carry this one's and are "
-                 "published once",
+                 "another cluster (restored or replicated); they now carry one of this "
+                 "cluster's (those not yet published go out once)",
                  repaired);
     obx_relay_on_claimed(a->relay, &c, now);
 }

@@ -649,8 +649,9 @@ static void finish_repair(struct obx_pg *pg, const PGresult *res)
         return;
     }
     long long n = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-    pg->repaired += n;
-    if (n >= OBX_STORE_REPAIR_CHUNK) { /* a chunk each: there may be more */
+    if (n > 0)
+        pg->repaired += n;
+    if (n < 0 || n >= OBX_STORE_REPAIR_CHUNK) { /* a rebase goes on, or more to repair */
         pg->repairing = true;
         send_setup_statement(pg, PQnfields(res) > 1 ? OBX_STORE_SQL_REPAIR_XIDS_AND_LOST_OWNERS
                                                     : OBX_STORE_SQL_REPAIR_XIDS);
@@ -658,7 +659,8 @@ static void finish_repair(struct obx_pg *pg, const PGresult *res)
     }
     if (pg->repaired > 0)
         obx_warn("postgres: %lld unsent rows carried a transaction id from another cluster "
-                 "(restored or replicated); they now carry this one's and are published once",
+                 "(restored or replicated); they now carry one of this cluster's (those not yet "
+                 "published go out once)",
                  pg->repaired);
     snprintf(pg->lost_slot_owners, sizeof(pg->lost_slot_owners), "%s",
              PQnfields(res) > 1 ? PQgetvalue(res, 0, 1) : "");

@@ -18,38 +18,49 @@
 -- xid, while the cursor rows it copies keep the publisher's snapshots.
 --
 -- So the cursor now knows which cluster its snapshots come from
--- (outbox.log_cursor_system), rows keep the xid they arrived with
--- (origin_xid, set by the own_xid trigger when it replaces one), and the
--- first repair on another cluster (each relay runs it when it takes the
--- lock or a slot) rebases the cursor before anything else touches the
--- rows: each row up to the cursor's highest id is judged by the newest
--- cursor row about it, with the xid it had there; the rows not covered get
--- the rebasing transaction's xid x, and a new cursor row about every slot
--- covers every row up to that id but those: its snapshot "x:2^62+3:x" sees
--- every xid committed but x. What was published stays published, nothing
--- the cursor had not covered is covered, and Kafka offsets are kept. The
--- repair then gives the rows whose xids this cluster has not reached yet
--- one of its own (still covered: they are not x), so that the snapshots
--- of the relay's next cursor rows see them committed too.
+-- (outbox.log_cursor_system, filled when this file is applied), rows keep
+-- the xid they arrived with (origin_xid, set by the own_xid trigger when it
+-- replaces one), and the first repair on another cluster (each relay runs
+-- it when it takes the lock or a slot) rebases the cursor before anything
+-- else reads it. It reads the rows by id (a relay alone 10,000 a
+-- statement, while the old cursor stands): each row up to the cursor's
+-- highest id is judged by the newest cursor row about it with the xid it
+-- had there; those not covered are noted, and a covered row whose xid this
+-- cluster calls running or not yet begun gets one that every snapshot sees
+-- committed. At the end the noted rows get the rebasing transaction's xid
+-- x, and a new cursor row about every slot covers every row up to that id
+-- but those: its snapshot is that transaction's own with x as running
+-- (rows written again later, by outboxd replay, are not covered either).
+-- What was published stays published, nothing the cursor had not covered
+-- is covered, and Kafka offsets are kept.
 --
--- That repair wrote every such row in one statement: a restored outbox of
--- millions of rows outlasted the statement timeout, and the relay retried
--- it for ever. It now takes a limit (a relay alone asks for 10,000 rows a
--- statement, and again while it gets that many; the claim of slots still
--- repairs its slots' rows in one statement).
+-- The repair wrote every row it gave a new xid in one statement: a
+-- restored outbox of millions of rows outlasted the statement timeout, and
+-- the relay retried it for ever. It now takes a limit (a relay alone asks
+-- for 10,000 rows a statement, and again while it gets that many; the
+-- claim of slots still rebases and repairs in one statement).
 
 BEGIN;
 SET LOCAL client_min_messages = warning;
 DO $$ BEGIN PERFORM pg_advisory_xact_lock(1868724324, 0); END $$;
 
--- The cluster whose xids the cursor's snapshots are: one row.
+-- The cluster whose xids the cursor's snapshots are (one row), and a
+-- rebase under way: to which cluster, the cursor's highest id and the
+-- highest id there when it began, and the next id its scan reads.
 CREATE TABLE IF NOT EXISTS outbox.log_cursor_system (
-    one          boolean PRIMARY KEY DEFAULT true CHECK (one),
-    system_id    text NOT NULL,
-    rebased_at   timestamptz
+    one         boolean PRIMARY KEY DEFAULT true CHECK (one),
+    system_id   text NOT NULL,
+    rebased_at  timestamptz,
+    rebasing_to text,
+    rebase_hwm  bigint,
+    rebase_top  bigint,
+    rebase_next bigint
 );
 REVOKE ALL ON outbox.log_cursor_system FROM PUBLIC;
 GRANT SELECT ON outbox.log_cursor_system TO outboxd_relay;
+-- The rows a rebase under way found not covered.
+CREATE TABLE IF NOT EXISTS outbox.log_rebase_late (id bigint PRIMARY KEY);
+REVOKE ALL ON outbox.log_rebase_late FROM PUBLIC;
 
 -- The xid a row arrived with when the own_xid trigger replaced it: another
 -- cluster's, for a row restored with triggers on or written by logical
@@ -58,7 +69,12 @@ GRANT SELECT ON outbox.log_cursor_system TO outboxd_relay;
 -- statement that gives a row another xid clears it, and a dump restored
 -- elsewhere keeps it beside the xid it replaced (then xmin is the
 -- restore's).
+-- The ALTER takes an exclusive lock on outbox.events, which writers would
+-- queue behind while it waits (behind a pg_dump, say): it waits 2 s at
+-- most, and the file fails then (apply it again).
+SET LOCAL lock_timeout = '2s';
 ALTER TABLE outbox.events ADD COLUMN IF NOT EXISTS origin_xid xid8;
+RESET lock_timeout;
 -- outboxd replay and dead retry in log mode give a row a new xid.
 GRANT UPDATE (origin_xid) ON outbox.events TO outboxd_relay;
 
@@ -93,101 +109,166 @@ CREATE OR REPLACE TRIGGER own_xid
     EXECUTE FUNCTION outbox.own_xid();
 ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER own_xid;
 
--- This server's system identifier, or NULL where pg_control_system() is
--- not allowed (some managed services): then nothing is rebased.
+-- This server's system identifier, or NULL where pg_control_system()
+-- fails (not allowed on some managed services): then nothing is rebased,
+-- and the server says why.
 CREATE OR REPLACE FUNCTION outbox.system_id() RETURNS text
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     RETURN (SELECT system_identifier::text FROM pg_control_system());
-EXCEPTION WHEN insufficient_privilege THEN
+EXCEPTION WHEN OTHERS THEN
+    RAISE WARNING 'outbox: cannot read the system identifier (%): log mode''s cursor is not '
+                  'checked for another cluster', SQLERRM;
     RETURN NULL;
 END
 $$;
 
--- Rebases the log cursor when its snapshots are another cluster's (above).
--- Returns the number of rows it found not covered (published now).
-CREATE OR REPLACE FUNCTION outbox.rebase_log_cursor() RETURNS bigint
+-- The cluster this file is applied on: a cursor copied elsewhere from now
+-- on is known as this one's.
+INSERT INTO outbox.log_cursor_system (system_id)
+SELECT outbox.system_id() WHERE outbox.system_id() IS NOT NULL
+ON CONFLICT (one) DO NOTHING;
+
+-- Rebases the log cursor when its snapshots are another cluster's (above),
+-- p_limit rows a call (NULL: all): reads the rows by id, each up to the
+-- cursor's highest id judged by its own cursor row with the xid it had
+-- there; the rows not covered go to outbox.log_rebase_late; a covered row
+-- whose xid this cluster calls running or not yet begun gets one it sees
+-- committed (below the xmin of every snapshot and cursor row, so still
+-- covered if the old cursor is read again), and every row loses the
+-- origin_xid it arrived with. Until the last call the old cursor stands.
+-- The last call gives the late rows its own xid x and writes a cursor row
+-- about every slot, up to that id, whose snapshot is its own plus x as
+-- running. Returns false while there is more to read.
+CREATE OR REPLACE FUNCTION outbox.rebase_log_cursor(p_limit bigint) RETURNS boolean
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now    text := outbox.system_id();
-    v_was    text;
-    v_hwm    bigint;
-    f        record;
-    v_low    xid8;
-    v_xid    xid8;
-    v_late   bigint[];
+    v_now  text := outbox.system_id();
+    s      outbox.log_cursor_system;
+    f      record;
+    v_snap pg_snapshot;
+    v_low  xid8;
+    v_xid  xid8;
+    v_last bigint;
+    v_read bigint;
+    v_late bigint;
 BEGIN
-    IF v_now IS NULL OR v_now = (SELECT system_id FROM outbox.log_cursor_system) THEN
-        RETURN 0; -- the common case: one index read
+    IF v_now IS NULL OR EXISTS (SELECT FROM outbox.log_cursor_system c
+                                WHERE c.system_id = v_now AND c.rebasing_to IS NULL) THEN
+        RETURN true; -- the common case: one index read
     END IF;
     -- advance_cursor's lock: no relay with slots writes a cursor row now.
     PERFORM pg_advisory_xact_lock(1868724341, 0);
-    v_was := (SELECT system_id FROM outbox.log_cursor_system);
-    IF v_was = v_now THEN
-        RETURN 0; -- another relay rebased it meanwhile
-    END IF;
-    -- First run after this file: a newest cursor row whose snapshot lies
-    -- ahead of this cluster's is another cluster's; else the cursor is as
-    -- old as the database's last history (sql/011), which travels with it
-    -- (a relay writes that before it repairs: after a restore of a dump
-    -- taken before this file, only the first test can tell).
-    IF v_was IS NULL AND (SELECT pg_snapshot_xmax(c.snap) FROM outbox.log_cursor c
+    SELECT * INTO s FROM outbox.log_cursor_system;
+    IF NOT FOUND THEN
+        -- Written by this file where it could read the identifier: a
+        -- newest cursor row whose snapshot lies ahead of this cluster's is
+        -- another cluster's, else this one's.
+        INSERT INTO outbox.log_cursor_system (system_id)
+        SELECT CASE WHEN (SELECT pg_snapshot_xmax(c.snap) FROM outbox.log_cursor c
                           ORDER BY c.batch DESC LIMIT 1)
-                         > pg_snapshot_xmax(pg_current_snapshot()) THEN
-        v_was := 'unknown';
+                         > pg_snapshot_xmax(pg_current_snapshot()) THEN 'unknown'
+                    ELSE v_now END
+        RETURNING * INTO s;
     END IF;
-    v_was := coalesce(v_was, (SELECT system_id FROM outbox.history), v_now);
-    IF v_was <> v_now AND EXISTS (SELECT FROM outbox.log_cursor) THEN
-        v_hwm := (SELECT max(hwm) FROM outbox.log_cursor);
-        SELECT * INTO f FROM outbox.log_floor(NULL, NULL);
-        -- Each row with the xid it had where the cursor was written. What
-        -- the floor covers, its own cursor row does (sql/009); the rest is
-        -- tested row by row (CASE: in that order).
-        v_late := ARRAY(
-            SELECT e.id FROM outbox.events e,
-                   LATERAL (SELECT CASE WHEN e.origin_xid IS NOT NULL AND e.xmin = e.xid::xid
-                                        THEN e.origin_xid ELSE e.xid END AS xid) o
-            WHERE e.sent_at IS NULL AND e.id <= v_hwm
-              AND CASE WHEN f.hwm IS NOT NULL AND e.id <= f.hwm
-                            AND pg_visible_in_snapshot(o.xid, f.snap)
-                            AND NOT (e.topic = ANY (f.held_topics)) THEN false
-                       ELSE NOT outbox.log_covers(e.id, e.topic, e.key, o.xid) END
-            ORDER BY e.id);
-        -- Below every running transaction: what every snapshot from now on
-        -- sees committed. Read before this transaction has an xid.
-        v_low := greatest(pg_snapshot_xmin(pg_current_snapshot())::text::bigint - 1, 3)::text::xid8;
-        v_xid := pg_current_xact_id();
-        UPDATE outbox.events e SET xid = v_xid, origin_xid = NULL
-        WHERE e.id = ANY (v_late) AND e.sent_at IS NULL;
-        -- A covered row that came with this very number (another cluster's).
-        UPDATE outbox.events e SET xid = v_low, origin_xid = NULL
-        WHERE e.xid = v_xid AND e.sent_at IS NULL AND NOT (e.id = ANY (v_late));
-        INSERT INTO outbox.log_cursor (batch, hwm, snap, shards, slots)
-        VALUES (coalesce((SELECT max(batch) FROM outbox.log_cursor), 0) + 1, v_hwm,
-                (v_xid::text || ':4611686018427387907:' || v_xid::text)::pg_snapshot, 1, NULL);
+    IF s.system_id = v_now AND s.rebasing_to IS NULL THEN
+        RETURN true; -- another relay rebased it meanwhile
+    END IF;
+    IF NOT EXISTS (SELECT FROM outbox.log_cursor) THEN
+        UPDATE outbox.log_cursor_system SET system_id = v_now, rebasing_to = NULL;
+        RETURN true; -- no cursor: nothing to rebase
+    END IF;
+    IF s.rebasing_to IS DISTINCT FROM v_now THEN
+        DELETE FROM outbox.log_rebase_late;
+        UPDATE outbox.log_cursor_system
+        SET rebasing_to = v_now, rebase_hwm = (SELECT max(hwm) FROM outbox.log_cursor),
+            rebase_top = (SELECT max(id) FROM outbox.events),
+            rebase_next = (-9223372036854775807 - 1)
+        RETURNING * INTO s;
         RAISE WARNING 'outbox: the log cursor''s snapshots are of system %, this is system %: '
-                      'rebased (rows up to id % it had not covered, published now: %)',
-                      v_was, v_now, v_hwm, cardinality(v_late);
+                      'rebasing it (rows up to id %)', s.system_id, v_now, s.rebase_hwm;
     END IF;
-    INSERT INTO outbox.log_cursor_system AS s (system_id, rebased_at)
-    VALUES (v_now, CASE WHEN v_was <> v_now THEN now() END)
-    ON CONFLICT (one) DO UPDATE SET system_id = excluded.system_id,
-                                    rebased_at = coalesce(excluded.rebased_at, s.rebased_at);
-    RETURN coalesce(cardinality(v_late), 0);
+    SELECT * INTO f FROM outbox.log_floor(NULL, NULL);
+    v_snap := pg_current_snapshot();
+    v_low := greatest(least(pg_snapshot_xmin(v_snap)::text::bigint,
+                            coalesce(pg_current_xact_id_if_assigned()::text::bigint,
+                                     9223372036854775807),
+                            coalesce((SELECT min(pg_snapshot_xmin(c.snap)::text::bigint)
+                                      FROM outbox.log_cursor c), 9223372036854775807)) - 1,
+                      3)::text::xid8;
+    WITH r AS (
+        SELECT e.id, e.topic, e.key, e.xid, e.origin_xid,
+               CASE WHEN e.origin_xid IS NOT NULL AND e.xmin = e.xid::xid THEN e.origin_xid
+                    ELSE e.xid END AS was
+        FROM outbox.events e
+        WHERE e.sent_at IS NULL AND e.id >= s.rebase_next AND e.id <= s.rebase_top
+        ORDER BY e.id LIMIT p_limit),
+    judged AS (
+        -- What the floor covers, its own cursor row does (sql/009); the
+        -- rest is tested row by row (CASE: in that order). Rows above the
+        -- cursor's highest id are not covered anyway.
+        SELECT r.*, r.id <= s.rebase_hwm
+                    AND CASE WHEN f.hwm IS NOT NULL AND r.id <= f.hwm
+                                  AND pg_visible_in_snapshot(r.was, f.snap)
+                                  AND NOT (r.topic = ANY (f.held_topics)) THEN false
+                             ELSE NOT outbox.log_covers(r.id, r.topic, r.key, r.was) END AS late
+        FROM r),
+    noted AS (
+        INSERT INTO outbox.log_rebase_late SELECT j.id FROM judged j WHERE j.late
+        ON CONFLICT (id) DO NOTHING),
+    kept AS (
+        UPDATE outbox.events e
+        SET xid = CASE WHEN j.id <= s.rebase_hwm
+                            AND (j.xid >= pg_snapshot_xmax(v_snap)
+                                 OR NOT pg_visible_in_snapshot(j.xid, v_snap))
+                       THEN v_low ELSE e.xid END,
+            origin_xid = NULL
+        FROM judged j
+        WHERE e.id = j.id AND NOT j.late
+          AND (j.origin_xid IS NOT NULL
+               OR (j.id <= s.rebase_hwm AND (j.xid >= pg_snapshot_xmax(v_snap)
+                                             OR NOT pg_visible_in_snapshot(j.xid, v_snap)))))
+    SELECT max(j.id), count(*) INTO v_last, v_read FROM judged j;
+    IF p_limit IS NOT NULL AND v_read >= p_limit THEN
+        UPDATE outbox.log_cursor_system SET rebase_next = v_last + 1;
+        RETURN false;
+    END IF;
+    -- Read to the end: the late rows get this transaction's xid, which the
+    -- new cursor row calls running (as it does the running ones).
+    v_xid := pg_current_xact_id();
+    UPDATE outbox.events e SET xid = v_xid, origin_xid = NULL
+    FROM outbox.log_rebase_late l WHERE e.id = l.id AND e.sent_at IS NULL;
+    GET DIAGNOSTICS v_late = ROW_COUNT;
+    v_snap := pg_current_snapshot();
+    INSERT INTO outbox.log_cursor (batch, hwm, snap, shards, slots)
+    VALUES (coalesce((SELECT max(batch) FROM outbox.log_cursor), 0) + 1, s.rebase_hwm,
+            (least(pg_snapshot_xmin(v_snap), v_xid)::text || ':'
+             || greatest(pg_snapshot_xmax(v_snap)::text::bigint, v_xid::text::bigint + 1)::text
+             || ':' || (SELECT string_agg(x::text, ',' ORDER BY x)
+                        FROM (SELECT x FROM pg_snapshot_xip(v_snap) AS x UNION SELECT v_xid) u))
+            ::pg_snapshot, 1, NULL);
+    DELETE FROM outbox.log_rebase_late;
+    UPDATE outbox.log_cursor_system
+    SET system_id = v_now, rebased_at = now(), rebasing_to = NULL, rebase_hwm = NULL,
+        rebase_top = NULL, rebase_next = NULL;
+    RAISE WARNING 'outbox: the log cursor is rebased on system % (rows up to id % it had not '
+                  'covered, published now: %)', v_now, s.rebase_hwm, v_late;
+    RETURN true;
 END
 $$;
-REVOKE ALL ON FUNCTION outbox.rebase_log_cursor() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.rebase_log_cursor(bigint) FROM PUBLIC;
+DROP FUNCTION IF EXISTS outbox.rebase_log_cursor();
 
 -- sql/008's repair, with the rebase first and a limit (NULL: none): every
 -- relay runs it when it takes the lock (every row) or slots (their rows),
 -- before it reads the cursor. The rebase is about every row, whichever
 -- slots were taken. Returns how many rows it repaired (the limit: maybe
--- more are left).
+-- more are left), or -1 while a rebase goes on (p_limit rows a call).
 CREATE OR REPLACE FUNCTION outbox.repair_writer_xids(p_shards integer, p_slots integer[],
                                                      p_limit bigint)
 RETURNS bigint
@@ -200,11 +281,13 @@ DECLARE
     v_log   boolean;
     v_low   xid8;
 BEGIN
-    PERFORM outbox.rebase_log_cursor();
+    IF NOT outbox.rebase_log_cursor(p_limit) THEN
+        RETURN -1; -- a rebase under way: ask again
+    END IF;
     -- In log mode a row the cursor covers stays covered: it gets an xid
     -- that every snapshot from now on and every cursor row's sees
-    -- committed (below their xmin: a rebase's row sees all but its own
-    -- xid, its xmin), not this transaction's.
+    -- committed (below their xmin, so never one they list as running),
+    -- not this transaction's.
     v_log := EXISTS (SELECT FROM outbox.log_cursor);
     v_low := greatest(least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
                             coalesce(pg_current_xact_id_if_assigned()::text::bigint,

@@ -259,7 +259,9 @@ static void test_multi_host(void **state)
  * content: none is a row lost, two a row published twice. Records of the
  * lost history (ids the old primary gave out after the standby stopped
  * receiving) may share a row's id with other content; they do not count. */
-static int64_t check_new_history(PGconn *np, const char *mode, bool ids_reused)
+/* replayed: a row written again (outboxd replay) since it was published,
+ * which goes out twice; 0 for none. */
+static int64_t check_new_history(PGconn *np, const char *mode, bool ids_reused, int64_t replayed)
 {
     struct h_records recs = {0};
     h_kafka_read_all(&env, S_TOPICS, &recs);
@@ -313,7 +315,9 @@ static int64_t check_new_history(PGconn *np, const char *mode, bool ids_reused)
             size_t o = strlen(lost_ids);
             snprintf(lost_ids + o, sizeof(lost_ids) - o, " %lld", (long long)id);
         }
-        if (copies > 1)
+        if (id == replayed)
+            assert_int_equal(copies, 2);
+        else if (copies > 1)
             twice++;
     }
     PQclear(r);
@@ -485,7 +489,7 @@ static void failover_async_standby(const char *mode, bool restarted)
      * moved the identity past them: no id is reissued after that. */
     h_wait_metric(&env, "outboxd_ids_skipped_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    int64_t max_in_kafka = check_new_history(sb, mode, true);
+    int64_t max_in_kafka = check_new_history(sb, mode, true, 0);
     assert_true(h_sql_int(sb, "INSERT INTO outbox.events (topic, key, payload)"
                               " VALUES ('it.a', 'k', 'after'::bytea) RETURNING id") > max_in_kafka);
     PQfinish(sb);
@@ -571,7 +575,7 @@ static void restore_of_dump(const char *mode)
     h_wait_metric(&env, "outboxd_ids_skipped_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     assert_int_equal(h_relay_events(&env, "history_changed", "was system"), 1);
-    int64_t max_in_kafka = check_new_history(cp, mode, true);
+    int64_t max_in_kafka = check_new_history(cp, mode, true, 0);
     assert_true(h_sql_int(cp, "INSERT INTO outbox.events (topic, key, payload)"
                               " VALUES ('it.a', 'k', 'after'::bytea) RETURNING id") > max_in_kafka);
     PQfinish(cp);
@@ -659,6 +663,16 @@ static void late_row_across_clusters(bool logical)
     assert_true(h_sql_int(cp, "SELECT pg_current_xact_id()::text::bigint") < late_xid);
     assert_int_equal(
         h_sql_int(cp, "SELECT count(*) FROM outbox.events WHERE id = %lld", (long long)late_id), 1);
+    /* The rebase (what the relay's repair does first), then a row the
+     * cursor covered written again as outboxd replay does: the rebase's
+     * cursor row must not cover it (its xid came after). */
+    h_sql(cp, "SELECT outbox.repair_writer_xids(1, NULL, NULL)");
+    assert_int_equal(h_sql_int(cp, "SELECT count(*) FROM outbox.unpublished WHERE id = %lld",
+                               (long long)late_id),
+                     1);
+    h_sql(cp, "UPDATE outbox.events SET sent_at = NULL, xid = pg_current_xact_id(),"
+              " origin_xid = NULL WHERE id = 100");
+    assert_int_equal(h_sql_int(cp, "SELECT count(*) FROM outbox.unpublished WHERE id = 100"), 1);
     h_sql(cp, "INSERT INTO outbox.events (topic, key, payload)"
               " SELECT 'it.c', 'c' || (g %% 5), convert_to('copy ' || g, 'UTF8')"
               "   FROM generate_series(1, 300) g");
@@ -668,8 +682,7 @@ static void late_row_across_clusters(bool logical)
     expect_caught_up("the move to the copy", 30000);
     h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    check_new_history(cp, "log", false);
-    assert_true(h_relay_log_contains(&env, "log cursor's snapshots are of system"));
+    check_new_history(cp, "log", false, 100);
     PQfinish(cp);
 }
 
@@ -705,7 +718,7 @@ static void test_rebase_of_large_outbox_log(void **state)
     h_sql(p, "INSERT INTO outbox.log_cursor (batch, hwm, snap)"
              " SELECT 1, m.top, (m.x - 5 || ':' || m.x + 1 || ':' || m.x - 5)::pg_snapshot"
              " FROM (SELECT max(id) AS top, 50000000 + max(id) / 10 AS x FROM outbox.events) m");
-    h_sql(p, "INSERT INTO outbox.log_cursor_system (system_id) VALUES ('another')");
+    h_sql(p, "UPDATE outbox.log_cursor_system SET system_id = 'another'");
     h_sql(p, "VACUUM ANALYZE outbox.events");
     int64_t late = h_sql_int(p, "SELECT count(*) FROM outbox.unpublished");
     assert_int_equal(late, 10);
@@ -714,9 +727,8 @@ static void test_rebase_of_large_outbox_log(void **state)
         (const char *const[]){"relay.on_sent=log", "postgres.statement_timeout=3s", NULL});
     expect_caught_up("the relay's start", 120000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    assert_true(h_relay_log_contains(&env, "rebased (rows up to id 250000 it had not covered, "
-                                           "published now: 10)"));
-    assert_true(h_relay_log_contains(&env, "250000 unsent rows carried a transaction id"));
+    assert_true(h_relay_log_contains(&env, "rows up to id 250000 it had not covered, published "
+                                           "now: 10"));
     assert_false(h_relay_log_contains(&env, "statement timeout"));
     struct h_records recs = {0};
     h_kafka_read_all(&env, S_TOPICS, &recs);

@@ -342,7 +342,8 @@ static void test_check_live(void **state)
     assert_int_equal(check_live(conninfo, env.bootstrap), 1);
     assert_non_null(strstr(body, "role weak lacks UPDATE (sent_at) on outbox.events"));
     assert_non_null(strstr(body, "role weak lacks SELECT, INSERT, UPDATE on outbox.kafka_offsets"));
-    assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.repair_writer_xids()"));
+    assert_non_null(strstr(
+        body, "role weak lacks EXECUTE on outbox.repair_writer_xids(integer, integer[], bigint)"));
     assert_non_null(
         strstr(body, "role weak lacks SELECT, INSERT, UPDATE, TRUNCATE on outbox.log_cursor"));
     assert_non_null(strstr(body, "role weak lacks EXECUTE on outbox.upkeep_partitions"));
