@@ -46,7 +46,8 @@ DO $$ BEGIN PERFORM pg_advisory_xact_lock(1868724324, 0); END $$;
 
 -- The cluster whose xids the cursor's snapshots are (one row), and a
 -- rebase under way: to which cluster, the cursor's highest id and the
--- highest id there when it began, and the next id its scan reads.
+-- highest id there when it began, the next id its scan reads, and the
+-- snapshot its cursor row will have.
 CREATE TABLE IF NOT EXISTS outbox.log_cursor_system (
     one         boolean PRIMARY KEY DEFAULT true CHECK (one),
     system_id   text NOT NULL,
@@ -54,8 +55,14 @@ CREATE TABLE IF NOT EXISTS outbox.log_cursor_system (
     rebasing_to text,
     rebase_hwm  bigint,
     rebase_top  bigint,
-    rebase_next bigint
+    rebase_next bigint,
+    rebase_snap pg_snapshot
 );
+-- (A database that applied this file's first form, of e3e6554, has the
+-- table without the rebase's columns.)
+ALTER TABLE outbox.log_cursor_system ADD COLUMN IF NOT EXISTS rebasing_to text,
+    ADD COLUMN IF NOT EXISTS rebase_hwm bigint, ADD COLUMN IF NOT EXISTS rebase_top bigint,
+    ADD COLUMN IF NOT EXISTS rebase_next bigint, ADD COLUMN IF NOT EXISTS rebase_snap pg_snapshot;
 REVOKE ALL ON outbox.log_cursor_system FROM PUBLIC;
 GRANT SELECT ON outbox.log_cursor_system TO outboxd_relay;
 -- The rows a rebase under way found not covered.
@@ -72,9 +79,16 @@ REVOKE ALL ON outbox.log_rebase_late FROM PUBLIC;
 -- The ALTER takes an exclusive lock on outbox.events, which writers would
 -- queue behind while it waits (behind a pg_dump, say): it waits 2 s at
 -- most, and the file fails then (apply it again).
-SET LOCAL lock_timeout = '2s';
-ALTER TABLE outbox.events ADD COLUMN IF NOT EXISTS origin_xid xid8;
-RESET lock_timeout;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = 'outbox.events'::regclass
+                   AND attname = 'origin_xid' AND NOT attisdropped) THEN
+        SET LOCAL lock_timeout = '2s';
+        ALTER TABLE outbox.events ADD COLUMN origin_xid xid8;
+        RESET lock_timeout;
+    END IF;
+END
+$$;
 -- outboxd replay and dead retry in log mode give a row a new xid.
 GRANT UPDATE (origin_xid) ON outbox.events TO outboxd_relay;
 
@@ -125,23 +139,41 @@ EXCEPTION WHEN OTHERS THEN
 END
 $$;
 
--- The cluster this file is applied on: a cursor copied elsewhere from now
--- on is known as this one's.
+-- The cluster the cursor is of, where nothing says: this one, unless the
+-- newest cursor row's snapshot lies ahead of this cluster's (it was copied
+-- from a busier one).
+CREATE OR REPLACE FUNCTION outbox.cursor_system_guess() RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN (SELECT pg_snapshot_xmax(c.snap) FROM outbox.log_cursor c
+                      ORDER BY c.batch DESC LIMIT 1)
+                     > pg_snapshot_xmax(pg_current_snapshot()) THEN 'unknown'
+                ELSE outbox.system_id() END
+$$;
+REVOKE ALL ON FUNCTION outbox.cursor_system_guess() FROM PUBLIC;
+
+-- Recorded as this file is applied: a cursor copied elsewhere from now on
+-- is known as this cluster's.
 INSERT INTO outbox.log_cursor_system (system_id)
-SELECT outbox.system_id() WHERE outbox.system_id() IS NOT NULL
+SELECT outbox.cursor_system_guess() WHERE outbox.cursor_system_guess() IS NOT NULL
 ON CONFLICT (one) DO NOTHING;
 
 -- Rebases the log cursor when its snapshots are another cluster's (above),
--- p_limit rows a call (NULL: all): reads the rows by id, each up to the
--- cursor's highest id judged by its own cursor row with the xid it had
--- there; the rows not covered go to outbox.log_rebase_late; a covered row
--- whose xid this cluster calls running or not yet begun gets one it sees
--- committed (below the xmin of every snapshot and cursor row, so still
--- covered if the old cursor is read again), and every row loses the
--- origin_xid it arrived with. Until the last call the old cursor stands.
--- The last call gives the late rows its own xid x and writes a cursor row
--- about every slot, up to that id, whose snapshot is its own plus x as
--- running. Returns false while there is more to read.
+-- p_limit rows a call (NULL: all). The first call takes the snapshot the
+-- new cursor row will have (its own, with this transaction's xid as
+-- running if it has one): every xid that ends after it is not covered,
+-- such as a row written again by outboxd replay meanwhile. Each call reads
+-- the rows by id; each up to the cursor's highest id is judged by its own
+-- cursor row with the xid it had there, and those not covered go to
+-- outbox.log_rebase_late; a covered row whose xid that snapshot does not
+-- see committed gets one it does (below the xmin of it, of this call's
+-- snapshot and of every cursor row: still covered if the old cursor is
+-- read again), unless the row was written in this cluster since (its xmin
+-- is its xid); every row read loses the origin_xid it arrived with. Until
+-- the last call the old cursor stands. The last call gives the noted rows
+-- its own xid and writes the cursor row, about every slot, up to that id.
+-- Returns false while there is more to read.
 CREATE OR REPLACE FUNCTION outbox.rebase_log_cursor(p_limit bigint) RETURNS boolean
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -149,9 +181,10 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_now  text := outbox.system_id();
+    v_own  xid8 := pg_current_xact_id_if_assigned();
+    v_base pg_snapshot := pg_current_snapshot(); -- before anything here writes
     s      outbox.log_cursor_system;
     f      record;
-    v_snap pg_snapshot;
     v_low  xid8;
     v_xid  xid8;
     v_last bigint;
@@ -166,14 +199,7 @@ BEGIN
     PERFORM pg_advisory_xact_lock(1868724341, 0);
     SELECT * INTO s FROM outbox.log_cursor_system;
     IF NOT FOUND THEN
-        -- Written by this file where it could read the identifier: a
-        -- newest cursor row whose snapshot lies ahead of this cluster's is
-        -- another cluster's, else this one's.
-        INSERT INTO outbox.log_cursor_system (system_id)
-        SELECT CASE WHEN (SELECT pg_snapshot_xmax(c.snap) FROM outbox.log_cursor c
-                          ORDER BY c.batch DESC LIMIT 1)
-                         > pg_snapshot_xmax(pg_current_snapshot()) THEN 'unknown'
-                    ELSE v_now END
+        INSERT INTO outbox.log_cursor_system (system_id) VALUES (outbox.cursor_system_guess())
         RETURNING * INTO s;
     END IF;
     IF s.system_id = v_now AND s.rebasing_to IS NULL THEN
@@ -184,25 +210,34 @@ BEGIN
         RETURN true; -- no cursor: nothing to rebase
     END IF;
     IF s.rebasing_to IS DISTINCT FROM v_now THEN
+        -- The caller's own xid (a claim wrote before it) would be seen as
+        -- committed by its own snapshot.
+        IF v_own IS NOT NULL AND v_own < pg_snapshot_xmax(v_base) THEN
+            v_base := (least(pg_snapshot_xmin(v_base), v_own)::text || ':'
+                       || pg_snapshot_xmax(v_base)::text || ':'
+                       || (SELECT string_agg(x::text, ',' ORDER BY x)
+                           FROM (SELECT x FROM pg_snapshot_xip(v_base) AS x
+                                 UNION SELECT v_own) u))::pg_snapshot;
+        END IF;
         DELETE FROM outbox.log_rebase_late;
         UPDATE outbox.log_cursor_system
         SET rebasing_to = v_now, rebase_hwm = (SELECT max(hwm) FROM outbox.log_cursor),
             rebase_top = (SELECT max(id) FROM outbox.events),
-            rebase_next = (-9223372036854775807 - 1)
+            rebase_next = (-9223372036854775807 - 1), rebase_snap = v_base
         RETURNING * INTO s;
         RAISE WARNING 'outbox: the log cursor''s snapshots are of system %, this is system %: '
                       'rebasing it (rows up to id %)', s.system_id, v_now, s.rebase_hwm;
     END IF;
     SELECT * INTO f FROM outbox.log_floor(NULL, NULL);
-    v_snap := pg_current_snapshot();
-    v_low := greatest(least(pg_snapshot_xmin(v_snap)::text::bigint,
+    v_low := greatest(least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+                            pg_snapshot_xmin(s.rebase_snap)::text::bigint,
                             coalesce(pg_current_xact_id_if_assigned()::text::bigint,
                                      9223372036854775807),
                             coalesce((SELECT min(pg_snapshot_xmin(c.snap)::text::bigint)
                                       FROM outbox.log_cursor c), 9223372036854775807)) - 1,
                       3)::text::xid8;
     WITH r AS (
-        SELECT e.id, e.topic, e.key, e.xid, e.origin_xid,
+        SELECT e.id, e.topic, e.key,
                CASE WHEN e.origin_xid IS NOT NULL AND e.xmin = e.xid::xid THEN e.origin_xid
                     ELSE e.xid END AS was
         FROM outbox.events e
@@ -222,40 +257,37 @@ BEGIN
         INSERT INTO outbox.log_rebase_late SELECT j.id FROM judged j WHERE j.late
         ON CONFLICT (id) DO NOTHING),
     kept AS (
+        -- Tests of e, not j: a row written again while this waits for its
+        -- lock is tested as it is then.
         UPDATE outbox.events e
-        SET xid = CASE WHEN j.id <= s.rebase_hwm
-                            AND (j.xid >= pg_snapshot_xmax(v_snap)
-                                 OR NOT pg_visible_in_snapshot(j.xid, v_snap))
-                       THEN v_low ELSE e.xid END,
+        SET xid = CASE WHEN e.id <= s.rebase_hwm
+                            AND NOT pg_visible_in_snapshot(e.xid, s.rebase_snap)
+                            AND e.xmin <> e.xid::xid THEN v_low
+                       ELSE e.xid END,
             origin_xid = NULL
         FROM judged j
         WHERE e.id = j.id AND NOT j.late
-          AND (j.origin_xid IS NOT NULL
-               OR (j.id <= s.rebase_hwm AND (j.xid >= pg_snapshot_xmax(v_snap)
-                                             OR NOT pg_visible_in_snapshot(j.xid, v_snap)))))
+          AND (e.origin_xid IS NOT NULL
+               OR (e.id <= s.rebase_hwm AND NOT pg_visible_in_snapshot(e.xid, s.rebase_snap)
+                   AND e.xmin <> e.xid::xid)))
     SELECT max(j.id), count(*) INTO v_last, v_read FROM judged j;
     IF p_limit IS NOT NULL AND v_read >= p_limit THEN
         UPDATE outbox.log_cursor_system SET rebase_next = v_last + 1;
         RETURN false;
     END IF;
-    -- Read to the end: the late rows get this transaction's xid, which the
-    -- new cursor row calls running (as it does the running ones).
+    -- Read to the end: the noted rows get this transaction's xid, which the
+    -- snapshot taken first does not see (it came after, or it is listed).
     v_xid := pg_current_xact_id();
     UPDATE outbox.events e SET xid = v_xid, origin_xid = NULL
     FROM outbox.log_rebase_late l WHERE e.id = l.id AND e.sent_at IS NULL;
     GET DIAGNOSTICS v_late = ROW_COUNT;
-    v_snap := pg_current_snapshot();
     INSERT INTO outbox.log_cursor (batch, hwm, snap, shards, slots)
     VALUES (coalesce((SELECT max(batch) FROM outbox.log_cursor), 0) + 1, s.rebase_hwm,
-            (least(pg_snapshot_xmin(v_snap), v_xid)::text || ':'
-             || greatest(pg_snapshot_xmax(v_snap)::text::bigint, v_xid::text::bigint + 1)::text
-             || ':' || (SELECT string_agg(x::text, ',' ORDER BY x)
-                        FROM (SELECT x FROM pg_snapshot_xip(v_snap) AS x UNION SELECT v_xid) u))
-            ::pg_snapshot, 1, NULL);
+            s.rebase_snap, 1, NULL);
     DELETE FROM outbox.log_rebase_late;
     UPDATE outbox.log_cursor_system
     SET system_id = v_now, rebased_at = now(), rebasing_to = NULL, rebase_hwm = NULL,
-        rebase_top = NULL, rebase_next = NULL;
+        rebase_top = NULL, rebase_next = NULL, rebase_snap = NULL;
     RAISE WARNING 'outbox: the log cursor is rebased on system % (rows up to id % it had not '
                   'covered, published now: %)', v_now, s.rebase_hwm, v_late;
     RETURN true;
