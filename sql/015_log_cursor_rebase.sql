@@ -153,10 +153,13 @@ AS $$
 $$;
 REVOKE ALL ON FUNCTION outbox.cursor_system_guess() FROM PUBLIC;
 
--- Recorded as this file is applied: a cursor copied elsewhere from now on
--- is known as this cluster's.
+-- Recorded as this file is applied, where there is a cursor: one copied
+-- elsewhere from now on is known as this cluster's. With no cursor rows
+-- nothing is recorded: rows loaded later (a data-only restore, a logical
+-- subscription) bring their own.
 INSERT INTO outbox.log_cursor_system (system_id)
-SELECT outbox.cursor_system_guess() WHERE outbox.cursor_system_guess() IS NOT NULL
+SELECT outbox.cursor_system_guess()
+WHERE outbox.cursor_system_guess() IS NOT NULL AND EXISTS (SELECT FROM outbox.log_cursor)
 ON CONFLICT (one) DO NOTHING;
 
 -- Rebases the log cursor when its snapshots are another cluster's (above),
@@ -170,8 +173,9 @@ ON CONFLICT (one) DO NOTHING;
 -- see committed gets one it does (below the xmin of it, of this call's
 -- snapshot and of every cursor row: still covered if the old cursor is
 -- read again), unless the row was written in this cluster since (its xmin
--- is its xid); every row read loses the origin_xid it arrived with. Until
--- the last call the old cursor stands. The last call gives the noted rows
+-- is its xid, one this cluster gave out); every row read loses the
+-- origin_xid it arrived with. Until the last call the old cursor stands.
+-- The last call gives the noted rows
 -- its own xid and writes the cursor row, about every slot, up to that id.
 -- Returns false while there is more to read.
 CREATE OR REPLACE FUNCTION outbox.rebase_log_cursor(p_limit bigint) RETURNS boolean
@@ -195,6 +199,12 @@ BEGIN
                                 WHERE c.system_id = v_now AND c.rebasing_to IS NULL) THEN
         RETURN true; -- the common case: one index read
     END IF;
+    IF NOT EXISTS (SELECT FROM outbox.log_cursor) THEN
+        -- No cursor (mark and delete mode, or none yet): nothing to rebase,
+        -- and no record, so that cursor rows loaded later bring theirs.
+        DELETE FROM outbox.log_cursor_system;
+        RETURN true;
+    END IF;
     -- advance_cursor's lock: no relay with slots writes a cursor row now.
     PERFORM pg_advisory_xact_lock(1868724341, 0);
     SELECT * INTO s FROM outbox.log_cursor_system;
@@ -205,12 +215,9 @@ BEGIN
     IF s.system_id = v_now AND s.rebasing_to IS NULL THEN
         RETURN true; -- another relay rebased it meanwhile
     END IF;
-    IF NOT EXISTS (SELECT FROM outbox.log_cursor) THEN
-        UPDATE outbox.log_cursor_system SET system_id = v_now, rebasing_to = NULL;
-        RETURN true; -- no cursor: nothing to rebase
-    END IF;
-    IF s.rebasing_to IS DISTINCT FROM v_now THEN
-        -- The caller's own xid (a claim wrote before it) would be seen as
+    IF s.rebasing_to IS DISTINCT FROM v_now OR s.rebase_snap IS NULL THEN
+        -- (A rebase begun by this file's form of 046a384 kept no snapshot:
+        -- it starts again.) The caller's own xid (a claim wrote before it) would be seen as
         -- committed by its own snapshot.
         IF v_own IS NOT NULL AND v_own < pg_snapshot_xmax(v_base) THEN
             v_base := (least(pg_snapshot_xmin(v_base), v_own)::text || ':'
@@ -238,7 +245,8 @@ BEGIN
                       3)::text::xid8;
     WITH r AS (
         SELECT e.id, e.topic, e.key,
-               CASE WHEN e.origin_xid IS NOT NULL AND e.xmin = e.xid::xid THEN e.origin_xid
+               CASE WHEN e.origin_xid IS NOT NULL AND e.xmin = e.xid::xid
+                         AND e.xid < pg_snapshot_xmax(pg_current_snapshot()) THEN e.origin_xid
                     ELSE e.xid END AS was
         FROM outbox.events e
         WHERE e.sent_at IS NULL AND e.id >= s.rebase_next AND e.id <= s.rebase_top
@@ -262,14 +270,17 @@ BEGIN
         UPDATE outbox.events e
         SET xid = CASE WHEN e.id <= s.rebase_hwm
                             AND NOT pg_visible_in_snapshot(e.xid, s.rebase_snap)
-                            AND e.xmin <> e.xid::xid THEN v_low
+                            AND NOT (e.xmin = e.xid::xid
+                                     AND e.xid < pg_snapshot_xmax(pg_current_snapshot()))
+                       THEN v_low
                        ELSE e.xid END,
             origin_xid = NULL
         FROM judged j
         WHERE e.id = j.id AND NOT j.late
           AND (e.origin_xid IS NOT NULL
                OR (e.id <= s.rebase_hwm AND NOT pg_visible_in_snapshot(e.xid, s.rebase_snap)
-                   AND e.xmin <> e.xid::xid)))
+                   AND NOT (e.xmin = e.xid::xid
+                            AND e.xid < pg_snapshot_xmax(pg_current_snapshot())))))
     SELECT max(j.id), count(*) INTO v_last, v_read FROM judged j;
     IF p_limit IS NOT NULL AND v_read >= p_limit THEN
         UPDATE outbox.log_cursor_system SET rebase_next = v_last + 1;
