@@ -267,7 +267,8 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
  * once it holds the relay lock, OBX_STORE_REPAIR_CHUNK rows a statement,
  * and again while a statement repaired that many: a restored outbox of
  * millions of rows would not fit one statement's timeout. One row: how
- * many (column 0), -1 while log mode's cursor is being rebased (again). */
+ * many (column 0), or -1 while log mode's cursor is being rebased (ask
+ * again). */
 #define OBX_STORE_REPAIR_CHUNK 10000
 #define OBX_STORE_STR_(x)      #x
 #define OBX_STORE_STR(x)       OBX_STORE_STR_(x)
