@@ -100,12 +100,16 @@ static const struct {
      "'EXECUTE'), false)",
      "EXECUTE on outbox.skip_ids_past(bigint)",
      "to stop reissuing ids already in Kafka after a failover or a restore"},
+    {"coalesce(has_function_privilege(to_regprocedure('outbox.row_bytes(text, bytea, jsonb)'), "
+     "'EXECUTE'), false)",
+     "EXECUTE on outbox.row_bytes(text, bytea, jsonb)",
+     "to bound a fetch's memory by its rows' sizes"},
 };
 #define N_PRIVILEGES (sizeof(privileges) / sizeof(privileges[0]))
 
 static void check_privileges(PGconn *conn, FILE *out, int *problems)
 {
-    char sql[2048];
+    char sql[4096]; /* the expressions below take 1.7 kB */
     size_t used = (size_t)snprintf(sql, sizeof(sql), "SELECT current_user");
     for (size_t i = 0; i < N_PRIVILEGES; i++)
         used += (size_t)snprintf(sql + used, sizeof(sql) - used, ", %s", privileges[i].sql);

@@ -79,9 +79,10 @@ static const struct key_def keys[] = {
     {"relay.batch_size", KEY_INT, OFF(batch_size), "1000", 1, 100000, NULL, 0,
      "most rows read by one fetch"},
     {"relay.fetch_max_bytes", KEY_INT, OFF(fetch_max_bytes), "8388608", 1024, 1073741824, NULL, 0,
-     "most payload bytes one fetch brings: a row's payload may take this divided by the "
-     "fetch's row limit, a larger one makes the next fetches ask for fewer rows (a row "
-     "asked for alone comes whole); a payload above kafka.message.max.bytes is never fetched"},
+     "most bytes of rows (key, payload and headers) one fetch brings: a row may take this "
+     "divided by the fetch's row limit, a larger one comes without payload and headers and "
+     "makes the next fetches ask for fewer rows (a row asked for alone comes whole); a row "
+     "above kafka.message.max.bytes is never fetched"},
     {"relay.max_in_flight", KEY_INT, OFF(max_in_flight), "10000", 1, 1000000, NULL, 0,
      "most rows handed to Kafka and not yet marked (back-pressure)"},
     {"relay.poll_interval", KEY_DURATION, OFF(poll_interval_ms), "10ms", 1, MS_PER_HOUR, NULL, 0,

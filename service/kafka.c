@@ -835,8 +835,9 @@ static enum obx_produce_result produce_with(struct obx_kafka *k, rd_kafka_t *rk,
     if (row->oversize) {
         /* Refused from its stored size, without fetching it (DESIGN G6). */
         snprintf(k->reason, sizeof(k->reason),
-                 "payload too large: %zu bytes, above kafka.message.max.bytes (%lld)",
-                 row->payload_len, (long long)k->max_message_bytes);
+                 "row too large: %zu bytes of key, payload and headers, above "
+                 "kafka.message.max.bytes (%lld)",
+                 row->bytes, (long long)k->max_message_bytes);
         obx_labelled_inc(&k->publish_errors, "MSG_SIZE_TOO_LARGE");
         *reason = k->reason;
         return OBX_PRODUCE_REFUSED;

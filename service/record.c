@@ -31,15 +31,6 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
     row->payload =
         PQgetisnull(res, i, OBX_COL_PAYLOAD) ? NULL : PQgetvalue(res, i, OBX_COL_PAYLOAD);
     row->payload_len = (size_t)PQgetlength(res, i, OBX_COL_PAYLOAD);
-    /* A payload column NULL beside a length: too large to fetch. */
-    row->oversize = !row->payload && !PQgetisnull(res, i, OBX_COL_PAYLOAD_LEN);
-    if (row->oversize) {
-        if (PQgetlength(res, i, OBX_COL_PAYLOAD_LEN) != 4) {
-            snprintf(err, errlen, "fetch result row %d: payload length is not an int4", i);
-            return -1;
-        }
-        row->payload_len = be32(PQgetvalue(res, i, OBX_COL_PAYLOAD_LEN));
-    }
     row->headers = NULL;
     row->headers_len = 0;
     if (!PQgetisnull(res, i, OBX_COL_HEADERS)) {
@@ -52,6 +43,17 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
         }
         row->headers = h + 1;
         row->headers_len = hlen - 1;
+    }
+    /* A row's size beside a NULL payload: too large to fetch whole. */
+    row->oversize = !PQgetisnull(res, i, OBX_COL_ROW_BYTES);
+    row->bytes = row->key_len + row->payload_len + row->headers_len;
+    if (row->oversize) {
+        if (row->payload || row->headers || PQgetlength(res, i, OBX_COL_ROW_BYTES) != 8) {
+            snprintf(err, errlen, "fetch result row %d: a row's size beside its values", i);
+            return -1;
+        }
+        const char *p = PQgetvalue(res, i, OBX_COL_ROW_BYTES);
+        row->bytes = (size_t)(((uint64_t)be32(p) << 32) | be32(p + 4));
     }
     /* timestamptz in binary: microseconds since 2000-01-01 UTC. Only for
      * the latency histogram, so a missing value is just 0. */

@@ -1186,12 +1186,12 @@ static void cursor_advance(struct obx_relay *r, const struct obx_row *rows, size
     r->cur.state = next;
 }
 
-/* A row whose payload the fetch left out for the byte budget: it and the
- * rows after it wait for the next fetch, which asks for fewer rows. (A
- * payload above the producer's limit is refused instead: oversize.) */
+/* A row the fetch brought without its payload for the byte budget: it and
+ * the rows after it wait for the next fetch, which asks for fewer rows. (A
+ * row above the producer's limit is refused instead: oversize.) */
 static bool withheld(const struct obx_relay *r, const struct obx_row *row)
 {
-    return row->oversize && (int64_t)row->payload_len <= r->set.max_payload;
+    return row->oversize && (int64_t)row->bytes <= r->set.max_payload;
 }
 
 /* A fetch answered whose rows may not be taken now: it is set aside (its
@@ -1248,15 +1248,15 @@ static size_t rows_to_take(struct obx_relay *r, const struct obx_row *rows, size
     size_t n_take = 0;
     while (n_take < n && !withheld(r, &rows[n_take]))
         n_take++;
-    size_t largest = n_take < n ? rows[n_take].payload_len : 1;
+    size_t largest = n_take < n ? rows[n_take].bytes : 1;
     for (size_t i = 0; i < n_take && n_take == n; i++)
-        if (!rows[i].oversize && rows[i].payload_len > largest) /* oversize: never fetched */
-            largest = rows[i].payload_len;
+        if (!rows[i].oversize && rows[i].bytes > largest) /* oversize: never fetched */
+            largest = rows[i].bytes;
     int64_t fit = r->set.fetch_max_bytes / (int64_t)largest;
     r->cur.bytes_limit = fit < 1 ? 1 : fit < r->set.batch_size ? (int)fit : r->set.batch_size;
     if (n_take < n)
-        obx_debug("relay: row %lld has %zu payload bytes: fetching %d rows at a time",
-                  (long long)rows[n_take].id, rows[n_take].payload_len, r->cur.bytes_limit);
+        obx_debug("relay: row %lld has %zu bytes: fetching %d rows at a time",
+                  (long long)rows[n_take].id, rows[n_take].bytes, r->cur.bytes_limit);
     return n_take;
 }
 

@@ -29,6 +29,7 @@ static const char *const migrations[] = {
     [13] = "sql/013_unfenced_owners.sql",
     [14] = "sql/014_log_floor_after_change.sql",
     [15] = "sql/015_log_cursor_rebase.sql",
+    [16] = "sql/016_topic_names_row_bytes.sql",
 };
 /* clang-format on */
 
@@ -104,33 +105,39 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
  * as it is stored (jsonb, binary: its text): splitting it is C's work
  * (record.c), not a per-row jsonb_each here.
  *
- * Memory is bounded by bytes as well as rows without a running sum: a
- * payload above $6 (the relay passes fetch_max_bytes / limit, or the
- * producer's limit when it asks for one row) comes as NULL beside its
- * octet_length (only such a row has a payload_len: the others' length is
- * their value's), which reads the TOAST pointer, not the value. So a batch
- * holds at most limit x $6 payload bytes.
+ * Memory is bounded by bytes as well as rows without a running sum: a row
+ * whose key, payload and headers take more than $6 bytes as stored (the
+ * relay passes fetch_max_bytes / limit, or the producer's limit when it
+ * asks for one row) comes without its payload and headers, beside that
+ * size (only such a row has a row_bytes column: the others' size is their
+ * values'). outbox.row_bytes() (sql/016, inlined) reads TOAST pointers,
+ * not values, but for compressed headers. So a batch holds at most
+ * limit x $6 bytes of rows, and of an oversize row only its key.
  *
  * Each result has one more row, without an id, that carries the statement's
  * snapshot: what the next keyset fetch asks about (see relay.c, "cursor"). */
 #define FETCH_SELECT                                                                               \
-    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.payload_len, b.snap,"      \
+    "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.row_bytes, b.snap,"        \
     "       b.slot"
 #define FETCH_SNAPSHOT_ROW                                                                         \
     " FROM (SELECT NULL::bigint AS id, NULL::text AS topic, NULL::text AS key,"                    \
     "         NULL::bytea AS payload, NULL::jsonb AS headers, NULL::timestamptz AS created_at,"    \
-    "         NULL::int AS payload_len, pg_current_snapshot()::text AS snap, NULL::int AS slot"    \
+    "         NULL::bigint AS row_bytes, pg_current_snapshot()::text AS snap, NULL::int AS slot"   \
     "       UNION ALL"
+/* A row's key, payload and headers in bytes (sql/016). */
+#define ROW_BYTES(t) "outbox.row_bytes(" t ".key, " t ".payload, " t ".headers)"
 /* The last column is the row's slot: NULL but in log mode's exact fetch
  * with slots, whose partial checkpoints (relay.c, cursor_advance) cover only the
- * rows of some slots. */
+ * rows of some slots. One clause a line; clang-format would pack them. */
+/* clang-format off */
 #define FETCH_COLUMNS_SLOT(t, max_bytes, slot)                                                     \
     " SELECT " t ".id, " t ".topic, " t ".key,"                                                    \
-    "   CASE WHEN octet_length(" t ".payload) <= " max_bytes "::int THEN " t ".payload END,"       \
-    "   " t ".headers, " t ".created_at,"                                                          \
-    "   CASE WHEN octet_length(" t ".payload) > " max_bytes "::int"                                \
-    "        THEN octet_length(" t ".payload) END,"                                                \
+    "   CASE WHEN " ROW_BYTES(t) " <= " max_bytes "::int THEN " t ".payload END,"                  \
+    "   CASE WHEN " ROW_BYTES(t) " <= " max_bytes "::int THEN " t ".headers END,"                  \
+    "   " t ".created_at,"                                                                         \
+    "   CASE WHEN " ROW_BYTES(t) " > " max_bytes "::int THEN " ROW_BYTES(t) " END,"                \
     "   NULL::text, " slot
+/* clang-format on */
 #define FETCH_COLUMNS(t, max_bytes) FETCH_COLUMNS_SLOT(t, max_bytes, "NULL::int")
 /* Rows of a key held back behind a refused row (relay.on_reject = retry),
  * or of a topic when the key is NULL (the topic refused its row):

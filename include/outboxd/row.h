@@ -17,12 +17,17 @@ struct obx_row {
     const char *key;   /* NULL = no key */
     size_t key_len;
     const void *payload; /* NULL = tombstone, or oversize */
-    size_t payload_len;  /* the stored length, also when oversize */
-    bool oversize;       /* larger than the producer's limit: not fetched, cannot be sent */
+    size_t payload_len;  /* 0 when oversize */
     const char *headers; /* the headers object as JSON text (jsonb's own output) */
-    size_t headers_len;  /* 0 = no headers */
-    int64_t created_us;  /* created_at, Unix microseconds (0 if unknown) */
-    bool has_slot;       /* the fetch said which slot of relay.shards it is of: */
+    size_t headers_len;  /* 0 = no headers, or oversize */
+    /* Key, payload and headers: what the fetch's byte budget counts. A row
+     * above the fetch's budget for one row comes without its payload and
+     * headers (oversize) and with its stored size here; above the
+     * producer's limit it cannot be sent. */
+    size_t bytes;
+    bool oversize;
+    int64_t created_us; /* created_at, Unix microseconds (0 if unknown) */
+    bool has_slot;      /* the fetch said which slot of relay.shards it is of: */
     int32_t slot;
 };
 

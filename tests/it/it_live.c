@@ -967,8 +967,8 @@ static void test_large_rows(void **state)
     h_relay_start(&env, NULL, (const char *const[]){"relay.on_reject=dead_letter", NULL});
     expect_caught_up("the big rows", 30000);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"
-                                  " WHERE reason LIKE 'payload too large: 40000000 bytes,"
-                                  " above kafka.message.max.bytes%%'"),
+                                  " WHERE reason LIKE 'row too large: 4000000_ bytes of key,"
+                                  " payload and headers, above kafka.message.max.bytes%%'"),
                      3);
     assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters"), 3);
     long kb = peak_rss_kb(env.relay_pid);
@@ -995,6 +995,37 @@ static void test_large_rows(void **state)
     if (all - small > 1)
         fail_msg("%.0f fetches after the first brought more than 10 rows of 600 kB (budget 2 MiB)",
                  all - small - 1);
+    assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
+
+    /* Keys and headers count as well (issue 37.15): 30 rows whose headers
+     * hold 600 kB (stored compressed in a few kB, so their text's length
+     * counts) and whose keys hold 1 kB, and one row of 1.2 MB of headers,
+     * above the producer's limit with a 1-byte payload. Before, each fetch
+     * brought all 30 rows whole. */
+    h_sql(c, "INSERT INTO outbox.events (topic, key, payload, headers)"
+             " SELECT 'it.c', repeat('k', 1000) || (g %% 5), '\\x01',"
+             "        jsonb_build_object('big', repeat('h', 600000))"
+             " FROM generate_series(1, 30) g");
+    h_sql(c, "INSERT INTO outbox.events (topic, key, payload, headers)"
+             " VALUES ('it.c', 'huge', '\\x01', jsonb_build_object('big', repeat('h', 1200000)))");
+    h_relay_start(&env, NULL,
+                  (const char *const[]){"relay.on_reject=dead_letter",
+                                        "relay.fetch_max_bytes=2097152", "log.level=debug", NULL});
+    expect_caught_up("the rows of 600 kB headers", 30000);
+    /* The first fetch (1000 rows at most 2 kB each) brought the first row
+     * without payload and headers: then 3 rows a fetch. */
+    if (!h_relay_log_contains(&env, "bytes: fetching 3 rows at a time"))
+        fail_msg("the fetch did not shrink for rows of 600 kB headers (see %s)", env.dir);
+    assert_int_equal(get_status(&env, "/metrics"), 200);
+    all = h_metric(body, "outboxd_fetch_batch_rows_bucket{le=\"+Inf\"}");
+    small = h_metric(body, "outboxd_fetch_batch_rows_bucket{le=\"10\"}");
+    if (all - small > 1)
+        fail_msg("%.0f fetches after the first brought more than 10 rows of 600 kB headers",
+                 all - small - 1);
+    assert_int_equal(h_sql_int(c, "SELECT count(*) FROM outbox.dead_letters WHERE key = 'huge'"
+                                  " AND reason LIKE 'row too large: 12000__ bytes of key,"
+                                  " payload and headers%%'"),
+                     1);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     PQfinish(c);
 }

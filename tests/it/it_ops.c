@@ -323,7 +323,7 @@ static void test_check_live(void **state)
     h_enqueue(c, "it.a", "k", "v", 1, NULL);
 
     assert_int_equal(check_live(env.conninfo, env.bootstrap), 0);
-    assert_non_null(strstr(body, "schema version 15"));
+    assert_non_null(strstr(body, "schema version 16"));
     assert_non_null(strstr(body, "1 topics with unsent rows"));
     assert_non_null(strstr(body, "live check passed"));
 
@@ -362,7 +362,7 @@ static void test_check_live(void **state)
     /* An outdated schema, then none at all. */
     h_sql(c, "DELETE FROM outbox.schema_migrations WHERE version >= 2");
     assert_int_equal(check_live(env.conninfo, env.bootstrap), 1);
-    assert_non_null(strstr(body, "outbox schema is at version 1, this outboxd needs 15"));
+    assert_non_null(strstr(body, "outbox schema is at version 1, this outboxd needs 16"));
     h_sql(c, "CREATE DATABASE bare");
     snprintf(conninfo, sizeof(conninfo), "%s dbname=bare", env.conninfo);
     assert_int_equal(check_live(conninfo, env.bootstrap), 1);

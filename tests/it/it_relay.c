@@ -1146,7 +1146,7 @@ static void test_schema_missing(void **state)
     deadline = h_now_ms() + 10000;
     while (!h_relay_log_contains(&env, "apply sql/002_recovery.sql") && h_now_ms() < deadline)
         h_sleep_ms(100);
-    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 15: "
+    assert_true(h_relay_log_contains(&env, "outbox schema is at version 1, this outboxd needs 16: "
                                            "apply sql/002_recovery.sql"));
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/002_recovery.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/003_reserved_header.sql");
@@ -1162,6 +1162,7 @@ static void test_schema_missing(void **state)
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/013_unfenced_owners.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/014_log_floor_after_change.sql");
     apply_sql_file(b, OBX_SOURCE_DIR "/sql/015_log_cursor_rebase.sql");
+    apply_sql_file(b, OBX_SOURCE_DIR "/sql/016_topic_names_row_bytes.sql");
     h_enqueue(b, "it.a", "k", "after-schema", 12, NULL);
     deadline = h_now_ms() + 20000;
     while (h_sql_int(b, "SELECT count(*) FROM outbox.unpublished") > 0 && h_now_ms() < deadline)

@@ -353,7 +353,7 @@ static inline void fetched_snap(struct ctx *c, const int64_t *ids, size_t n, int
         rows[i].key_len = 2;
         if (ids[i] == big_id) {
             rows[i].oversize = true;
-            rows[i].payload_len = big_len;
+            rows[i].bytes = big_len;
         }
     }
     obx_relay_on_fetched(c->r, rows, n, c->snapshot, now);

@@ -249,8 +249,8 @@ static void test_row_from_result(void **state)
     (void)state;
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
     PGresAttDesc attrs[OBX_COL_COUNT];
-    static const char *names[] = {"id",         "topic",       "key",      "payload", "headers",
-                                  "created_at", "payload_len", "snapshot", "slot"};
+    static const char *names[] = {"id",         "topic",     "key",      "payload", "headers",
+                                  "created_at", "row_bytes", "snapshot", "slot"};
     memset(attrs, 0, sizeof(attrs));
     for (int i = 0; i < OBX_COL_COUNT; i++) {
         attrs[i].name = (char *)names[i];
@@ -269,8 +269,6 @@ static void test_row_from_result(void **state)
     char created[8] = {(char)0x00, (char)0x02, (char)0xea, (char)0x47,
                        (char)0x0a, (char)0xe8, (char)0x60, (char)0x00};
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_CREATED_AT, created, 8), 1);
-    char len3[4] = {0, 0, 0, 3};
-    assert_int_equal(PQsetvalue(res, 0, OBX_COL_PAYLOAD_LEN, len3, 4), 1);
 
     struct obx_row row;
     assert_int_equal(obx_row_from_result(res, 0, &row, err, sizeof(err)), 0);
@@ -283,25 +281,29 @@ static void test_row_from_result(void **state)
     assert_memory_equal(row.headers, "{\"h\": \"v\"}", row.headers_len);
     assert_int_equal(row.created_us, 1767225600000000LL);
     assert_false(row.oversize);
-    assert_false(row.has_slot); /* NULL: the fetch did not say */
+    assert_int_equal(row.bytes, 3 + strlen(headers) - 1); /* no key */
+    assert_false(row.has_slot);                           /* NULL: the fetch did not say */
 
-    /* A NULL payload and a NULL length: a tombstone. */
+    /* A NULL payload and no size: a tombstone. */
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_TOPIC, "t", 1), 1);
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_KEY, "kk", 2), 1);
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_PAYLOAD, NULL, -1), 1);
-    assert_int_equal(PQsetvalue(res, 1, OBX_COL_PAYLOAD_LEN, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_ROW_BYTES, NULL, -1), 1);
     assert_int_equal(obx_row_from_result(res, 1, &row, err, sizeof(err)), 0);
     assert_null(row.payload);
     assert_int_equal(row.payload_len, 0);
     assert_false(row.oversize);
     assert_null(row.headers);
+    assert_int_equal(row.bytes, 2); /* the key */
 
-    /* A NULL payload beside its length: too large, not fetched. */
-    char len40m[4] = {0x02, 0x62, 0x5a, 0x00}; /* 40,000,000 */
+    /* Without payload and headers, beside its size (a bigint): too large,
+     * not fetched. */
+    char size5g[8] = {0, 0, 0, 0x01, 0x2a, 0x05, (char)0xf2, 0x00}; /* 5,000,000,000 */
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_TOPIC, "t", 1), 1);
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_PAYLOAD, NULL, -1), 1);
-    assert_int_equal(PQsetvalue(res, 2, OBX_COL_PAYLOAD_LEN, len40m, 4), 1);
+    assert_int_equal(PQsetvalue(res, 2, OBX_COL_ROW_BYTES, size5g, 8), 1);
     char slot5[4] = {0, 0, 0, 5};
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_SLOT, slot5, 4), 1);
     assert_int_equal(obx_row_from_result(res, 2, &row, err, sizeof(err)), 0);
@@ -309,13 +311,25 @@ static void test_row_from_result(void **state)
     assert_int_equal(row.slot, 5);
     assert_true(row.oversize);
     assert_null(row.payload);
-    assert_int_equal(row.payload_len, 40000000);
+    assert_null(row.headers);
+    assert_int_equal(row.bytes, 5000000000LL);
 
     /* An 8-byte id is required. */
     assert_int_equal(PQsetvalue(res, 3, OBX_COL_ID, id, 4), 1);
     assert_int_equal(PQsetvalue(res, 3, OBX_COL_TOPIC, "t", 1), 1);
     assert_int_equal(obx_row_from_result(res, 3, &row, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "row 3"));
+
+    /* A size beside a payload, or a size that is not a bigint: refused. */
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_ID, id, 8), 1);
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_TOPIC, "t", 1), 1);
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_PAYLOAD, payload, 3), 1);
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_ROW_BYTES, size5g, 8), 1);
+    assert_int_equal(obx_row_from_result(res, 4, &row, err, sizeof(err)), -1);
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_PAYLOAD, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_ROW_BYTES, size5g, 4), 1);
+    assert_int_equal(obx_row_from_result(res, 4, &row, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "row 4"));
     PQclear(res);
 }
 

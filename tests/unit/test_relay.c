@@ -770,7 +770,7 @@ static void test_byte_budget_withholds(void **state)
     assert_int_equal(c->f.limit, 4); /* small rows again: the whole batch */
     /* A payload above the producer's limit is never fetched: it does not
      * shrink the next fetch. (Refused, it is not produced.) */
-    struct obx_row rows[2] = {{.id = 7, .topic = "t", .oversize = true, .payload_len = 500000},
+    struct obx_row rows[2] = {{.id = 7, .topic = "t", .oversize = true, .bytes = 500000},
                               {.id = 8, .topic = "t"}};
     c->f.refused_id = 7; /* as kafka.c refuses an oversize row */
     obx_relay_on_fetched(c->r, rows, 2, c->snapshot, 4);
