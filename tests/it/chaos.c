@@ -136,6 +136,9 @@ enum fault_kind {
                       * not write (TOPIC_AUTHORIZATION_FAILED): under dead_letter the
                       * rows go there; under retry the topic waits and is tried
                       * alone until it is taken */
+    F_PG_REWIND,     /* a base backup of Postgres, and after dur a point-in-time restore to
+                      * it on a new timeline: rows committed since are gone and their
+                      * ids handed out again, their records in Kafka */
     F_COUNT
 };
 
@@ -163,7 +166,8 @@ static const char *const fault_names[F_COUNT] = {"kill9",
                                                  "leader-move",
                                                  "cut",
                                                  "blackhole",
-                                                 "topic-refused"};
+                                                 "topic-refused",
+                                                 "pg-rewind"};
 
 /* What only the mock broker can do (its control commands), and what only a
  * real cluster can; the rest (relays, Postgres) runs on either. */
@@ -254,6 +258,16 @@ static void gen_schedule(struct schedule *s, uint64_t seed, unsigned enabled)
         f->at_ms = rnd_in(&jr, 300, s->duration_ms - 1500);
         f->dur_ms = rnd_in(&jr, 800, 4000);
     }
+    /* A history rewind in a fifth of the schedules, drawn apart: a backup
+     * early, the restore to it before the end. */
+    struct rng wr = {seed ^ 0x9e3779b97f4a7c15ULL};
+    if ((enabled & (1u << F_PG_REWIND)) && rnd_in(&wr, 0, 4) == 0 && s->n_faults < MAX_FAULTS) {
+        struct fault *f = &s->f[s->n_faults++];
+        f->kind = F_PG_REWIND;
+        f->relay = 0;
+        f->at_ms = rnd_in(&wr, 300, s->duration_ms - 4500);
+        f->dur_ms = rnd_in(&wr, 2000, 4000); /* the backup itself takes a second or two */
+    }
     /* Several active relays for half the schedules that can have them
      * (two relays or more, or one joined by others; in every mode).
      * Drawn apart, so that a seed still gives the schedule it gave before
@@ -303,6 +317,9 @@ struct row {
     size_t payload_len;
     uint64_t hash;
     bool big; /* above message.max.bytes: must be dead-lettered */
+    /* When its COMMIT was sent and answered (h_now_ms): a server stopped
+     * between the two may have committed it, its answer read later. */
+    int64_t commit_sent_ms, commit_ms;
 };
 
 struct rows {
@@ -457,6 +474,7 @@ static void *writer_main(void *arg)
                     free(pending[i].key);
             }
         } else {
+            int64_t sent = h_now_ms();
             PGresult *r = PQexec(c, "COMMIT");
             ExecStatusType st = PQresultStatus(r);
             PQclear(r);
@@ -464,8 +482,12 @@ static void *writer_main(void *arg)
             struct rows *to = st == PGRES_COMMAND_OK         ? &wr->committed
                               : PQstatus(c) == CONNECTION_OK ? &wr->rolled_back
                                                              : &wr->uncertain;
-            for (int i = 0; i < k; i++)
+            int64_t now = h_now_ms();
+            for (int i = 0; i < k; i++) {
+                pending[i].commit_sent_ms = sent;
+                pending[i].commit_ms = now;
                 rows_add(to, &pending[i]);
+            }
         }
         wr->transactions++;
         h_sleep_ms(rnd_in(&wr->r, 3, 15));
@@ -504,6 +526,9 @@ struct run {
     struct writer writers[WRITERS];
     atomic_int stop_writers;
     bool pg_down;
+    /* pg-rewind: when its backup began, and when the server was stopped to
+     * be restored to it (0: not done). Rows committed between may be gone. */
+    int64_t backup_ms, rewind_ms;
     int rtt_ms;     /* latency an rtt fault set, 0 = none */
     bool slow_acks; /* the schedule has slow-acks: relays time records out */
     /* Windows the README names in which duplicates are expected. */
@@ -523,6 +548,7 @@ struct run {
     unsigned fatal_restarts; /* relays that exited 1 after a fatal error, restarted */
     /* Figures of the check. */
     size_t committed, uncertain, rolled_back, dead, duplicates, records;
+    size_t rewound; /* committed rows a pg-rewind took back */
 };
 
 static struct run run;
@@ -1010,6 +1036,23 @@ static void apply(struct run *x, const struct fault *f, int phase)
                                     : "blackhole",
                  x->node_of[f - x->s.f]);
         break;
+    case F_PG_REWIND:
+        /* Counted when the restore is done. Neither step while another
+         * fault keeps Postgres down (that one starts it again). */
+        if (phase == 0) {
+            x->fault_counts[f->kind]--;
+            int64_t t = h_now_ms();
+            if (!x->pg_down && h_pg_backup(e) == 0)
+                x->backup_ms = t;
+        } else if (x->backup_ms && !x->pg_down) {
+            expect_notice(x, -1);
+            x->rewind_ms = h_now_ms();
+            if (h_pg_rewind(e) != 0)
+                fail_msg("pg-rewind: the backup is gone");
+            session_cut(x, -1);
+            x->fault_counts[f->kind]++;
+        }
+        break;
     case F_COUNT:
         break;
     }
@@ -1362,6 +1405,27 @@ static void check(struct run *x)
      * row's. */
     if (all.n)
         qsort(all.v, all.n, sizeof(*all.v), cmp_row);
+    /* pg-rewind: a row committed between the backup and the restore may be
+     * gone with the history that held it (its id handed out again since):
+     * its COMMIT answered after the backup began, sent before the server
+     * stopped (chaos seed 33 had one answered a moment after).
+     * One the restored server holds (by id and content) is checked as any
+     * other; a gone one may be in Kafka, at most once. (In delete mode a
+     * row published and deleted before the restore looks gone too.) */
+    struct rows rewound = {0};
+    if (x->rewind_ms) {
+        size_t keep = 0;
+        for (size_t i = 0; i < all.n; i++) {
+            const struct row *w = &all.v[i];
+            if (w->commit_ms >= x->backup_ms && w->commit_sent_ms <= x->rewind_ms &&
+                stored_as(c, w) != 1)
+                rows_add(&rewound, w);
+            else
+                all.v[keep++] = *w;
+        }
+        all.n = keep;
+        x->rewound = rewound.n;
+    }
     size_t n_definite = all.n;
     struct rows maybe = {0};
     for (int i = 0; i < WRITERS; i++)
@@ -1393,6 +1457,34 @@ static void check(struct run *x)
     size_t lost = 0, phantom = 0, corrupt = 0, order = 0, dups = 0, collateral = 0;
     size_t dead_under_retry = 0;
     int64_t ex_lost = -1, ex_phantom = -1, ex_dup = -1;
+    /* The records of rewound rows leave byid here: each such row at most
+     * once, as a duplicate of any other row would be counted. */
+    size_t n_recs = recs.n;
+    if (rewound.n) {
+        const struct h_record **first = calloc(rewound.n, sizeof(*first));
+        if (!first)
+            fail_msg("out of memory");
+        n_recs = 0;
+        for (size_t i = 0; i < recs.n; i++) {
+            const struct h_record *b = byid[i];
+            struct row key = {.id = b->outbox_id};
+            const struct row *w = bsearch(&key, rewound.v, rewound.n, sizeof(*rewound.v), cmp_row);
+            if (!w || !same_content(w, b)) {
+                byid[n_recs++] = b;
+                continue;
+            }
+            const struct h_record **a = &first[w - rewound.v];
+            if (!*a) {
+                *a = b;
+            } else if (!x->s.txn && replicating(x, *a, b, -1)) {
+                x->dups_replicating++;
+            } else {
+                dups++;
+                ex_dup = w->id;
+            }
+        }
+        free(first);
+    }
     char ex_corrupt[200] = "", ex_collateral[120] = "";
     int rejects = 0;
     for (int i = 0; i < x->s.n_faults; i++)
@@ -1404,7 +1496,7 @@ static void check(struct run *x)
     size_t k = 0;
     for (size_t i = 0; i < all.n; i++) {
         const struct row *w = &all.v[i];
-        while (k < recs.n && byid[k]->outbox_id < w->id) {
+        while (k < n_recs && byid[k]->outbox_id < w->id) {
             if (!maybe_committed(&maybe, byid[k]->outbox_id)) {
                 phantom++;
                 ex_phantom = byid[k]->outbox_id;
@@ -1412,7 +1504,7 @@ static void check(struct run *x)
             k++;
         }
         size_t copies = 0, first = k;
-        for (; k < recs.n && byid[k]->outbox_id == w->id; k++, copies++)
+        for (; k < n_recs && byid[k]->outbox_id == w->id; k++, copies++)
             if (!same_content(w, byid[k]) && corrupt++ == 0)
                 snprintf(ex_corrupt, sizeof(ex_corrupt),
                          "id %lld: topic %s/%s, key %s/%.*s, %zu/%zu bytes", (long long)w->id,
@@ -1460,18 +1552,18 @@ static void check(struct run *x)
             }
         }
     }
-    for (; k < recs.n; k++) {
+    for (; k < n_recs; k++) {
         if (!maybe_committed(&maybe, byid[k]->outbox_id)) {
             phantom++;
             ex_phantom = byid[k]->outbox_id;
         }
     }
     /* Per-key order: the first copy of each row, by key in id order. */
-    for (size_t i = 0; i < recs.n; i++) {
+    for (size_t i = 0; i < n_recs; i++) {
         const struct h_record *a = byid[i];
         if (!a->key || (i > 0 && byid[i - 1]->outbox_id == a->outbox_id))
             continue;
-        for (size_t j = i + 1; j < recs.n; j++) {
+        for (size_t j = i + 1; j < n_recs; j++) {
             const struct h_record *b = byid[j];
             if (!b->key || b->outbox_id == a->outbox_id || b->key_len != a->key_len ||
                 memcmp(a->key, b->key, a->key_len) != 0 || strcmp(a->topic, b->topic) != 0)
@@ -1512,6 +1604,7 @@ static void check(struct run *x)
     h_records_free(&recs);
     free(dead);
     free(all.v); /* the rows' keys belong to the writers */
+    free(rewound.v);
     free(maybe.v);
     PQfinish(c);
 }
@@ -1641,6 +1734,14 @@ struct totals {
     unsigned fatal_restarts;
 };
 
+/* Rows a pg-rewind took back, as a note. */
+static const char *rewound_note(bool rewind, size_t n)
+{
+    static char note[64];
+    snprintf(note, sizeof(note), ", %zu taken back by a rewind", n);
+    return rewind ? note : "";
+}
+
 /* A real cluster's duplicates of the replication window, as a note. */
 static const char *replicating_note(size_t n)
 {
@@ -1687,20 +1788,20 @@ static void test_chaos(void **state)
                      "broker refused %lu batches out of sequence, recognised %lu "
                      "resent; ",
                      run.seq.out_of_order, run.seq.duplicates);
-        fprintf(stderr,
-                "chaos: seed %llu: %d relays%s%s%s, %d faults, %zu rows committed (%zu uncertain), "
-                "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s%s; %ld time-out "
-                "reports; %s%u restarted after a fatal error%s -> %s\n",
-                (unsigned long long)run.s.seed, run.s.n_relays,
-                run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
-                run.s.txn ? " in transactions" : "", run.s.n_faults, run.committed, run.uncertain,
-                run.rolled_back, run.dead, run.records, run.duplicates,
-                run.zombie_window ? " [zombie window]" : "",
-                opt_real ? replicating_note(run.dups_replicating) : "", run.timed_out, seq,
-                run.fatal_restarts,
-                run.coordinator_waits ? "; waited for a transaction coordinator's deferred write"
-                                      : "",
-                run.n_findings ? "FINDINGS" : "ok");
+        fprintf(
+            stderr,
+            "chaos: seed %llu: %d relays%s%s%s, %d faults, %zu rows committed (%zu uncertain%s), "
+            "%zu rolled back, %zu dead-lettered, %zu records, %zu duplicates%s%s; %ld time-out "
+            "reports; %s%u restarted after a fatal error%s -> %s\n",
+            (unsigned long long)run.s.seed, run.s.n_relays,
+            run.s.shards > 1 ? " sharing slots" : "", run.s.n_guests ? " (+ joining)" : "",
+            run.s.txn ? " in transactions" : "", run.s.n_faults, run.committed, run.uncertain,
+            rewound_note(run.rewind_ms != 0, run.rewound), run.rolled_back, run.dead, run.records,
+            run.duplicates, run.zombie_window ? " [zombie window]" : "",
+            opt_real ? replicating_note(run.dups_replicating) : "", run.timed_out, seq,
+            run.fatal_restarts,
+            run.coordinator_waits ? "; waited for a transaction coordinator's deferred write" : "",
+            run.n_findings ? "FINDINGS" : "ok");
         t.timed_out += run.timed_out;
         t.fatal_restarts += run.fatal_restarts;
         if (run.n_findings) {

@@ -356,6 +356,7 @@ void h_logical_cut_over(struct h_env *e, const char *conninfo)
 }
 
 static void h_pg_restart_stop(struct h_env *e, int sig);
+static void remove_tree(const char *path, const char *log);
 
 /* Copies directory `from` to `to` with owners and modes (cp -a). */
 static int copy_tree(const char *from, const char *to, const char *log)
@@ -430,6 +431,67 @@ void h_pg_restart(struct h_env *e, const char *mode)
 {
     h_pg_restart_stop(e, strcmp(mode, "immediate") == 0 ? SIGQUIT : SIGINT);
     h_pg_start(e);
+}
+
+int h_pg_backup(struct h_env *e)
+{
+    char backup[300], log[300], port[16];
+    snprintf(backup, sizeof(backup), "%s/backup", e->dir);
+    snprintf(log, sizeof(log), "%s/backup.log", e->dir);
+    snprintf(port, sizeof(port), "%d", e->pg_port ? e->pg_port : 5432);
+    remove_tree(backup, log);
+    char *const argv[] = {
+        PG_BINDIR "/pg_basebackup",       "-D", backup, "-X", "stream",   "-c", "fast", "-h",
+        e->pg_tcp ? "127.0.0.1" : e->dir, "-p", port,   "-U", "postgres", NULL};
+    return run_as_server(argv, log) == 0 ? 0 : -1;
+}
+
+int h_pg_rewind(struct h_env *e)
+{
+    char backup[300], data[300], lost[300], path[400], log[300];
+    snprintf(backup, sizeof(backup), "%s/backup", e->dir);
+    snprintf(data, sizeof(data), "%s/pgdata", e->dir);
+    snprintf(lost, sizeof(lost), "%s/pgdata.rewound", e->dir);
+    snprintf(log, sizeof(log), "%s/postgres.log", e->dir);
+    if (access(backup, F_OK) != 0)
+        return -1;
+    h_pg_restart_stop(e, SIGQUIT);
+    remove_tree(lost, log);
+    if (rename(data, lost) != 0 || rename(backup, data) != 0)
+        fail_msg("h_pg_rewind: cannot swap %s for the backup: %s", data, strerror(errno));
+    /* Archive recovery from the backup's own WAL (pg_wal), ended as soon
+     * as it is consistent, then a new timeline. */
+    snprintf(path, sizeof(path), "%s/recovery.signal", data);
+    write_file(path, "");
+    struct passwd *pw = server_user();
+    if (pw && chown(path, pw->pw_uid, pw->pw_gid) != 0)
+        fail_msg("h_pg_rewind: chown %s: %s", path, strerror(errno));
+    snprintf(path, sizeof(path), "%s/postgresql.auto.conf", data);
+    FILE *f = fopen(path, "a");
+    if (!f)
+        fail_msg("h_pg_rewind: cannot append to %s: %s", path, strerror(errno));
+    fputs("restore_command = 'false'\n"
+          "recovery_target = 'immediate'\n"
+          "recovery_target_action = 'promote'\n",
+          f);
+    fclose(f);
+    h_pg_start(e);
+    int64_t deadline = h_now_ms() + 30000;
+    for (;;) {
+        PGconn *c = PQconnectdb(e->conninfo);
+        bool promoted = false;
+        if (PQstatus(c) == CONNECTION_OK) {
+            PGresult *r = PQexec(c, "SELECT pg_is_in_recovery()");
+            promoted = PQresultStatus(r) == PGRES_TUPLES_OK && PQgetvalue(r, 0, 0)[0] == 'f';
+            PQclear(r);
+        }
+        PQfinish(c);
+        if (promoted)
+            return 0;
+        if (h_now_ms() > deadline)
+            fail_msg("h_pg_rewind: the server did not leave recovery in 30 s, see %s", log);
+        h_sleep_ms(50);
+    }
 }
 
 /* Stops the postmaster with `sig`: SIGINT = fast, SIGQUIT = immediate. */

@@ -135,6 +135,14 @@ void h_schema_apply(struct h_env *e);
 void h_pg_crash(struct h_env *e);
 /* Stops the server with `mode` ("fast" or "immediate") and starts it again. */
 void h_pg_restart(struct h_env *e, const char *mode);
+/* A base backup of the server (pg_basebackup, its WAL with it), kept for
+ * h_pg_rewind; a later one replaces it. Returns 0, or -1 if it failed. */
+int h_pg_backup(struct h_env *e);
+/* A point-in-time restore to the last h_pg_backup: the server stopped at
+ * once, its data replaced by the backup, recovered to the backup's end and
+ * promoted onto a new timeline; what committed after the backup is gone and
+ * its ids are handed out again. Returns 0 once the server takes writes. */
+int h_pg_rewind(struct h_env *e);
 /* Path of the relay's log (DIR/<relay_name>.log) into buf. */
 const char *h_relay_log_path(const struct h_env *e, char *buf, size_t len);
 
