@@ -33,7 +33,10 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
     row->payload_len = (size_t)PQgetlength(res, i, OBX_COL_PAYLOAD);
     row->headers = NULL;
     row->headers_len = 0;
-    if (!PQgetisnull(res, i, OBX_COL_HEADERS)) {
+    /* Headers are never NULL in a row: the fetch left them out, and the
+     * payload with them, for the row's size. */
+    row->oversize = PQgetisnull(res, i, OBX_COL_HEADERS);
+    if (!row->oversize) {
         /* jsonb's binary form: a version byte (1), then the text. */
         const char *h = PQgetvalue(res, i, OBX_COL_HEADERS);
         size_t hlen = (size_t)PQgetlength(res, i, OBX_COL_HEADERS);
@@ -44,17 +47,13 @@ int obx_row_from_result(const PGresult *res, int i, struct obx_row *row, char *e
         row->headers = h + 1;
         row->headers_len = hlen - 1;
     }
-    /* A row's size beside a NULL payload: too large to fetch whole. */
-    row->oversize = !PQgetisnull(res, i, OBX_COL_ROW_BYTES);
-    row->bytes = row->key_len + row->payload_len + row->headers_len;
-    if (row->oversize) {
-        if (row->payload || row->headers || PQgetlength(res, i, OBX_COL_ROW_BYTES) != 8) {
-            snprintf(err, errlen, "fetch result row %d: a row's size beside its values", i);
-            return -1;
-        }
-        const char *p = PQgetvalue(res, i, OBX_COL_ROW_BYTES);
-        row->bytes = (size_t)(((uint64_t)be32(p) << 32) | be32(p + 4));
+    if ((row->oversize && row->payload) || PQgetisnull(res, i, OBX_COL_ROW_BYTES) ||
+        PQgetlength(res, i, OBX_COL_ROW_BYTES) != 8) {
+        snprintf(err, errlen, "fetch result row %d: no size, or a payload without headers", i);
+        return -1;
     }
+    const char *size = PQgetvalue(res, i, OBX_COL_ROW_BYTES);
+    row->bytes = (size_t)(((uint64_t)be32(size) << 32) | be32(size + 4));
     /* timestamptz in binary: microseconds since 2000-01-01 UTC. Only for
      * the latency histogram, so a missing value is just 0. */
     row->created_us = 0;

@@ -108,11 +108,12 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
  * Memory is bounded by bytes as well as rows without a running sum: a row
  * whose key, payload and headers take more than $6 bytes as stored (the
  * relay passes fetch_max_bytes / limit, or the producer's limit when it
- * asks for one row) comes without its payload and headers, beside that
- * size (only such a row has a row_bytes column: the others' size is their
- * values'). outbox.row_bytes() (sql/016, inlined) reads TOAST pointers,
- * not values, but for compressed headers. So a batch holds at most
- * limit x $6 bytes of rows, and of an oversize row only its key.
+ * asks for one row) comes without its payload and headers (which are
+ * never NULL in a row: oversize). Every row comes with that size, so the
+ * relay sizes the next fetch by the measure this one used.
+ * outbox.row_bytes() (sql/016, inlined) reads TOAST pointers, not values,
+ * but for compressed headers. So a batch holds at most limit x $6 bytes of
+ * rows as stored, and of an oversize row only its key.
  *
  * Each result has one more row, without an id, that carries the statement's
  * snapshot: what the next keyset fetch asks about (see relay.c, "cursor"). */
@@ -135,7 +136,7 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     "   CASE WHEN " ROW_BYTES(t) " <= " max_bytes "::int THEN " t ".payload END,"                  \
     "   CASE WHEN " ROW_BYTES(t) " <= " max_bytes "::int THEN " t ".headers END,"                  \
     "   " t ".created_at,"                                                                         \
-    "   CASE WHEN " ROW_BYTES(t) " > " max_bytes "::int THEN " ROW_BYTES(t) " END,"                \
+    "   " ROW_BYTES(t) ","                                                                         \
     "   NULL::text, " slot
 /* clang-format on */
 #define FETCH_COLUMNS(t, max_bytes) FETCH_COLUMNS_SLOT(t, max_bytes, "NULL::int")

@@ -25,9 +25,9 @@ enum {
     OBX_COL_TOPIC,
     OBX_COL_KEY,
     OBX_COL_PAYLOAD,
-    OBX_COL_HEADERS, /* jsonb, binary: version byte 1, then its text */
+    OBX_COL_HEADERS, /* jsonb, binary: version byte 1, then its text; NULL: oversize */
     OBX_COL_CREATED_AT,
-    OBX_COL_ROW_BYTES, /* bigint: the stored bytes of a row that came without its payload */
+    OBX_COL_ROW_BYTES, /* bigint: the row's key, payload and headers as stored */
     OBX_COL_SNAPSHOT,  /* NULL, but in the one row without an id: the snapshot's text */
     OBX_COL_SLOT,      /* the row's slot in log mode's exact fetch with slots, else NULL */
     OBX_COL_COUNT

@@ -20,9 +20,9 @@ struct obx_row {
     size_t payload_len;  /* 0 when oversize */
     const char *headers; /* the headers object as JSON text (jsonb's own output) */
     size_t headers_len;  /* 0 = no headers, or oversize */
-    /* Key, payload and headers: what the fetch's byte budget counts. A row
-     * above the fetch's budget for one row comes without its payload and
-     * headers (oversize) and with its stored size here; above the
+    /* Key, payload and headers as Postgres stores them (sql/016): what the
+     * fetch's byte budget counts. A row above the fetch's budget for one
+     * row comes without its payload and headers (oversize); above the
      * producer's limit it cannot be sent. */
     size_t bytes;
     bool oversize;

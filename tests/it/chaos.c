@@ -1046,9 +1046,12 @@ static void apply(struct run *x, const struct fault *f, int phase)
                 x->backup_ms = t;
         } else if (x->backup_ms && !x->pg_down) {
             expect_notice(x, -1);
-            x->rewind_ms = h_now_ms();
             if (h_pg_rewind(e) != 0)
                 fail_msg("pg-rewind: the backup is gone");
+            /* After the old server stopped: a COMMIT sent just before it
+             * may still have been answered. Rows committed since are the
+             * new history's, and the restored server holds them. */
+            x->rewind_ms = h_now_ms();
             session_cut(x, -1);
             x->fault_counts[f->kind]++;
         }
@@ -1258,16 +1261,12 @@ static int64_t *ids_of(PGconn *c, const char *sql, size_t *n)
 /* Whether row w is stored under its id: 1 with the same content (in
  * outbox.events or outbox.dead_letters), 0 if that id holds another row,
  * -1 if no row has it. */
-static int stored_as(PGconn *c, const struct row *w)
+static int stored_in(PGconn *c, const struct row *w, const char *sql)
 {
     char id[24];
     snprintf(id, sizeof(id), "%lld", (long long)w->id);
     const char *values[1] = {id};
-    PGresult *r = PQexecParams(c,
-                               "SELECT topic, key, payload FROM outbox.events WHERE id = $1"
-                               " UNION ALL"
-                               " SELECT topic, key, payload FROM outbox.dead_letters WHERE id = $1",
-                               1, NULL, values, NULL, NULL, 1);
+    PGresult *r = PQexecParams(c, sql, 1, NULL, values, NULL, NULL, 1);
     if (PQresultStatus(r) != PGRES_TUPLES_OK)
         fail_msg("checker query failed: %s", PQresultErrorMessage(r));
     int result = PQntuples(r) == 0 ? -1 : 0;
@@ -1284,6 +1283,30 @@ static int stored_as(PGconn *c, const struct row *w)
     }
     PQclear(r);
     return result;
+}
+
+static int stored_as(PGconn *c, const struct row *w)
+{
+    return stored_in(c, w,
+                     "SELECT topic, key, payload FROM outbox.events WHERE id = $1"
+                     " UNION ALL"
+                     " SELECT topic, key, payload FROM outbox.dead_letters WHERE id = $1");
+}
+
+/* After a pg-rewind: whether the server holds the row's commit, by the
+ * copy the checker's trigger wrote in its transaction (harness.c), which
+ * the restore took back with it and a new row of its id replaced. */
+static bool survived(PGconn *c, const struct row *w)
+{
+    return stored_in(c, w, "SELECT topic, key, payload FROM obx_test.committed WHERE id = $1") == 1;
+}
+
+/* A row whose COMMIT may have been taken back by a pg-rewind: answered
+ * after the backup began, or not answered, and sent before the restored
+ * server took writes. */
+static bool in_rewind(const struct run *x, const struct row *w)
+{
+    return x->rewind_ms && w->commit_ms >= x->backup_ms && w->commit_sent_ms <= x->rewind_ms;
 }
 
 /* A row whose COMMIT's outcome is unknown (sorted by id). */
@@ -1406,31 +1429,31 @@ static void check(struct run *x)
     if (all.n)
         qsort(all.v, all.n, sizeof(*all.v), cmp_row);
     /* pg-rewind: a row committed between the backup and the restore may be
-     * gone with the history that held it (its id handed out again since):
-     * its COMMIT answered after the backup began, sent before the server
-     * stopped (chaos seed 33 had one answered a moment after).
-     * One the restored server holds (by id and content) is checked as any
-     * other; a gone one may be in Kafka, at most once. (In delete mode a
-     * row published and deleted before the restore looks gone too.) */
+     * gone with the history that held it (its id handed out again since).
+     * One the restored server holds is checked as any other; a gone one
+     * may be in Kafka, at most once (see in_rewind, survived). */
     struct rows rewound = {0};
     if (x->rewind_ms) {
         size_t keep = 0;
         for (size_t i = 0; i < all.n; i++) {
             const struct row *w = &all.v[i];
-            if (w->commit_ms >= x->backup_ms && w->commit_sent_ms <= x->rewind_ms &&
-                stored_as(c, w) != 1)
+            if (in_rewind(x, w) && !survived(c, w))
                 rows_add(&rewound, w);
             else
                 all.v[keep++] = *w;
         }
         all.n = keep;
-        x->rewound = rewound.n;
     }
     size_t n_definite = all.n;
     struct rows maybe = {0};
     for (int i = 0; i < WRITERS; i++)
         for (size_t k = 0; k < x->writers[i].uncertain.n; k++) {
             struct row *u = &x->writers[i].uncertain.v[k];
+            if (in_rewind(x, u)) {
+                /* Its id may be a new row's now: held or not, as above. */
+                rows_add(survived(c, u) ? &all : &rewound, u);
+                continue;
+            }
             int stored = stored_as(c, u);
             struct row key = {.id = u->id};
             bool id_taken =
@@ -1444,6 +1467,7 @@ static void check(struct run *x)
         qsort(all.v, all.n, sizeof(*all.v), cmp_row);
     if (maybe.n)
         qsort(maybe.v, maybe.n, sizeof(*maybe.v), cmp_row);
+    x->rewound = rewound.n;
 
     struct h_records recs = {0};
     h_kafka_read_all(&x->env, topics, &recs);

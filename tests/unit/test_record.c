@@ -269,6 +269,8 @@ static void test_row_from_result(void **state)
     char created[8] = {(char)0x00, (char)0x02, (char)0xea, (char)0x47,
                        (char)0x0a, (char)0xe8, (char)0x60, (char)0x00};
     assert_int_equal(PQsetvalue(res, 0, OBX_COL_CREATED_AT, created, 8), 1);
+    char size17[8] = {0, 0, 0, 0, 0, 0, 0, 17}; /* as Postgres stores them: not the text's */
+    assert_int_equal(PQsetvalue(res, 0, OBX_COL_ROW_BYTES, size17, 8), 1);
 
     struct obx_row row;
     assert_int_equal(obx_row_from_result(res, 0, &row, err, sizeof(err)), 0);
@@ -281,24 +283,26 @@ static void test_row_from_result(void **state)
     assert_memory_equal(row.headers, "{\"h\": \"v\"}", row.headers_len);
     assert_int_equal(row.created_us, 1767225600000000LL);
     assert_false(row.oversize);
-    assert_int_equal(row.bytes, 3 + strlen(headers) - 1); /* no key */
-    assert_false(row.has_slot);                           /* NULL: the fetch did not say */
+    assert_int_equal(row.bytes, 17);
+    assert_false(row.has_slot); /* NULL: the fetch did not say */
 
-    /* A NULL payload and no size: a tombstone. */
+    /* A NULL payload beside headers: a tombstone. */
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_TOPIC, "t", 1), 1);
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_KEY, "kk", 2), 1);
     assert_int_equal(PQsetvalue(res, 1, OBX_COL_PAYLOAD, NULL, -1), 1);
-    assert_int_equal(PQsetvalue(res, 1, OBX_COL_ROW_BYTES, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_HEADERS, (char *)"\x01{}", 3), 1);
+    char size7[8] = {0, 0, 0, 0, 0, 0, 0, 7};
+    assert_int_equal(PQsetvalue(res, 1, OBX_COL_ROW_BYTES, size7, 8), 1);
     assert_int_equal(obx_row_from_result(res, 1, &row, err, sizeof(err)), 0);
     assert_null(row.payload);
     assert_int_equal(row.payload_len, 0);
     assert_false(row.oversize);
-    assert_null(row.headers);
-    assert_int_equal(row.bytes, 2); /* the key */
+    assert_int_equal(row.headers_len, 2);
+    assert_int_equal(row.bytes, 7);
 
-    /* Without payload and headers, beside its size (a bigint): too large,
-     * not fetched. */
+    /* Without payload and headers (never NULL in a row): too large, not
+     * fetched. */
     char size5g[8] = {0, 0, 0, 0x01, 0x2a, 0x05, (char)0xf2, 0x00}; /* 5,000,000,000 */
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 2, OBX_COL_TOPIC, "t", 1), 1);
@@ -320,13 +324,16 @@ static void test_row_from_result(void **state)
     assert_int_equal(obx_row_from_result(res, 3, &row, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "row 3"));
 
-    /* A size beside a payload, or a size that is not a bigint: refused. */
+    /* A payload without headers, no size, or a size that is not a bigint:
+     * refused. */
     assert_int_equal(PQsetvalue(res, 4, OBX_COL_ID, id, 8), 1);
     assert_int_equal(PQsetvalue(res, 4, OBX_COL_TOPIC, "t", 1), 1);
     assert_int_equal(PQsetvalue(res, 4, OBX_COL_PAYLOAD, payload, 3), 1);
     assert_int_equal(PQsetvalue(res, 4, OBX_COL_ROW_BYTES, size5g, 8), 1);
     assert_int_equal(obx_row_from_result(res, 4, &row, err, sizeof(err)), -1);
     assert_int_equal(PQsetvalue(res, 4, OBX_COL_PAYLOAD, NULL, -1), 1);
+    assert_int_equal(PQsetvalue(res, 4, OBX_COL_ROW_BYTES, NULL, -1), 1);
+    assert_int_equal(obx_row_from_result(res, 4, &row, err, sizeof(err)), -1);
     assert_int_equal(PQsetvalue(res, 4, OBX_COL_ROW_BYTES, size5g, 4), 1);
     assert_int_equal(obx_row_from_result(res, 4, &row, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "row 4"));
