@@ -1467,6 +1467,8 @@ static void check(struct run *x)
         qsort(all.v, all.n, sizeof(*all.v), cmp_row);
     if (maybe.n)
         qsort(maybe.v, maybe.n, sizeof(*maybe.v), cmp_row);
+    if (rewound.n)
+        qsort(rewound.v, rewound.n, sizeof(*rewound.v), cmp_row);
     x->rewound = rewound.n;
 
     struct h_records recs = {0};
