@@ -608,8 +608,10 @@ static void test_restore_of_dump_log(void **state)
  * logical-replication cut-over (rows get the copy's xids, the cursor rows
  * keep the old snapshots). The relay on the copy must judge the late row
  * by the cursor with the xid the row had there (before: sql/006's repair,
- * or the copy's xids, made it look covered: lost). */
-static void late_row_across_clusters(bool logical)
+ * or the copy's xids, made it look covered: lost). With `shards` above 1
+ * two relays sharing slots start on the copy: the first claim of slots
+ * rebases the cursor, in one statement, as relay.shards changes too. */
+static void late_row_across_clusters(bool logical, int shards)
 {
     char copy[300], ci[400];
     h_env_start_with(&env, TOPICS_SPEC, H_PG_TCP);
@@ -670,39 +672,66 @@ static void late_row_across_clusters(bool logical)
      * read already and one it has not: the rebased cursor must cover
      * neither (their xids came after it began). */
     int steps = 0;
-    while (h_sql_int(cp, "SELECT outbox.repair_writer_xids(1, NULL, 100)") < 0) {
+    while (shards == 1 && h_sql_int(cp, "SELECT outbox.repair_writer_xids(1, NULL, 100)") < 0) {
         if (steps++ == 0)
             h_sql(cp, "UPDATE outbox.events SET sent_at = NULL, xid = pg_current_xact_id(),"
                       " origin_xid = NULL WHERE id IN (50, 400)");
     }
-    assert_true(steps >= 5);
-    assert_int_equal(
-        h_sql_int(cp, "SELECT count(*) FROM outbox.unpublished WHERE id IN (50, 400, %lld)",
-                  (long long)late_id),
-        3);
+    if (shards == 1) {
+        assert_true(steps >= 5);
+        assert_int_equal(
+            h_sql_int(cp, "SELECT count(*) FROM outbox.unpublished WHERE id IN (50, 400, %lld)",
+                      (long long)late_id),
+            3);
+    }
     h_sql(cp, "INSERT INTO outbox.events (topic, key, payload)"
               " SELECT 'it.c', 'c' || (g %% 5), convert_to('copy ' || g, 'UTF8')"
               "   FROM generate_series(1, 300) g");
+    char sh[40];
     snprintf(ci, sizeof(ci), "postgres.conninfo=%s", copy);
+    snprintf(sh, sizeof(sh), "relay.shards=%d", shards);
     snprintf(env.conninfo, sizeof(env.conninfo), "%s", copy);
-    h_relay_start(&env, NULL, (const char *const[]){ci, "relay.on_sent=log", NULL});
+    struct h_env b = env;
+    snprintf(b.relay_name, sizeof(b.relay_name), "b");
+    b.http_port = h_free_port();
+    h_relay_start(&env, NULL, (const char *const[]){ci, "relay.on_sent=log", sh, NULL});
+    if (shards > 1)
+        h_relay_start(&b, NULL, (const char *const[]){ci, "relay.on_sent=log", sh, NULL});
     expect_caught_up("the move to the copy", 30000);
-    h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
+    if (shards == 1)
+        h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
-    check_new_history(cp, "log", false, (const int64_t[]){50, 400, 0});
+    if (shards > 1) {
+        assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
+        /* The first to connect notices (both may), and stores the new
+         * history for the other. */
+        assert_true(h_relay_events(&env, "history_changed", "was system") +
+                        h_relay_events(&b, "history_changed", "was system") >=
+                    1);
+        assert_int_equal(h_sql_int(cp, "SELECT count(*) FROM outbox.log_cursor_system"
+                                       " WHERE rebasing_to IS NOT NULL"),
+                         0);
+    }
+    check_new_history(cp, "log", false, shards == 1 ? (const int64_t[]){50, 400, 0} : NULL);
     PQfinish(cp);
 }
 
 static void test_restore_of_dump_late_row_log(void **state)
 {
     (void)state;
-    late_row_across_clusters(false);
+    late_row_across_clusters(false, 1);
 }
 
 static void test_logical_cut_over_late_row_log(void **state)
 {
     (void)state;
-    late_row_across_clusters(true);
+    late_row_across_clusters(true, 1);
+}
+
+static void test_restore_of_dump_late_row_log_shards(void **state)
+{
+    (void)state;
+    late_row_across_clusters(false, 2);
 }
 
 /* Issue 37.3: a large outbox restored in log mode from a cluster whose
@@ -1340,6 +1369,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_restore_of_dump_log, teardown_failover),
         cmocka_unit_test_teardown(test_restore_of_dump_late_row_log, teardown_failover),
         cmocka_unit_test_teardown(test_logical_cut_over_late_row_log, teardown_failover),
+        cmocka_unit_test_teardown(test_restore_of_dump_late_row_log_shards, teardown_failover),
         cmocka_unit_test_teardown(test_rebase_of_large_outbox_log, teardown_env),
         cmocka_unit_test_teardown(test_standby_no_snapshot, teardown_env),
         cmocka_unit_test_teardown(test_stall_livez, teardown_env),
