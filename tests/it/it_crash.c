@@ -1013,8 +1013,9 @@ static void test_unusable_topics(void **state)
     (void)state;
     h_env_start(&env, TOPICS_SPEC);
     PGconn *c = h_connect(&env);
-    static const char *const bad[] = {"'orders created'", "repeat('t', 250)", "repeat('u', 600)",
-                                      "'..'", "U&'caf\\00e9'"};
+    static const char *const bad[] = {
+        "'orders created'", "repeat('t', 250)", "repeat('u', 600)", "'..'", "'.'", "''",
+        "E'a\\nb'",         "U&'caf\\00e9'"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char sql[200];
         snprintf(sql, sizeof(sql), "SELECT outbox.enqueue(%s, 'k', 'x'::text)", bad[i]);
@@ -1026,6 +1027,17 @@ static void test_unusable_topics(void **state)
             fail_msg("%s: %s", bad[i], msg ? msg : "(no message)");
         PQclear(r);
     }
+    /* A caller's search_path cannot put its own operator in the way of
+     * the SECURITY DEFINER function's test. */
+    h_sql(c, "CREATE SCHEMA evil; CREATE FUNCTION evil.no(text, text) RETURNS boolean"
+             " LANGUAGE sql AS 'SELECT false';"
+             " CREATE OPERATOR evil.~ (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.no);"
+             " SET search_path = evil, pg_catalog, public");
+    PGresult *r = PQexec(c, "SELECT outbox.enqueue('orders created', 'k', 'x'::text)");
+    assert_int_equal(PQresultStatus(r), PGRES_FATAL_ERROR);
+    assert_string_equal(PQresultErrorField(r, PG_DIAG_SQLSTATE), "23514");
+    PQclear(r);
+    h_sql(c, "RESET search_path; DROP SCHEMA evil CASCADE");
     assert_true(h_sql_int(c, "SELECT outbox.enqueue(repeat('a', 249), 'k', 'x'::text)") > 0);
     assert_true(h_sql_int(c, "SELECT outbox.enqueue('A-z_0.9...', 'k', 'x'::text)") > 0);
     h_sql(c, "DELETE FROM outbox.events");

@@ -385,10 +385,16 @@ static void failover_writer_stop(void)
     failover_writing = false;
 }
 
+/* A second relay a failover test starts (its relay_pid 0 when none). */
+static struct h_env relay_b;
+
 static int teardown_failover(void **state)
 {
     if (failover_writing)
         failover_writer_stop();
+    if (relay_b.relay_pid > 0)
+        h_relay_stop(&relay_b, SIGKILL, 10000);
+    memset(&relay_b, 0, sizeof(relay_b));
     return teardown_env(state);
 }
 
@@ -691,22 +697,24 @@ static void late_row_across_clusters(bool logical, int shards)
     snprintf(ci, sizeof(ci), "postgres.conninfo=%s", copy);
     snprintf(sh, sizeof(sh), "relay.shards=%d", shards);
     snprintf(env.conninfo, sizeof(env.conninfo), "%s", copy);
-    struct h_env b = env;
-    snprintf(b.relay_name, sizeof(b.relay_name), "b");
-    b.http_port = h_free_port();
     h_relay_start(&env, NULL, (const char *const[]){ci, "relay.on_sent=log", sh, NULL});
-    if (shards > 1)
-        h_relay_start(&b, NULL, (const char *const[]){ci, "relay.on_sent=log", sh, NULL});
+    if (shards > 1) {
+        relay_b = env;
+        relay_b.relay_pid = 0;
+        snprintf(relay_b.relay_name, sizeof(relay_b.relay_name), "b");
+        relay_b.http_port = h_free_port();
+        h_relay_start(&relay_b, NULL, (const char *const[]){ci, "relay.on_sent=log", sh, NULL});
+    }
     expect_caught_up("the move to the copy", 30000);
     if (shards == 1)
         h_wait_metric(&env, "outboxd_postgres_history_changes_total", 1, 5000);
     assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
     if (shards > 1) {
-        assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
+        assert_int_equal(h_relay_stop(&relay_b, SIGTERM, 30000), 0);
         /* The first to connect notices (both may), and stores the new
          * history for the other. */
         assert_true(h_relay_events(&env, "history_changed", "was system") +
-                        h_relay_events(&b, "history_changed", "was system") >=
+                        h_relay_events(&relay_b, "history_changed", "was system") >=
                     1);
         assert_int_equal(h_sql_int(cp, "SELECT count(*) FROM outbox.log_cursor_system"
                                        " WHERE rebasing_to IS NOT NULL"),
@@ -1315,7 +1323,7 @@ static void test_lost_in_every_state(void **state)
         /* recovering: A restarted with every broker answer slow */
         assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
         wait_http(&b, "/readyz", 200, "ready\n", 10000); /* B took over */
-        assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
+        assert_int_equal(h_relay_stop(&relay_b, SIGTERM, 30000), 0);
         s_prefill(&env, "it.c", 20);
         assert_true(h_broker_cmd(&env, "rtt all 1500"));
         h_relay_start(&env, NULL, (const char *const[]){ci_a, NULL});
