@@ -1323,7 +1323,7 @@ static void test_lost_in_every_state(void **state)
         /* recovering: A restarted with every broker answer slow */
         assert_int_equal(h_relay_stop(&env, SIGTERM, 30000), 0);
         wait_http(&b, "/readyz", 200, "ready\n", 10000); /* B took over */
-        assert_int_equal(h_relay_stop(&relay_b, SIGTERM, 30000), 0);
+        assert_int_equal(h_relay_stop(&b, SIGTERM, 30000), 0);
         s_prefill(&env, "it.c", 20);
         assert_true(h_broker_cmd(&env, "rtt all 1500"));
         h_relay_start(&env, NULL, (const char *const[]){ci_a, NULL});
