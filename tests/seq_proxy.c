@@ -13,7 +13,9 @@
  *     a duplicate; answered with that batch's offset, nothing stored again;
  *   - an epoch older than the stored one: INVALID_PRODUCER_EPOCH;
  *   - a new epoch must start at sequence 0 (a producer id with no state
- *     here starts anywhere, as since Kafka 2.5);
+ *     here starts anywhere, as since Kafka 2.5; an id the mock hands out
+ *     again at an epoch not above the stored one starts afresh, as a
+ *     real broker never reissues one);
  *   - otherwise the first sequence must follow the last stored one:
  *     OUT_OF_ORDER_SEQUENCE_NUMBER, nothing stored.
  *
@@ -59,7 +61,8 @@ struct sp_seq {
     int64_t pid;
     int16_t epoch;
     int32_t last_seq;
-    int n; /* batches in ring, at most SP_RING */
+    unsigned gen; /* bumped when the mock hands the producer id out anew */
+    int n;        /* batches in ring, at most SP_RING */
     struct {
         int32_t first, last;
         int64_t offset;
@@ -78,6 +81,7 @@ struct sp_pending {
     int32_t corr;
     bool no_response;   /* Produce with acks=0 */
     struct sp_seq *seq; /* a checked Produce forwarded to the mock */
+    unsigned seq_gen;   /* seq->gen when it was checked */
     int16_t epoch;
     int32_t first_seq, last_seq;
     int16_t after_append_err; /* injected: stored, then answered this */
@@ -446,6 +450,7 @@ static bool check_produce(struct sp_pending *p)
     } /* a producer id with no state here: any sequence (Kafka 2.5 and later) */
     if (!local) {
         p->seq = s;
+        p->seq_gen = s->gen;
         p->epoch = r.epoch;
         p->first_seq = r.first_seq;
         p->last_seq = r.last_seq;
@@ -485,8 +490,8 @@ static void note_produce_response(struct sp_pending *p)
         put16(e, (uint16_t)p->after_append_err);
         put64(e + 2, (uint64_t)-1);
     }
-    if (!s)
-        return;
+    if (!s || p->seq_gen != s->gen)
+        return; /* checked against a producer id since handed out anew */
     if (p->epoch != s->epoch) {
         s->epoch = p->epoch;
         s->n = 0;
@@ -500,6 +505,36 @@ static void note_produce_response(struct sp_pending *p)
     s->ring[s->n].offset = offset;
     s->n++;
     s->last_seq = p->last_seq;
+}
+
+/* The mock answered an InitProducerId request. librdkafka 2.0.2's mock
+ * draws producer ids at random (1..900000 times 1000), so a new producer
+ * can get the id of one that came before, at epoch 0. A real broker never
+ * hands out an id again at an epoch not above the one it stored: forget
+ * what the earlier producer left, or its last sequence would make the new
+ * producer's first batch out of order. An epoch above the stored one is a
+ * bump of the same producer and keeps its state (the older epoch fenced). */
+static void note_init_pid_response(const struct sp_pending *p)
+{
+    /* Size, correlation id, the tagged fields of a flexible header (v2+),
+     * then throttle_time_ms, error_code, producer_id, producer_epoch. */
+    size_t at = 8 + (p->version >= 2 ? 1 : 0) + 4;
+    if (p->resp_len < at + 2 + 8 + 2 || get16(p->resp + at) != 0)
+        return;
+    int64_t pid = (int64_t)get64(p->resp + at + 2);
+    int16_t epoch = (int16_t)get16(p->resp + at + 10);
+    for (size_t i = 0; i < sp.nseqs; i++) {
+        struct sp_seq *s = sp.seqs[i];
+        if (s->pid == pid && s->epoch >= epoch) {
+            fprintf(stderr,
+                    "seq-proxy: producer id %lld handed out again at epoch %d: what an earlier "
+                    "producer left on %s [%d] is forgotten\n",
+                    (long long)pid, epoch, s->topic, s->partition);
+            s->epoch = -1;
+            s->n = 0;
+            s->gen++;
+        }
+    }
 }
 
 static int rtt_of(const struct sp_conn *c)
@@ -607,6 +642,8 @@ static void conn_read_mock(struct sp_conn *c, int64_t now)
         p->resp_len = n;
         if (p->api_key == 0)
             note_produce_response(p);
+        else if (p->api_key == 22)
+            note_init_pid_response(p);
         p->state = P_ANSWERED;
         int64_t due = p->arrived_ms + rtt_of(c);
         p->release_ms = due > now ? due : now;
