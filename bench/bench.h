@@ -44,6 +44,8 @@ struct proc_stats {
 };
 void proc_stats(pid_t pid, struct proc_stats *st);
 double machine_cpu_s(void);
+/* A Postgres backend's CPU so far (user + system), s. */
+double backend_cpu_s(int pid);
 /* The brokers' CPU so far (OBX_BENCH_BROKER_PIDS), s. */
 double brokers_cpu_s(void);
 
@@ -97,5 +99,7 @@ int cmp_double(const void *a, const void *b);
 
 /* peer.c: OBX_BENCH_PEER=ROUNDS */
 void peer_table(const struct opts *o, int rounds);
+/* OBX_BENCH_HELD (held.c): fetches with keys held back. */
+void held_bench(const struct opts *o, const char *list);
 
 #endif

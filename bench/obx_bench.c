@@ -53,6 +53,9 @@
  *    rate (latency-RATE.dat), for bench/plot.gp.
  * OBX_BENCH_LATENCY_ONLY=N
  *    Only the latency rows of the table (100, 1,000 and 5,000 rows/s), N s each.
+ * OBX_BENCH_HELD=N,N,...
+ *    What N keys held back behind refused rows cost outboxd's fetches and
+ *    the relay's lookups (held.c).
  * OBX_BENCH_OPEN_WRITER=mark|delete (--rows N)
  *    One writing transaction open during a drain: the drain of 3. without
  *    (a) and with (b) a session that took an xid before the prefill
@@ -223,8 +226,6 @@ const char *mode_name(int on_sent)
 {
     return on_sent == OBX_ON_SENT_DELETE ? "delete" : on_sent == OBX_ON_SENT_LOG ? "log" : "mark";
 }
-
-double backend_cpu_s(int pid);
 
 char *wal_lsn(PGconn *c, char *buf, size_t len)
 {
@@ -420,7 +421,7 @@ static void prepare_ok(PGconn *c, const char *name, const char *sql)
 
 static struct pg_cost pg_limit(const struct opts *o, int on_sent, int payload)
 {
-    char mark_sql[2048];
+    char mark_sql[OBX_STORE_MARK_SQL_LEN]; /* the plain mark, or the cursor row */
     obx_store_sql_mark_plain(on_sent, mark_sql, sizeof(mark_sql)); /* no dead letters here */
     bool log = on_sent == OBX_ON_SENT_LOG;
     if (log) /* a cursor row a batch */
@@ -2396,6 +2397,10 @@ int main(int argc, char **argv)
     }
     if (getenv("OBX_BENCH_DRAIN_ONLY")) {
         drain_only(&o, getenv("OBX_BENCH_DRAIN_ONLY"));
+        return 0;
+    }
+    if (getenv("OBX_BENCH_HELD")) {
+        held_bench(&o, getenv("OBX_BENCH_HELD"));
         return 0;
     }
     static struct full_run f; /* large: off the stack */

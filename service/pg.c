@@ -98,11 +98,11 @@ struct obx_pg {
     char batch_text[24], hwm_text[24]; /* log mode's cursor row */
     char limit_text[16];
     char max_bytes_text[24], after_text[24], shards_text[16];
-    char mark_sql[2048];
-    char mark_plain_sql[1024]; /* without dead letters */
-    char mark_fetch_sql[4096]; /* the plain mark with the keyset fetch */
-    struct obx_buf fetch_sql;  /* the full fetch, built around its ids in flight */
-    int64_t *sorted_ids;       /* the mark's ids (relay.max_in_flight), sorted into ranges */
+    char mark_sql[OBX_STORE_MARK_SQL_LEN];
+    char mark_plain_sql[OBX_STORE_MARK_PLAIN_SQL_LEN]; /* without dead letters */
+    char mark_fetch_sql[OBX_STORE_MARK_FETCH_SQL_LEN]; /* the plain mark with the keyset fetch */
+    struct obx_buf fetch_sql; /* the full fetch, built around its ids in flight */
+    int64_t *sorted_ids;      /* the mark's ids (relay.max_in_flight), sorted into ranges */
     size_t max_ids;
     int setup_step;     /* 0: the schema check and SETs; then each prepared statement;
                          * then HISTORY_STEP */

@@ -7,6 +7,13 @@
 
 /* Longest pause between retries of a refused row. */
 #define MAX_REFUSED_BACKOFF_MS (60 * 1000)
+/* Fewer entries are walked: as fast, and nothing to keep. */
+#define HELD_INDEX_MIN 16
+/* Lookups since a change that walk the entries before the index is made:
+ * a refusal looks up a few times between two changes, and making the
+ * index each time would cost more than the walks; a fetch's rows look up
+ * hundreds of times. */
+#define HELD_INDEX_AFTER 8
 
 void held_free(struct held *h)
 {
@@ -14,13 +21,107 @@ void held_free(struct held *h)
         obx_free(h->entry[i].key);
     obx_free(h->entry);
     obx_free(h->lifted);
+    obx_free(h->by_id);
+    obx_free(h->by_key);
+    obx_free(h->whole);
     h->entry = NULL;
     h->lifted = NULL;
-    h->n = h->cap = 0;
+    h->by_id = h->by_key = NULL;
+    h->whole = NULL;
+    h->n = h->cap = h->n_slots = h->n_whole = 0;
+    h->indexed = false;
+}
+
+/* ---- the index ---- */
+
+/* An entry was added, dropped or moved, or its topic hold changed. */
+static void changed(struct held *h)
+{
+    h->indexed = false;
+    h->lookups_unindexed = 0;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static uint64_t key_hash(uint32_t topic, const char *key, size_t key_len)
+{
+    uint64_t x = 0xcbf29ce484222325ULL ^ topic; /* FNV-1a */
+    for (size_t i = 0; i < key_len; i++)
+        x = (x ^ (unsigned char)key[i]) * 0x100000001b3ULL;
+    return mix64(x);
+}
+
+static bool same_key(const struct held_back *b, uint32_t topic, const char *key, size_t key_len)
+{
+    return b->topic == topic && b->key && b->key_len == key_len &&
+           memcmp(b->key, key, key_len) == 0;
+}
+
+/* Builds the index when the entries are many and lookups have come
+ * HELD_INDEX_AFTER times since a change. Out of memory: lookups walk the
+ * entries, and it is tried again as many lookups later. */
+static void index_if_worth(struct held *h)
+{
+    if (h->indexed || h->n < HELD_INDEX_MIN || ++h->lookups_unindexed < HELD_INDEX_AFTER)
+        return;
+    size_t want = HELD_INDEX_MIN * 2;
+    while (want < h->n * 2)
+        want *= 2;
+    if (want != h->n_slots) {
+        uint32_t *by_id = obx_realloc(h->by_id, want * sizeof(*by_id));
+        if (by_id)
+            h->by_id = by_id;
+        uint32_t *by_key = by_id ? obx_realloc(h->by_key, want * sizeof(*by_key)) : NULL;
+        if (by_key)
+            h->by_key = by_key;
+        if (!by_id || !by_key) {
+            h->lookups_unindexed = 0;
+            return;
+        }
+        h->n_slots = want;
+    }
+    memset(h->by_id, 0, h->n_slots * sizeof(*h->by_id));
+    memset(h->by_key, 0, h->n_slots * sizeof(*h->by_key));
+    h->n_whole = 0;
+    size_t mask = h->n_slots - 1;
+    for (size_t i = 0; i < h->n; i++) {
+        const struct held_back *b = &h->entry[i];
+        size_t s = mix64((uint64_t)b->id) & mask;
+        while (h->by_id[s])
+            s = (s + 1) & mask;
+        h->by_id[s] = (uint32_t)i + 1;
+        if (b->whole_topic)
+            h->whole[h->n_whole++] = (struct held_topic){b->topic, b->id};
+        if (!b->key)
+            continue;
+        for (s = key_hash(b->topic, b->key, b->key_len) & mask; h->by_key[s]; s = (s + 1) & mask) {
+            struct held_back *o = &h->entry[h->by_key[s] - 1];
+            if (same_key(o, b->topic, b->key, b->key_len))
+                break;
+        }
+        if (!h->by_key[s] || h->entry[h->by_key[s] - 1].id > b->id)
+            h->by_key[s] = (uint32_t)i + 1;
+    }
+    h->indexed = true;
 }
 
 struct held_back *held_find(struct held *h, int64_t id)
 {
+    index_if_worth(h);
+    if (h->indexed) {
+        size_t mask = h->n_slots - 1;
+        for (size_t s = mix64((uint64_t)id) & mask; h->by_id[s]; s = (s + 1) & mask)
+            if (h->entry[h->by_id[s] - 1].id == id)
+                return &h->entry[h->by_id[s] - 1];
+        return NULL;
+    }
     for (size_t i = 0; i < h->n; i++)
         if (h->entry[i].id == id)
             return &h->entry[i];
@@ -38,17 +139,39 @@ static bool holds(const struct held_back *b, uint32_t topic, int64_t id, const c
            (key && b->key && b->key_len == key_len && memcmp(b->key, key, key_len) == 0);
 }
 
-bool held_holds(const struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len)
+bool held_holds(struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len)
 {
-    for (size_t i = 0; i < h->n; i++)
-        if (holds(&h->entry[i], topic, id, key, key_len))
+    index_if_worth(h);
+    if (!h->indexed) {
+        for (size_t i = 0; i < h->n; i++)
+            if (holds(&h->entry[i], topic, id, key, key_len))
+                return true;
+        return false;
+    }
+    for (size_t i = 0; i < h->n_whole; i++)
+        if (h->whole[i].topic == topic && id > h->whole[i].id)
             return true;
+    if (!key)
+        return false;
+    size_t mask = h->n_slots - 1;
+    for (size_t s = key_hash(topic, key, key_len) & mask; h->by_key[s]; s = (s + 1) & mask) {
+        const struct held_back *b = &h->entry[h->by_key[s] - 1];
+        if (same_key(b, topic, key, key_len))
+            return id > b->id; /* the lowest of its key */
+    }
     return false;
 }
 
 /* The entry that holds back the rows of topic `topic`, or NULL. */
-static const struct held_back *topic_held(const struct held *h, uint32_t topic)
+static const struct held_back *topic_held(struct held *h, uint32_t topic)
 {
+    index_if_worth(h);
+    if (h->indexed) {
+        for (size_t i = 0; i < h->n_whole; i++)
+            if (h->whole[i].topic == topic)
+                return held_find(h, h->whole[i].id);
+        return NULL;
+    }
     for (size_t i = 0; i < h->n; i++)
         if (h->entry[i].whole_topic && h->entry[i].topic == topic)
             return &h->entry[i];
@@ -62,6 +185,7 @@ static void forget(struct held *h, struct held_back *b, struct held_fx *fx)
     h->lifted[fx->n_lifted++] = b->id;
     obx_free(b->key);
     *b = h->entry[--h->n];
+    changed(h);
 }
 
 void held_release(struct held *h, int64_t id, struct held_fx *fx)
@@ -81,7 +205,7 @@ void held_drop(struct held *h, int64_t id, struct held_fx *fx)
         forget(h, b, fx);
 }
 
-bool held_behind_another(const struct held *h, const struct held_back *b)
+bool held_behind_another(struct held *h, const struct held_back *b)
 {
     return held_holds(h, b->id, b->topic, b->key, b->key_len);
 }
@@ -99,16 +223,37 @@ struct held_back *held_due_alone(struct held *h, int64_t now)
     return best;
 }
 
+/* Whether row `id` is among `rows` (n of them; in id order if `sorted`). */
+static bool among(const struct obx_row *rows, size_t n, bool sorted, int64_t id)
+{
+    if (!sorted) {
+        for (size_t j = 0; j < n; j++)
+            if (rows[j].id == id)
+                return true;
+        return false;
+    }
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (rows[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && rows[lo].id == id;
+}
+
 void held_drop_gone(struct held *h, const struct obx_row *rows, size_t n, bool full,
                     int64_t fetch_sent_at, struct held_fx *fx)
 {
+    bool sorted = true; /* a fetch answers in id order */
+    for (size_t j = 1; j < n && sorted; j++)
+        sorted = rows[j - 1].id < rows[j].id;
     for (size_t i = 0; i < h->n;) {
         const struct held_back *b = &h->entry[i];
         bool passed = !full || (n > 0 && rows[n - 1].id > b->id);
         bool due = !b->alone && b->retry_at <= fetch_sent_at;
-        bool fetched = false;
-        for (size_t j = 0; j < n && passed && due && !fetched; j++)
-            fetched = rows[j].id == b->id;
+        bool fetched = passed && due && among(rows, n, sorted, b->id);
         if (!passed || !due || fetched || b->behind_at_fetch) {
             i++;
             continue;
@@ -132,6 +277,10 @@ static int grow(struct held *h)
     if (!l)
         return -1;
     h->lifted = l;
+    struct held_topic *w = obx_realloc(h->whole, cap * sizeof(*w));
+    if (!w)
+        return -1;
+    h->whole = w;
     h->cap = cap;
     return 0;
 }
@@ -169,6 +318,7 @@ void held_hold_back(struct held *h, int64_t id, uint32_t topic, const char *key,
             memcpy(copy, key, key_len);
         b = &h->entry[h->n++];
         *b = (struct held_back){.id = id, .topic = topic, .key = copy, .key_len = key_len};
+        changed(h);
         fx->hold = true; /* log mode: the cursor rows name it */
         fx->hold_id = id;
         fx->hold_topic = topic;
@@ -188,12 +338,13 @@ void held_refused(struct held *h, int64_t id, uint32_t topic, const char *key, s
                                * take the batch's other rows with it */
         if (b->whole_topic) { /* refused for itself now: the topic takes rows again */
             b->whole_topic = false;
+            changed(h);
             fx->clear_cursor = "topic no longer held";
         }
     }
 }
 
-bool held_behind_topic(const struct held *h, uint32_t topic, int64_t id)
+bool held_behind_topic(struct held *h, uint32_t topic, int64_t id)
 {
     const struct held_back *t = h->n > 0 ? topic_held(h, topic) : NULL;
     return t && t->id < id;
@@ -243,6 +394,7 @@ bool held_topic_refused(struct held *h, int64_t id, uint32_t topic, const char *
         schedule_retry(h, b, now);
         b->whole_topic = true;
         b->alone = true;
+        changed(h);
     }
     return false;
 }

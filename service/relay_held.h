@@ -27,11 +27,30 @@ struct held_back {
     size_t key_len;
 };
 
+/* A topic held as a whole, in the index. */
+struct held_topic {
+    uint32_t topic;
+    int64_t id;
+};
+
 struct held {
     struct held_back *entry; /* grown as needed */
     size_t n, cap;
     int64_t *lifted;          /* [cap]: see struct held_fx */
     int64_t retry_backoff_ms; /* relay.retry_backoff: the first pause, doubling */
+    /* An index of the entries, so that a fetch's rows and a fetch's walk of
+     * the entries are not each a walk of every entry (thousands of keys
+     * held). Made by the HELD_INDEX_AFTER-th lookup after a change, for
+     * HELD_INDEX_MIN entries or more; lookups walk the entries while there
+     * is none (after a change, or out of memory). Each table has n_slots
+     * slots (a power of two), each an entry's index + 1, 0 when empty. */
+    bool indexed;
+    int lookups_unindexed; /* since the last change */
+    uint32_t *by_id;       /* an entry by its id */
+    uint32_t *by_key;      /* the lowest-id entry of a topic and key */
+    size_t n_slots;
+    struct held_topic *whole; /* [cap]: the entries held as a whole topic */
+    size_t n_whole;
 };
 
 /* What else is to change after a call, for relay.c to apply. */
@@ -50,14 +69,14 @@ void held_free(struct held *h);
 struct held_back *held_find(struct held *h, int64_t id);
 /* True if row `id` of `topic` and `key` must wait behind an earlier
  * refused row of its key, or of its topic when the topic refused it. */
-bool held_holds(const struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len);
+bool held_holds(struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len);
 /* Row `id` was delivered (logged) or is gone (dead-lettered, or no longer unsent): its
  * entry goes, and its key with it. */
 void held_release(struct held *h, int64_t id, struct held_fx *fx);
 void held_drop(struct held *h, int64_t id, struct held_fx *fx);
 /* True if an earlier held row of its key, or of its topic refused as a
  * whole, holds `b` back too. */
-bool held_behind_another(const struct held *h, const struct held_back *b);
+bool held_behind_another(struct held *h, const struct held_back *b);
 /* The row to try alone next: the lowest-id due one that no earlier refused
  * row of its key holds back. NULL if none. */
 struct held_back *held_due_alone(struct held *h, int64_t now);
@@ -78,7 +97,7 @@ void held_hold_back(struct held *h, int64_t id, uint32_t topic, const char *key,
 void held_refused(struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len,
                   int64_t now, struct held_fx *fx);
 /* Whether row `id` is a later row of `topic`, held as a whole. */
-bool held_behind_topic(const struct held *h, uint32_t topic, int64_t id);
+bool held_behind_topic(struct held *h, uint32_t topic, int64_t id);
 /* Row `id`'s topic (`topic_name`) refused it (it does not exist, the relay
  * may not write it, its name is invalid), relay.on_reject = retry, mark or
  * delete mode: the topic's rows wait behind its first refused row, held as

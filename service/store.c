@@ -140,16 +140,39 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     "   NULL::text, " slot
 /* clang-format on */
 #define FETCH_COLUMNS(t, max_bytes) FETCH_COLUMNS_SLOT(t, max_bytes, "NULL::int")
-/* Rows of a key held back behind a refused row (relay.on_reject = retry),
- * or of a topic when the key is NULL (the topic refused its row):
- * parameters `topics`, `keys`, `ids`. With nothing held back the OR stops
- * at its first test. */
-#define FETCH_HELD_BACK(t, topics, keys, ids)                                                      \
-    " AND (cardinality(" topics "::text[]) = 0 OR NOT EXISTS ("                                    \
-    "      SELECT FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"            \
-    "        AS h(topic, key, id)"                                                                 \
-    "      WHERE h.topic = " t ".topic AND " t ".id > h.id"                                        \
-    "        AND (h.key IS NULL OR h.key = " t ".key)))"
+/* The rows held back behind a refused row (relay.on_reject = retry), from
+ * the parameters `topics`, `keys`, `ids` (a NULL key: the topic refused
+ * its row, and holds every later row of the topic) as two maps a row looks
+ * itself up in, each with the lowest id that holds it: `topics` (topic to
+ * id) and `keys` (topic to key to id). A jsonb object is searched by
+ * halves: tested against the arrays, every candidate row cost a walk of
+ * every entry (2 s a fetch with 20,000 keys held). A CTE, so a statement
+ * builds them once, and only when a row is looked up (see FETCH_HELD_BACK). */
+#define HELD_MAPS(topics, keys, ids)                                                               \
+    "held AS MATERIALIZED (SELECT"                                                                 \
+    "  (SELECT jsonb_object_agg(w.topic, w.id)"                                                    \
+    "     FROM (SELECT h.topic, min(h.id) AS id"                                                   \
+    "             FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"            \
+    "               AS h(topic, key, id)"                                                          \
+    "            WHERE h.key IS NULL GROUP BY h.topic) w) AS topics,"                              \
+    "  (SELECT jsonb_object_agg(w.topic, w.keys)"                                                  \
+    "     FROM (SELECT k.topic, jsonb_object_agg(k.key, k.id) AS keys"                             \
+    "             FROM (SELECT h.topic, h.key, min(h.id) AS id"                                    \
+    "                     FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"    \
+    "                       AS h(topic, key, id)"                                                  \
+    "                    WHERE h.key IS NOT NULL GROUP BY h.topic, h.key) k"                       \
+    "            GROUP BY k.topic) w) AS keys)"
+/* Not a row held back (see HELD_MAPS): a later row than the one that holds
+ * its key, or its topic. With nothing held back (`topics` empty) the OR
+ * stops at its first test and the maps are never built. A NULL key finds
+ * nothing in `keys` (a path with a NULL in it). */
+#define FETCH_HELD_BACK(t, topics)                                                                 \
+    " AND (cardinality(" topics "::text[]) = 0 OR"                                                 \
+    "      (" t ".id <= coalesce(((SELECT held.topics FROM held) ->> " t ".topic)::bigint,"        \
+    "                            " MAX_BIGINT ")"                                                  \
+    "       AND " t ".id <= coalesce(((SELECT held.keys FROM held)"                                \
+    "                                  #>> ARRAY[" t ".topic, " t ".key])::bigint,"                \
+    "                                " MAX_BIGINT ")))"
 
 /* Only rows of the relay's slots (relay.shards, sql/008): parameters
  * `shards` and `owned`; with owned NULL (one relay) the OR stops at its
@@ -158,8 +181,9 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     " AND (" owned "::int[] IS NULL"                                                               \
     "      OR outbox.slot_of(" t ".key, " t ".id, " shards "::int) = ANY (" owned "::int[]))"
 
-/* The lowest bigint, as a literal Postgres reads as one. */
+/* The lowest bigint, as a literal Postgres reads as one, and the highest. */
 #define MIN_BIGINT "(-9223372036854775807 - 1)::bigint"
+#define MAX_BIGINT "9223372036854775807::bigint"
 
 /* One clause a line; clang-format would pack them. */
 /* clang-format off */
@@ -169,13 +193,14 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
  * grows with the rows in flight all the same: the relay runs it only when
  * rows below its cursor may be waiting. */
 static const char SQL_FETCH_FULL_HEAD[] =
-    FETCH_SELECT FETCH_SNAPSHOT_ROW
+    "WITH " HELD_MAPS("$2", "$3", "$4")
+    " " FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS("e", "$5")
     "  FROM outbox.events e"
     "  WHERE e.sent_at IS NULL AND NOT (e.id = ANY ('";
 static const char SQL_FETCH_FULL_TAIL[] =
     "'::bigint[]))"
-         FETCH_HELD_BACK("e", "$2", "$3", "$4") IN_SLOTS("e", "$6", "$7")
+         FETCH_HELD_BACK("e", "$2") IN_SLOTS("e", "$6", "$7")
     "  ORDER BY e.id LIMIT $1::int)) b";
 
 /* The keyset fetch: rows above $1 (the highest id handed out), and the rows
@@ -210,14 +235,14 @@ static const char SQL_FETCH_FULL_TAIL[] =
 #define KEYSET_PARTS(ex)                                                                           \
     "(SELECT * FROM outbox.events u"                                                               \
     " WHERE u.sent_at IS NULL AND u.id > $1::bigint" ex("u")                                       \
-        FETCH_HELD_BACK("u", "$3", "$4", "$5") IN_SLOTS("u", "$7", "$8")                           \
+        FETCH_HELD_BACK("u", "$3") IN_SLOTS("u", "$7", "$8")                           \
     " ORDER BY u.id LIMIT $2::int)"                                                                \
     " UNION ALL"                                                                                   \
     " (SELECT l.* FROM pg_snapshot_xip($9::pg_snapshot) AS x(xid),"                                \
     "    LATERAL (SELECT * FROM outbox.events l"                                                   \
     "             WHERE l.sent_at IS NULL AND l.xid >= x.xid"                                      \
     "               AND (l.xid, l.id) <= (x.xid, $1::bigint)" ex("l")                              \
-                    FETCH_HELD_BACK("l", "$3", "$4", "$5") IN_SLOTS("l", "$7", "$8")               \
+                    FETCH_HELD_BACK("l", "$3") IN_SLOTS("l", "$7", "$8")               \
     "             ORDER BY l.xid, l.id LIMIT $2::int) l"                                           \
     "  WHERE pg_visible_in_snapshot(x.xid, pg_current_snapshot())"                                 \
     "  ORDER BY l.id + 0 LIMIT $2::int)"                                                           \
@@ -226,14 +251,18 @@ static const char SQL_FETCH_FULL_TAIL[] =
     "  WHERE n.sent_at IS NULL AND n.id <= $1::bigint"                                             \
     "    AND (n.xid, n.id) >= (pg_snapshot_xmax($9::pg_snapshot), " MIN_BIGINT ")"                 \
     "    AND n.xid < pg_snapshot_xmax(pg_current_snapshot())" ex("n")                              \
-        FETCH_HELD_BACK("n", "$3", "$4", "$5") IN_SLOTS("n", "$7", "$8")                           \
+        FETCH_HELD_BACK("n", "$3") IN_SLOTS("n", "$7", "$8")                           \
     "  ORDER BY n.xid, n.id)"
 #define NOTHING_MORE(t) ""
-static const char SQL_FETCH_KEYSET[] =
-    FETCH_SELECT FETCH_SNAPSHOT_ROW
-    " (" FETCH_COLUMNS("e", "$6")
-    "  FROM (" KEYSET_PARTS(NOTHING_MORE) ") e"
-    "  ORDER BY e.id LIMIT $2::int)) b";
+/* The keyset fetch, its held maps apart for the mark that takes it along
+ * (its WITH lists them after its own). */
+#define KEYSET_HELD_MAPS HELD_MAPS("$3", "$4", "$5")
+#define KEYSET_BODY                                                                                \
+    FETCH_SELECT FETCH_SNAPSHOT_ROW                                                                \
+    " (" FETCH_COLUMNS("e", "$6")                                                                  \
+    "  FROM (" KEYSET_PARTS(NOTHING_MORE) ") e"                                                    \
+    "  ORDER BY e.id LIMIT $2::int)) b"
+static const char SQL_FETCH_KEYSET[] = "WITH " KEYSET_HELD_MAPS " " KEYSET_BODY;
 /* clang-format on */
 
 const char *obx_store_sql_fetch(struct obx_buf *sql, const char *in_flight)
@@ -279,7 +308,8 @@ const char *obx_store_sql_fetch_keyset(void)
 #define IDS "\x01"
 #define NOT_IN_FLIGHT(t) " AND NOT (" t ".id = ANY (" IDS "))"
 static const char SQL_FETCH_LOG[] =
-    FETCH_SELECT FETCH_SNAPSHOT_ROW
+    "WITH " HELD_MAPS("$3", "$4", "$5")
+    " " FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS("e", "$6")
     "  FROM (" KEYSET_PARTS(NOT_IN_FLIGHT)
     "        UNION ALL"
@@ -288,7 +318,7 @@ static const char SQL_FETCH_LOG[] =
     "           AND k.id >= coalesce((SELECT min(f) FROM unnest($12::bigint[]) f), $1::bigint + 1)"
     "           AND pg_visible_in_snapshot(k.xid, $9::pg_snapshot)" NOT_IN_FLIGHT("k")
     "           AND" LOG_HELD("k")
-                FETCH_HELD_BACK("k", "$3", "$4", "$5") IN_SLOTS("k", "$7", "$8")
+                FETCH_HELD_BACK("k", "$3") IN_SLOTS("k", "$7", "$8")
     "         ORDER BY k.id LIMIT $2::int)) e"
     "  ORDER BY e.id LIMIT $2::int)) b";
 /* clang-format on */
@@ -344,7 +374,7 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
  * the relay's slots, not covered. */
 #define EXACT_ROW(t)                                                                               \
     NOT_IN_FLIGHT(t)                                                                               \
-    FETCH_HELD_BACK(t, "$2", "$3", "$4") IN_SLOTS(t, "$6", "$7") NOT_COVERED_EXACT(t)
+    FETCH_HELD_BACK(t, "$2") IN_SLOTS(t, "$6", "$7") NOT_COVERED_EXACT(t)
 
 /* clang-format off */
 /* Log mode's full fetch when cursor rows are about slots (relays with
@@ -367,6 +397,7 @@ const char *obx_store_sql_fetch_log(struct obx_buf *sql, const char *in_flight)
 static const char SQL_FETCH_LOG_EXACT[] =
     "WITH f AS (SELECT * FROM outbox.log_floor(CASE WHEN $7::int[] IS NOT NULL THEN $6::int END,"
     "                                         $7::int[])),"
+    HELD_MAPS("$2", "$3", "$4") ","
     LOG_CANDIDATES
     " " FETCH_SELECT FETCH_SNAPSHOT_ROW
     " (" FETCH_COLUMNS_SLOT("e", "$5", "CASE WHEN $7::int[] IS NOT NULL"
@@ -649,7 +680,7 @@ const char *obx_store_sql_mark_fetch(int on_sent, char *buf, size_t len)
     append_offsets(buf, len, &o, "WITH", OBX_MARK_FETCH_MARK + OBX_MARK_OFFSETS,
                    OBX_MARK_FETCH_MARK + OBX_MARK_SLOTS, ", confirmed AS (");
     append_confirm_acked(buf, len, &o, on_sent, OBX_MARK_FETCH_MARK + OBX_MARK_RANGES, false);
-    append(buf, len, &o, ") %s", SQL_FETCH_KEYSET);
+    append(buf, len, &o, "), %s", KEYSET_HELD_MAPS " " KEYSET_BODY);
     return buf;
 }
 
@@ -1117,9 +1148,17 @@ static const struct obx_store_param replay_types[OBX_REPLAY_NPARAMS] = {
     [OBX_REPLAY_TO] = {"to id", "bigint"},
     [OBX_REPLAY_SINCE] = {"since", "timestamptz"}};
 
+/* `sql`, or NULL when it filled a buffer of `len` bytes (it may be cut). */
+static const char *fits(const char *sql, size_t len)
+{
+    return strlen(sql) + 1 < len ? sql : NULL;
+}
+
 int obx_store_statements(int on_sent, struct obx_store_statement *out)
 {
-    static char mark[8192], mark_plain[4096], mark_fetch[16384], recover[8192];
+    /* The marks in the relay's sizes; NULL when one does not fit. */
+    static char mark[OBX_STORE_MARK_SQL_LEN], mark_plain[OBX_STORE_MARK_PLAIN_SQL_LEN],
+        mark_fetch[OBX_STORE_MARK_FETCH_SQL_LEN], recover[8192];
     static struct obx_buf full, log, log_exact;
     int n = 0;
 #define ADD(label, text, types, count)                                                             \
@@ -1130,11 +1169,16 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out)
     ADD("log fetch", obx_store_sql_fetch_log(&log, "{1,2}"), fetch_types, OBX_FETCH_LOG_NPARAMS);
     ADD("log fetch by slot", obx_store_sql_fetch_log_exact(&log_exact, "{1,2}"),
         fetch_types + OBX_FETCH_FULL_FIRST, OBX_FETCH_FULL_NPARAMS);
-    ADD("cursor row", obx_store_sql_log_write(), cursor_types, OBX_CURSOR_NPARAMS);
-    ADD("mark", obx_store_sql_mark(on_sent, mark, sizeof(mark)), mark_types, OBX_MARK_NPARAMS);
-    ADD("plain mark", obx_store_sql_mark_plain(on_sent, mark_plain, sizeof(mark_plain)), mark_types,
-        OBX_MARK_PLAIN_NPARAMS);
-    ADD("mark with fetch", obx_store_sql_mark_fetch(on_sent, mark_fetch, sizeof(mark_fetch)),
+    /* pg.c keeps the cursor row in the mark's buffer. */
+    ADD("cursor row", fits(obx_store_sql_log_write(), sizeof(mark)), cursor_types,
+        OBX_CURSOR_NPARAMS);
+    ADD("mark", fits(obx_store_sql_mark(on_sent, mark, sizeof(mark)), sizeof(mark)), mark_types,
+        OBX_MARK_NPARAMS);
+    ADD("plain mark",
+        fits(obx_store_sql_mark_plain(on_sent, mark_plain, sizeof(mark_plain)), sizeof(mark_plain)),
+        mark_types, OBX_MARK_PLAIN_NPARAMS);
+    ADD("mark with fetch",
+        fits(obx_store_sql_mark_fetch(on_sent, mark_fetch, sizeof(mark_fetch)), sizeof(mark_fetch)),
         mark_fetch_types, OBX_MARK_FETCH_NPARAMS);
     ADD("recovery match", obx_store_sql_recover(on_sent, recover, sizeof(recover)), recover_types,
         OBX_RECOVER_NPARAMS);

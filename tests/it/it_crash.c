@@ -356,7 +356,7 @@ static void test_terminate_during_fetch(void **state)
     h_sql(lock, "LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE");
     h_sql(lock, "INSERT INTO outbox.events (topic, key, payload)"
                 " SELECT 'it.a', 'k' || (g %% 7), 'x'::bytea FROM generate_series(1, 2000) g");
-    int pid = h_relay_backend_waiting(c, "SELECT b.id"); /* the next poll's fetch */
+    int pid = h_relay_backend_waiting(c, "WITH held AS"); /* the next poll's fetch */
     assert_int_equal(h_sql_int(c, "SELECT pg_terminate_backend(%d)::int", pid), 1);
     h_sql(lock, "COMMIT");
     h_wait_metric_min(&env, "outboxd_postgres_reconnects_total", 1, 10000);

@@ -1293,7 +1293,7 @@ static void test_lost_in_every_state(void **state)
         h_sql(c, "LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE");
         h_sql(c, "INSERT INTO outbox.events (topic, key, payload) SELECT 'it.a', 'k' || g,"
                  " 'x'::bytea FROM generate_series(1, 50) g");
-        wait_backend_on_lock("aa", "SELECT b.id");
+        wait_backend_on_lock("aa", "WITH held AS"); /* a fetch */
         cut_and_expect_notice(&env, "aa", cut, "fetching");
         PQfinish(c); /* ends the locking transaction: its rows roll back */
         c = h_connect(&env);

@@ -379,7 +379,8 @@ static void test_fetch_statements(void **state)
     obx_buf_free(&sql);
     obx_pg_array_free(&ids);
 
-    char mark_fetch[4096], mark_plain[2048], plan[16384], args[256];
+    char mark_fetch[OBX_STORE_MARK_FETCH_SQL_LEN], mark_plain[OBX_STORE_MARK_PLAIN_SQL_LEN],
+        plan[16384], args[256];
     prepare(c, "k", obx_store_sql_fetch_keyset());
     prepare(c, "mf", obx_store_sql_mark_fetch(OBX_ON_SENT_MARK, mark_fetch, sizeof(mark_fetch)));
     prepare(c, "m", obx_store_sql_mark_plain(OBX_ON_SENT_DELETE, mark_plain, sizeof(mark_plain)));

@@ -89,6 +89,98 @@ static void test_topic_held_as_one(void **state)
     held_free(&h);
 }
 
+/* What the entries say, walked one by one: the answers the index must give. */
+static bool walk_holds(const struct held *h, int64_t id, uint32_t topic, const char *key,
+                       size_t key_len)
+{
+    for (size_t i = 0; i < h->n; i++) {
+        const struct held_back *b = &h->entry[i];
+        if (b->topic == topic && id > b->id &&
+            (b->whole_topic ||
+             (key && b->key && b->key_len == key_len && memcmp(b->key, key, key_len) == 0)))
+            return true;
+    }
+    return false;
+}
+
+static const struct held_back *walk_find(const struct held *h, int64_t id)
+{
+    for (size_t i = 0; i < h->n; i++)
+        if (h->entry[i].id == id)
+            return &h->entry[i];
+    return NULL;
+}
+
+static bool walk_behind_topic(const struct held *h, uint32_t topic, int64_t id)
+{
+    for (size_t i = 0; i < h->n; i++)
+        if (h->entry[i].whole_topic && h->entry[i].topic == topic)
+            return h->entry[i].id < id;
+    return false;
+}
+
+/* Thousands of random holds, refusals of rows and topics, releases and
+ * drops, each followed by lookups: the index (made once lookups come
+ * often enough after a change) answers as a walk of the entries does. */
+static void test_index_answers_as_a_walk(void **state)
+{
+    (void)state;
+    struct held h = {.retry_backoff_ms = 100};
+    static const char *const keys[] = {"a", "b", "c", "dd", "ee", "f0", "f1", "g", "", NULL};
+    uint64_t seed = 12345;
+#define RAND(n) ((int)((seed = seed * 6364136223846793005ULL + 1442695040888963407ULL) >> 33) % (n))
+    int indexed_answers = 0;
+    for (int step = 0; step < 4000; step++) {
+        struct held_fx fx = {0};
+        int64_t id = 1 + RAND(400);
+        uint32_t topic = (uint32_t)RAND(3);
+        const char *key = keys[RAND(10)];
+        size_t key_len = key ? strlen(key) : 0;
+        switch (RAND(10)) {
+        case 0:
+        case 1:
+        case 2:
+        case 3:
+            held_hold_back(&h, id, topic, key, key_len, step, &fx);
+            break;
+        case 4:
+            held_refused(&h, id, topic, key, key_len, step, &fx);
+            break;
+        case 5:
+            if (RAND(4) == 0)
+                held_topic_refused(&h, id, topic, "t", key, key_len, "refused", step, &fx);
+            break;
+        case 6:
+            held_batch_refused(&h, id, topic, "t", key, key_len, "refused", step, &fx);
+            break;
+        case 7:
+            if (h.n > 0)
+                held_release(&h, h.entry[RAND((int)h.n)].id, &fx);
+            break;
+        default:
+            if (h.n > 0)
+                held_drop(&h, h.entry[RAND((int)h.n)].id, &fx);
+            break;
+        }
+        for (int q = 0; q < 12; q++) {
+            int64_t qid = 1 + RAND(420);
+            uint32_t qtopic = (uint32_t)RAND(3);
+            const char *qkey = keys[RAND(10)];
+            size_t qlen = qkey ? strlen(qkey) : 0;
+            assert_int_equal(held_holds(&h, qid, qtopic, qkey, qlen),
+                             walk_holds(&h, qid, qtopic, qkey, qlen));
+            assert_ptr_equal(held_find(&h, qid), walk_find(&h, qid));
+            assert_int_equal(held_behind_topic(&h, qtopic, qid),
+                             walk_behind_topic(&h, qtopic, qid));
+            indexed_answers += h.indexed;
+        }
+    }
+#undef RAND
+    assert_true(h.n >= 16);              /* enough entries to be indexed */
+    assert_true(indexed_answers > 1000); /* and the index answered */
+    held_free(&h);
+}
+
 int main(void)
 {
     use_cmocka_allocator(); /* leaks and double frees fail the test */
@@ -96,6 +188,7 @@ int main(void)
         cmocka_unit_test(test_key_held_and_released),
         cmocka_unit_test(test_due_alone),
         cmocka_unit_test(test_topic_held_as_one),
+        cmocka_unit_test(test_index_answers_as_a_walk),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
