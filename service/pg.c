@@ -11,8 +11,11 @@
 #include "outboxd/store.h"
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 /* libpq ignores connect_timeout under PQconnectPoll: we time connect+setup. */
 #define CONNECT_TIMEOUT_MS 10000
@@ -80,6 +83,7 @@ struct obx_pg {
     uint64_t history_changes;
     bool history_warned;         /* said once that the server refuses it */
     bool pooler_noted;           /* said once that a session pooler is in between */
+    char session_token[24];      /* this session's outboxd.session (see new_session_token) */
     char history[64];            /* obx_pg_history() of the ready session */
     char dbname[128];            /* the server's current_database(), with the history */
     bool fence_slot_owners;      /* relay.transactions, relay.shards = 1 */
@@ -378,21 +382,39 @@ static void send_setup_statement(struct obx_pg *pg, const char *sql)
         disconnect_with_error(pg, "setup failed");
 }
 
+/* A value for this session's OBX_STORE_SESSION_SETTING that no other
+ * relay's session has: random where the kernel has it, else the process,
+ * the time and a count. Hex digits only (it goes into SQL text). */
+static void new_session_token(struct obx_pg *pg)
+{
+    static uint64_t count;
+    uint64_t v;
+    if (getrandom(&v, sizeof(v), GRND_NONBLOCK) != (ssize_t)sizeof(v))
+        v = ((uint64_t)getpid() << 40) ^ (uint64_t)uv_hrtime() ^ (++count << 20);
+    snprintf(pg->session_token, sizeof(pg->session_token), "%016llx", (unsigned long long)v);
+}
+
 static void send_setup(struct obx_pg *pg)
 {
-    char sql[1024];
+    char sql[1200];
+    new_session_token(pg);
     /* Server-side keepalives too: if this client vanishes without closing
      * (a network partition), its backend, and the relay lock it holds, go
      * away within about a minute instead of the OS's two hours, so no relay
      * stands by behind a dead session for long. */
-    snprintf(sql, sizeof(sql),
-             OBX_STORE_SQL_SETUP_CHECK
-             ";"
-             " SET statement_timeout = %lld;"
-             " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
-             " SET tcp_keepalives_count = 3; " OBX_STORE_SQL_PLANNER_SETTINGS,
-             (long long)pg->statement_timeout_ms);
+    int n = snprintf(sql, sizeof(sql),
+                     OBX_STORE_SQL_SETUP_CHECK
+                     ";"
+                     " SET statement_timeout = %lld;"
+                     " SET tcp_keepalives_idle = 30; SET tcp_keepalives_interval = 10;"
+                     " SET tcp_keepalives_count = 3; " OBX_STORE_SQL_PLANNER_SETTINGS
+                     "; SELECT set_config('" OBX_STORE_SESSION_SETTING "', '%s', false)",
+                     (long long)pg->statement_timeout_ms, pg->session_token);
     describe_target(pg);
+    if (n < 0 || (size_t)n >= sizeof(sql)) { /* a bug: the buffer is sized for the text */
+        disconnect_with_error(pg, "setup statement too long");
+        return;
+    }
     if (PQsetnonblocking(pg->conn, 1) != 0) {
         disconnect_with_error(pg, "setup failed");
         return;
@@ -433,9 +455,16 @@ static void try_lock(struct obx_pg *pg)
     /* With relay.shards above 1 the relays hold it shared, each publishing
      * the slots it owns: a single relay (relay.shards = 1) and they exclude
      * each other. */
-    send_setup_statement(pg, pg->shards > 1 ? "SELECT pg_try_advisory_lock_shared(" OBX_RELAY_LOCK
-                                              ")"
-                                            : "SELECT pg_try_advisory_lock(" OBX_RELAY_LOCK ")");
+    /* Only in the server session the set-up ran in (NULL elsewhere): a
+     * pooler's other session may hold another relay's lock, which would be
+     * granted to this one again. */
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT CASE WHEN current_setting('" OBX_STORE_SESSION_SETTING "', true) = '%s'"
+             " THEN %s(" OBX_RELAY_LOCK ") END",
+             pg->session_token,
+             pg->shards > 1 ? "pg_try_advisory_lock_shared" : "pg_try_advisory_lock");
+    send_setup_statement(pg, sql);
 }
 
 /* The history's answer: without it (refused, see OBX_STORE_SQL_HISTORY)
@@ -465,6 +494,15 @@ static void finish_history(struct obx_pg *pg, const PGresult *res)
     try_lock(pg);
 }
 
+/* The session's server session moved under it: drops the connection,
+ * naming the pooling. */
+static void session_moved(struct obx_pg *pg)
+{
+    char reason[512];
+    obx_pg_pooling_problem(reason, sizeof(reason));
+    disconnect(pg, reason);
+}
+
 /* A prepared statement missing (26000) or there already (42P05), on a
  * connection that prepared each once on its own session: the session
  * changed under it, which a transaction pooler does. Returns true after
@@ -474,10 +512,32 @@ static bool session_changed(struct obx_pg *pg, const PGresult *res)
     const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
     if (!state || (strcmp(state, "26000") != 0 && strcmp(state, "42P05") != 0))
         return false;
-    char reason[512];
-    obx_pg_pooling_problem(reason, sizeof(reason));
-    disconnect(pg, reason);
+    session_moved(pg);
     return true;
+}
+
+/* A fetch's answer from another server session than the one this
+ * connection set up: its row without an id carries the session's
+ * outboxd.session (FETCH_SNAPSHOT_ROW), which only the set-up set. A
+ * pooler in transaction pooling that the probe at set-up missed (another
+ * client took the session first), or one that prepares statements for its
+ * clients on every session (PgBouncer 1.21 and later), shows here before
+ * anything of the fetch is used. Returns true after dropping the
+ * connection. */
+static bool fetch_from_another_session(struct obx_pg *pg, const PGresult *res)
+{
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQnfields(res) != OBX_COL_COUNT)
+        return false;
+    for (int i = 0; i < PQntuples(res); i++) {
+        if (!PQgetisnull(res, i, OBX_COL_ID) || PQgetisnull(res, i, OBX_COL_SNAPSHOT))
+            continue;
+        if (!PQgetisnull(res, i, OBX_COL_TOPIC) &&
+            strcmp(PQgetvalue(res, i, OBX_COL_TOPIC), pg->session_token) == 0)
+            return false;
+        session_moved(pg);
+        return true;
+    }
+    return false;
 }
 
 /* Behind a pooler, makes sure this connection keeps its server session
@@ -681,6 +741,10 @@ static void finish_lock(struct obx_pg *pg, const PGresult *res)
         disconnect(pg, reason);
         return;
     }
+    if (PQgetisnull(res, 0, 0)) {
+        session_moved(pg);
+        return;
+    }
     if (strcmp(PQgetvalue(res, 0, 0), "t") != 0) {
         if (!pg->standby_logged)
             obx_event(OBX_LOG_WARN, "standing_by",
@@ -811,7 +875,8 @@ static void request_step(struct obx_pg *pg, PGresult *res)
 {
     struct pg_request *q = &pg->req;
     bool ok = result_ok(res);
-    if (!ok && session_changed(pg, res)) {
+    if ((!ok && session_changed(pg, res)) ||
+        (ok && q->rows_done && fetch_from_another_session(pg, res))) {
         PQclear(res);
         return;
     }

@@ -116,12 +116,16 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
  * rows as stored, and of an oversize row only its key.
  *
  * Each result has one more row, without an id, that carries the statement's
- * snapshot: what the next keyset fetch asks about (see relay.c, "cursor"). */
+ * snapshot: what the next keyset fetch asks about (see relay.c, "cursor"),
+ * and in its topic column the session's OBX_STORE_SESSION_SETTING (pg.c
+ * compares it with the one its set-up set). */
 #define FETCH_SELECT                                                                               \
     "SELECT b.id, b.topic, b.key, b.payload, b.headers, b.created_at, b.row_bytes, b.snap,"        \
     "       b.slot"
 #define FETCH_SNAPSHOT_ROW                                                                         \
-    " FROM (SELECT NULL::bigint AS id, NULL::text AS topic, NULL::text AS key,"                    \
+    " FROM (SELECT NULL::bigint AS id,"                                                            \
+    "         current_setting('" OBX_STORE_SESSION_SETTING "', true) AS topic,"                    \
+    "         NULL::text AS key,"                                                                  \
     "         NULL::bytea AS payload, NULL::jsonb AS headers, NULL::timestamptz AS created_at,"    \
     "         NULL::bigint AS row_bytes, pg_current_snapshot()::text AS snap, NULL::int AS slot"   \
     "       UNION ALL"
@@ -988,7 +992,7 @@ const char *obx_store_sql_relay_sessions(void)
            " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
            "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid = 2"
            " WHERE l.pid IS NOT NULL"
-           "    OR a.query LIKE 'SELECT pg_try_advisory_lock%(1868724338, 0)%'"
+           "    OR a.query LIKE 'SELECT %pg_try_advisory_lock%(1868724338, 0)%'"
            " ORDER BY active DESC, a.backend_start";
 }
 /* clang-format on */

@@ -232,6 +232,11 @@ int obx_store_statements(int on_sent, struct obx_store_statement *out);
 /* The relay session's first statement. One row: version (the schema's),
  * in_recovery (a hot standby: the relay publishes only from a primary,
  * whose snapshots list every running writer), id_cache. */
+/* A setting only the relay's set-up gives its session, to a value of its
+ * own: a statement that reads another value ran in another server session
+ * (a pooler in transaction pooling). */
+#define OBX_STORE_SESSION_SETTING "outboxd.session"
+
 #define OBX_STORE_SQL_SETUP_CHECK                                                                  \
     "SELECT coalesce(max(version), 0) AS version, pg_is_in_recovery() AS "                         \
     "in_recovery, " OBX_STORE_SQL_ID_CACHE " AS id_cache, pg_backend_pid() AS backend_pid "        \

@@ -550,6 +550,51 @@ static void start_relay_through(struct h_env *r, const char *name, const char *c
     h_relay_start(r, NULL, NULL);
 }
 
+/* Transaction pooling that the probe at set-up takes for session pooling:
+ * PgBouncer hands out its idle server sessions in turn
+ * (server_round_robin), and with two of them the probe's connection gets
+ * the one the relay's set-up did not use. The relay must still refuse, and
+ * must not leave the relay lock behind in a session the pool keeps (other
+ * relays, direct or through a session pool, would stand by behind it until
+ * the pooler closed that session): it takes the lock only in the session
+ * its set-up ran in, which its setting outboxd.session names. */
+static void test_pooler_probe_misled(void **state)
+{
+    (void)state;
+    char pooled[300];
+    struct h_env a;
+    h_env_start(&env, (const char *const[]){"it.a:3", NULL});
+    /* The pool_mode line takes one more setting along. */
+    h_pooler_start(&env, "transaction\nserver_round_robin = 1", pooled, sizeof(pooled));
+    PGconn *w[2];
+    for (int i = 0; i < 2; i++) { /* two server sessions, both idle after */
+        w[i] = PQconnectdb(pooled);
+        assert_int_equal(PQstatus(w[i]), CONNECTION_OK);
+        h_sql(w[i], "BEGIN");
+        h_sql(w[i], "SELECT 1");
+    }
+    for (int i = 0; i < 2; i++) {
+        h_sql(w[i], "COMMIT");
+        PQfinish(w[i]);
+    }
+    struct s_writer ws = {.env = &env, .w = 0, .count = 200, .rows_per_tx = 2};
+    s_run_writers(&ws, 1);
+    start_relay_through(&a, "rr", pooled);
+    h_wait_log(&a, "transaction (or statement) pooling", 15000);
+    h_sleep_ms(2000); /* several attempts */
+    assert_int_equal(h_relay_stop(&a, SIGTERM, 20000), 0);
+    bool misled = h_relay_log_contains(&a, "gave a second connection another server session");
+    PGconn *c = h_connect(&env); /* Postgres itself */
+    long locks = h_sql_int(c, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                              " AND classid = 1868724338 AND objid = 0 AND objsubid = 2");
+    PQfinish(c);
+    print_message("probe misled: %s; relay locks left in the pool's sessions: %ld\n",
+                  misled ? "yes" : "no", locks);
+    assert_true(misled); /* otherwise this test showed nothing */
+    assert_int_equal(locks, 0);
+    h_pooler_stop(&env, 0);
+}
+
 /* Through a real PgBouncer (issue 37). In transaction pooling a server
  * session goes back to the pool after each transaction, and with it the
  * relay lock, the prepared statements and log mode's snapshots: --check
@@ -924,6 +969,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_tls, teardown_env),
         cmocka_unit_test_teardown(test_standby, teardown_env),
         cmocka_unit_test_teardown(test_pooler, teardown_env),
+        cmocka_unit_test_teardown(test_pooler_probe_misled, teardown_env),
         cmocka_unit_test_teardown(test_dashboard, teardown_env),
         cmocka_unit_test_teardown(test_status, teardown_env),
         cmocka_unit_test_teardown(test_dead_and_replay, teardown_env),
