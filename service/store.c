@@ -151,20 +151,23 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
  * id) and `keys` (topic to key to id). A jsonb object is searched by
  * halves: tested against the arrays, every candidate row cost a walk of
  * every entry (2 s a fetch with 20,000 keys held). A CTE, so a statement
- * builds them once, and only when a row is looked up (see FETCH_HELD_BACK). */
+ * builds them once, and only when a row is looked up (see FETCH_HELD_BACK).
+ * A NULL topic or id, which the relay never passes, is left out, as it
+ * matched nothing before: jsonb_object_agg refuses a NULL name. */
 #define HELD_MAPS(topics, keys, ids)                                                               \
     "held AS MATERIALIZED (SELECT"                                                                 \
     "  (SELECT jsonb_object_agg(w.topic, w.id)"                                                    \
     "     FROM (SELECT h.topic, min(h.id) AS id"                                                   \
     "             FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"            \
     "               AS h(topic, key, id)"                                                          \
-    "            WHERE h.key IS NULL GROUP BY h.topic) w) AS topics,"                              \
+    "            WHERE h.key IS NULL AND h.topic IS NOT NULL GROUP BY h.topic) w) AS topics,"      \
     "  (SELECT jsonb_object_agg(w.topic, w.keys)"                                                  \
     "     FROM (SELECT k.topic, jsonb_object_agg(k.key, k.id) AS keys"                             \
     "             FROM (SELECT h.topic, h.key, min(h.id) AS id"                                    \
     "                     FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"    \
     "                       AS h(topic, key, id)"                                                  \
-    "                    WHERE h.key IS NOT NULL GROUP BY h.topic, h.key) k"                       \
+    "                    WHERE h.key IS NOT NULL AND h.topic IS NOT NULL"                          \
+    "                    GROUP BY h.topic, h.key) k"                                               \
     "            GROUP BY k.topic) w) AS keys)"
 /* Not a row held back (see HELD_MAPS): a later row than the one that holds
  * its key, or its topic. With nothing held back (`topics` empty) the OR
@@ -304,14 +307,17 @@ const char *obx_store_sql_fetch_keyset(void)
     "              FROM (SELECT h.topic, h.key, min(h.id) AS id"                                   \
     "                      FROM unnest(" src ".held_topics, " src ".held_keys, " src ".held_from)" \
     "                        AS h(topic, key, id)"                                                 \
-    "                     WHERE h.key IS NOT NULL GROUP BY h.topic, h.key) k"                      \
+    "                     WHERE h.key IS NOT NULL AND h.topic IS NOT NULL"                         \
+    "                     GROUP BY h.topic, h.key) k"                                              \
     "             GROUP BY k.topic) w) AS r_keys,"                                                 \
     "   (SELECT jsonb_object_agg(w.topic, w.ids)"                                                  \
     "      FROM (SELECT h.topic, jsonb_object_agg(h.id::text, true) AS ids"                        \
     "              FROM unnest(" src ".held_topics, " src ".held_keys, " src ".held_from)"         \
     "                AS h(topic, key, id)"                                                         \
-    "             WHERE h.key IS NULL GROUP BY h.topic) w) AS r_lone,"                             \
-    "   (SELECT jsonb_object_agg(a.id::text, true) FROM unnest(" src ".also_sent) AS a(id))"       \
+    "             WHERE h.key IS NULL AND h.topic IS NOT NULL AND h.id IS NOT NULL"                \
+    "             GROUP BY h.topic) w) AS r_lone,"                                                 \
+    "   (SELECT jsonb_object_agg(a.id::text, true) FROM unnest(" src ".also_sent) AS a(id)"        \
+    "     WHERE a.id IS NOT NULL)"                                                                 \
     "     AS r_also) m"
 /* A row a cursor leaves out although it is at or below its hwm and
  * visible in its snapshot: a row of a held key not listed as published
