@@ -74,17 +74,18 @@ static void index_if_worth(struct held *h)
     size_t want = HELD_INDEX_MIN * 2;
     while (want < h->n * 2)
         want *= 2;
-    if (want != h->n_slots) {
-        uint32_t *by_id = obx_realloc(h->by_id, want * sizeof(*by_id));
-        if (by_id)
-            h->by_id = by_id;
-        uint32_t *by_key = by_id ? obx_realloc(h->by_key, want * sizeof(*by_key)) : NULL;
-        if (by_key)
-            h->by_key = by_key;
-        if (!by_id || !by_key) {
+    if (want != h->n_slots) { /* both new tables, or neither */
+        uint32_t *by_id = obx_malloc(want * sizeof(*by_id));
+        uint32_t *by_key = by_id ? obx_malloc(want * sizeof(*by_key)) : NULL;
+        if (!by_key) {
+            obx_free(by_id);
             h->lookups_unindexed = 0;
             return;
         }
+        obx_free(h->by_id);
+        obx_free(h->by_key);
+        h->by_id = by_id;
+        h->by_key = by_key;
         h->n_slots = want;
     }
     memset(h->by_id, 0, h->n_slots * sizeof(*h->by_id));

@@ -324,8 +324,7 @@ const char *obx_store_sql_fetch_keyset(void)
  * since, by the maps of RULE_MAPS (`keys`, `lone`, `also`: expressions). A
  * NULL key finds nothing in `keys` (a path with a NULL in it). */
 #define HELD_ROW(t, keys, lone, also)                                                              \
-    " ((" t ".id >= coalesce((" keys " #>> ARRAY[" t ".topic, " t ".key])::bigint, " MAX_BIGINT    \
-    ")"                                                                                            \
+    " (((" t ".id >= (" keys " #>> ARRAY[" t ".topic, " t ".key])::bigint) IS TRUE"                \
     "   OR (" lone " #> ARRAY[" t ".topic, " t ".id::text]) IS NOT NULL)"                          \
     "  AND (" also " ? " t ".id::text) IS NOT TRUE)"
 /* The stored cursor's held rules, as the relay passes them ($10..$13), as
@@ -998,7 +997,10 @@ const char *obx_store_sql_relay_sessions(void)
            " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
            "      AND l.classid = 1868724338 AND l.objid = 0 AND l.objsubid = 2"
            " WHERE l.pid IS NOT NULL"
-           "    OR a.query LIKE 'SELECT %pg_try_advisory_lock%(1868724338, 0)%'"
+           "    OR (a.pid <> pg_backend_pid()" /* this text has the words too */
+           "        AND (a.query LIKE 'SELECT pg_try_advisory_lock%(1868724338, 0)%'" /* older relays */
+           "             OR a.query LIKE 'SELECT CASE WHEN current_setting(''" OBX_STORE_SESSION_SETTING
+           "'', true) = %pg_try_advisory_lock%(1868724338, 0)%'))"
            " ORDER BY active DESC, a.backend_start";
 }
 /* clang-format on */

@@ -366,7 +366,7 @@ const char *obx_store_sql_log_recover(void);
 /* The buffers the relay builds its marks in (pg.c): the unit test builds
  * each statement in one of these sizes and fails on a cut one. */
 #define OBX_STORE_MARK_SQL_LEN       2048
-#define OBX_STORE_MARK_PLAIN_SQL_LEN 1024
+#define OBX_STORE_MARK_PLAIN_SQL_LEN 2048
 #define OBX_STORE_MARK_FETCH_SQL_LEN 8192
 
 /* The mark: one statement, so one transaction on its own (enum

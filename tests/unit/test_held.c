@@ -12,6 +12,7 @@
 
 #include "relay_held.h"
 
+#include <stdio.h>
 #include <string.h>
 
 static void test_key_held_and_released(void **state)
@@ -181,6 +182,80 @@ static void test_index_answers_as_a_walk(void **state)
     held_free(&h);
 }
 
+/* An allocator that lets `allowed` more mallocs and reallocs through and
+ * refuses those after, while `allowed` is not negative; cmocka's checks
+ * stay on. */
+static int allowed = -1;
+
+static bool refuse(void)
+{
+    if (allowed < 0)
+        return false;
+    if (allowed == 0)
+        return true;
+    allowed--;
+    return false;
+}
+
+static void *refusing_malloc(size_t size)
+{
+    return refuse() ? NULL : _test_malloc(size, __FILE__, __LINE__);
+}
+
+static void *refusing_realloc(void *ptr, size_t size)
+{
+    return refuse() ? NULL : _test_realloc(ptr, size, __FILE__, __LINE__);
+}
+
+/* Out of memory while the index is made anew (smaller): lookups walk the
+ * entries and answer right, and the index made later, larger again, has
+ * tables of the size it uses (a table left smaller by a half-done change
+ * was written past; AddressSanitizer's pass sees that). */
+static void test_index_out_of_memory(void **state)
+{
+    (void)state;
+    static const struct obx_allocator refuse = {refusing_malloc, cm_calloc, refusing_realloc,
+                                                cm_free};
+    obx_set_allocator(&refuse);
+    struct held h = {.retry_backoff_ms = 100};
+    struct held_fx fx;
+    char key[16];
+    for (int64_t id = 1; id <= 40; id++) {
+        fx = (struct held_fx){0};
+        int len = snprintf(key, sizeof(key), "k%d", (int)id);
+        held_hold_back(&h, id, 0, key, (size_t)len, 0, &fx);
+    }
+    for (int i = 0; i < 10; i++)
+        assert_non_null(held_find(&h, 7));
+    assert_true(h.indexed);
+    for (int64_t id = 40; id > 16; id--) {
+        fx = (struct held_fx){0};
+        held_drop(&h, id, &fx);
+    }
+    allowed = 1; /* of the two smaller tables, only the first can be had */
+    for (int64_t id = 1; id <= 40; id++) {
+        int len = snprintf(key, sizeof(key), "k%d", (int)id);
+        assert_int_equal(held_find(&h, id) != NULL, id <= 16);
+        assert_int_equal(held_holds(&h, id + 100, 0, key, (size_t)len), id <= 16);
+    }
+    assert_false(h.indexed);
+    allowed = -1;
+    for (int64_t id = 17; id <= 40; id++) {
+        fx = (struct held_fx){0};
+        int len = snprintf(key, sizeof(key), "k%d", (int)id);
+        held_hold_back(&h, id, 0, key, (size_t)len, 0, &fx);
+    }
+    for (int64_t id = 1; id <= 40; id++) {
+        int len = snprintf(key, sizeof(key), "k%d", (int)id);
+        assert_non_null(held_find(&h, id));
+        assert_true(held_holds(&h, id + 100, 0, key, (size_t)len));
+        assert_false(held_holds(&h, id, 0, key, (size_t)len));
+    }
+    assert_true(h.indexed);
+    held_free(&h);
+    use_cmocka_allocator();
+}
+
 int main(void)
 {
     use_cmocka_allocator(); /* leaks and double frees fail the test */
@@ -189,6 +264,7 @@ int main(void)
         cmocka_unit_test(test_due_alone),
         cmocka_unit_test(test_topic_held_as_one),
         cmocka_unit_test(test_index_answers_as_a_walk),
+        cmocka_unit_test(test_index_out_of_memory),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
