@@ -1,6 +1,7 @@
 /* relay_held: see relay_held.h. */
 #include "relay_held.h"
 #include "outboxd/alloc.h"
+#include "outboxd/keycount.h"
 #include "outboxd/log.h"
 
 #include <string.h>
@@ -50,12 +51,11 @@ static uint64_t mix64(uint64_t x)
     return x ^ (x >> 31);
 }
 
+/* The key's hash as the relay's key counts make it, its bits mixed for a
+ * table indexed by its low bits. */
 static uint64_t key_hash(uint32_t topic, const char *key, size_t key_len)
 {
-    uint64_t x = 0xcbf29ce484222325ULL ^ topic; /* FNV-1a */
-    for (size_t i = 0; i < key_len; i++)
-        x = (x ^ (unsigned char)key[i]) * 0x100000001b3ULL;
-    return mix64(x);
+    return mix64(obx_keycount_hash(topic, key, key_len));
 }
 
 static bool same_key(const struct held_back *b, uint32_t topic, const char *key, size_t key_len)
@@ -136,8 +136,7 @@ static bool holds(const struct held_back *b, uint32_t topic, int64_t id, const c
 {
     if (b->topic != topic || id <= b->id)
         return false;
-    return b->whole_topic ||
-           (key && b->key && b->key_len == key_len && memcmp(b->key, key, key_len) == 0);
+    return b->whole_topic || (key && same_key(b, topic, key, key_len));
 }
 
 bool held_holds(struct held *h, int64_t id, uint32_t topic, const char *key, size_t key_len)

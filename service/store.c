@@ -161,14 +161,17 @@ int obx_store_id_cache_problem(long cache, char *buf, size_t len)
     "             FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"            \
     "               AS h(topic, key, id)"                                                          \
     "            WHERE h.key IS NULL AND h.topic IS NOT NULL GROUP BY h.topic) w) AS topics,"      \
-    "  (SELECT jsonb_object_agg(w.topic, w.keys)"                                                  \
-    "     FROM (SELECT k.topic, jsonb_object_agg(k.key, k.id) AS keys"                             \
-    "             FROM (SELECT h.topic, h.key, min(h.id) AS id"                                    \
-    "                     FROM unnest(" topics "::text[], " keys "::text[], " ids "::bigint[])"    \
-    "                       AS h(topic, key, id)"                                                  \
-    "                    WHERE h.key IS NOT NULL AND h.topic IS NOT NULL"                          \
-    "                    GROUP BY h.topic, h.key) k"                                               \
-    "            GROUP BY k.topic) w) AS keys)"
+    "  " KEY_MAP(topics "::text[]", keys "::text[]", ids "::bigint[]") " AS keys)"
+/* Of arrays of topics, keys and ids: topic to key to the lowest id, the
+ * NULL keys left out (HELD_MAPS, RULE_MAPS). */
+#define KEY_MAP(topics, keys, ids)                                                                 \
+    "(SELECT jsonb_object_agg(w.topic, w.keys)"                                                    \
+    "   FROM (SELECT k.topic, jsonb_object_agg(k.key, k.id) AS keys"                               \
+    "           FROM (SELECT h.topic, h.key, min(h.id) AS id"                                      \
+    "                   FROM unnest(" topics ", " keys ", " ids ") AS h(topic, key, id)"           \
+    "                  WHERE h.key IS NOT NULL AND h.topic IS NOT NULL"                            \
+    "                  GROUP BY h.topic, h.key) k"                                                 \
+    "          GROUP BY k.topic) w)"
 /* Not a row held back (see HELD_MAPS): a later row than the one that holds
  * its key, or its topic. With nothing held back (`topics` empty) the OR
  * stops at its first test and the maps are never built. A NULL key finds
@@ -302,23 +305,21 @@ const char *obx_store_sql_fetch_keyset(void)
  * every rule (5.7 s for log mode's full fetch with 200 keys held). */
 #define RULE_MAPS(src)                                                                             \
     " LATERAL (SELECT"                                                                             \
-    "   (SELECT jsonb_object_agg(w.topic, w.keys)"                                                 \
-    "      FROM (SELECT k.topic, jsonb_object_agg(k.key, k.id) AS keys"                            \
-    "              FROM (SELECT h.topic, h.key, min(h.id) AS id"                                   \
-    "                      FROM unnest(" src ".held_topics, " src ".held_keys, " src ".held_from)" \
-    "                        AS h(topic, key, id)"                                                 \
-    "                     WHERE h.key IS NOT NULL AND h.topic IS NOT NULL"                         \
-    "                     GROUP BY h.topic, h.key) k"                                              \
-    "             GROUP BY k.topic) w) AS r_keys,"                                                 \
-    "   (SELECT jsonb_object_agg(w.topic, w.ids)"                                                  \
-    "      FROM (SELECT h.topic, jsonb_object_agg(h.id::text, true) AS ids"                        \
-    "              FROM unnest(" src ".held_topics, " src ".held_keys, " src ".held_from)"         \
-    "                AS h(topic, key, id)"                                                         \
-    "             WHERE h.key IS NULL AND h.topic IS NOT NULL AND h.id IS NOT NULL"                \
-    "             GROUP BY h.topic) w) AS r_lone,"                                                 \
-    "   (SELECT jsonb_object_agg(a.id::text, true) FROM unnest(" src ".also_sent) AS a(id)"        \
-    "     WHERE a.id IS NOT NULL)"                                                                 \
-    "     AS r_also) m"
+    "   " KEY_MAP(                                                                                 \
+        src ".held_topics", src ".held_keys",                                                      \
+        src ".held_from") " AS r_keys,"                                                            \
+                          "   (SELECT jsonb_object_agg(w.topic, w.ids)"                            \
+                          "      FROM (SELECT h.topic, jsonb_object_agg(h.id::text, true) AS ids"  \
+                          "              FROM unnest(" src ".held_topics, " src ".held_keys, " src \
+                          ".held_from)"                                                            \
+                          "                AS h(topic, key, id)"                                   \
+                          "             WHERE h.key IS NULL AND h.topic IS NOT NULL AND h.id IS "  \
+                          "NOT NULL"                                                               \
+                          "             GROUP BY h.topic) w) AS r_lone,"                           \
+                          "   (SELECT jsonb_object_agg(a.id::text, true) FROM unnest(" src         \
+                          ".also_sent) AS a(id)"                                                   \
+                          "     WHERE a.id IS NOT NULL)"                                           \
+                          "     AS r_also) m"
 /* A row a cursor leaves out although it is at or below its hwm and
  * visible in its snapshot: a row of a held key not listed as published
  * since, by the maps of RULE_MAPS (`keys`, `lone`, `also`: expressions). A
